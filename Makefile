@@ -1,0 +1,39 @@
+# rlhf-batch: every target sets up what it needs first, so `make demo` and `make test`
+# work on a fresh clone with nothing but Python 3.11.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+RUN_DIR ?= runs/demo
+
+.PHONY: setup test test-fast demo lint bench soak clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+demo: setup
+	$(VENV)/bin/rlhf-batch run pipelines/demo.toml --set run_dir=$(RUN_DIR)
+
+lint: setup
+	$(VENV)/bin/ruff check rlhf_batch tests benchmarks pipelines
+	$(VENV)/bin/ruff format --check rlhf_batch tests benchmarks pipelines
+	$(VENV)/bin/mypy rlhf_batch
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+soak: setup
+	$(PY) -m pytest -q tests/reliability -m soak
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

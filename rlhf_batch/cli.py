@@ -1,0 +1,196 @@
+"""The `rlhf-batch` command line: parses arguments and calls library functions, no logic."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="rlhf-batch",
+    help="Offline batch RL post-training (GRPO with KL control): generate -> score -> advantage -> train.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ConfigArg = Annotated[Path, typer.Argument(help="TOML config file.", show_default=False)]
+IterOpt = Annotated[int, typer.Option("--iter", "-i", help="Iteration number (0-based).")]
+SetOpt = Annotated[
+    Optional[list[str]],  # noqa: UP045 - typer needs Optional here
+    typer.Option("--set", "-s", help="Override a config key: --set generate.temperature=0.7 (repeatable)."),
+]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace a complete stage written with another config.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+RunDirOpt = Annotated[Path, typer.Option("--run-dir", "-r", help="The run directory.")]
+
+
+@app.callback()
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False) -> None:
+    if debug:
+        os.environ["RLHF_BATCH_DEBUG"] = "1"
+
+
+def _config(config: Path, overrides: list[str] | None):  # noqa: ANN202
+    from rlhf_batch.config import load_config
+
+    return load_config(config, overrides)
+
+
+def _stage(name: str, config: Path, iteration: int, overrides: list[str] | None, force: bool, quiet: bool) -> None:
+    import importlib
+
+    from rlhf_batch import dist
+
+    cfg = _config(config, overrides)
+    dist.init(cfg.device)
+    module = importlib.import_module(f"rlhf_batch.stages.{name}")
+    module.run(cfg, iteration, force=force, quiet=quiet)
+
+
+@app.command()
+def generate(config: ConfigArg, iteration: IterOpt = 0, set_: SetOpt = None, force: ForceOpt = False,
+             quiet: QuietOpt = False) -> None:
+    """Sample G responses per prompt with the iteration's policy into iter=K/rollouts."""
+    _stage("generate", config, iteration, set_, force, quiet)
+
+
+@app.command()
+def score(config: ConfigArg, iteration: IterOpt = 0, set_: SetOpt = None, force: ForceOpt = False,
+          quiet: QuietOpt = False) -> None:
+    """Rewards, reference log-probs, per-token KL and KL-shaped reward into iter=K/scores."""
+    _stage("score", config, iteration, set_, force, quiet)
+
+
+@app.command()
+def advantage(config: ConfigArg, iteration: IterOpt = 0, set_: SetOpt = None, force: ForceOpt = False,
+              quiet: QuietOpt = False) -> None:
+    """Group advantages by prompt (DuckDB), filters, length-bucketed training shards."""
+    _stage("advantage", config, iteration, set_, force, quiet)
+
+
+@app.command()
+def train(config: ConfigArg, iteration: IterOpt = 0, set_: SetOpt = None, force: ForceOpt = False,
+          quiet: QuietOpt = False) -> None:
+    """GRPO epochs over iter=K/advantages; writes the new policy to iter=K/policy."""
+    _stage("train", config, iteration, set_, force, quiet)
+
+
+@app.command()
+def run(config: ConfigArg, iterations: Annotated[Optional[int], typer.Option(help="Iterations to run (default: from config).")] = None,  # noqa: UP045
+        set_: SetOpt = None, in_process: Annotated[bool, typer.Option("--in-process", help="Run every stage in this process.")] = False,
+        quiet: QuietOpt = False) -> None:
+    """All stages for iterations 0..N-1, skipping completed ones (safe to re-run, cron, Airflow)."""
+    from rlhf_batch.pipeline import run_pipeline
+
+    overrides = list(set_ or [])
+    if iterations is not None:
+        overrides.append(f"iterations={iterations}")
+    if in_process:
+        overrides.append("in_process=true")
+    run_pipeline(config, overrides, quiet=quiet)
+
+
+@app.command(name="import")
+def import_(file: Annotated[Path, typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows.")],
+            config: Annotated[Path, typer.Option("--config", "-c", help="TOML config (policy model, temperature).")],
+            iteration: IterOpt = 0, set_: SetOpt = None, force: ForceOpt = False, quiet: QuietOpt = False) -> None:
+    """Turn externally produced (prompt, response) rows into iter=K/rollouts with behaviour log-probs."""
+    from rlhf_batch.stages.importer import import_rollouts
+
+    import_rollouts(_config(config, set_), file, iteration, force=force, quiet=quiet)
+
+
+@app.command()
+def validate(config: ConfigArg, set_: SetOpt = None) -> None:
+    """Check a config file: unknown keys, wrong types and bad values are named."""
+    _config(config, set_)
+    typer.echo(f"{config}: ok")
+
+
+@app.command()
+def sql(query: Annotated[Optional[str], typer.Argument(help="SQL; without it, an interactive prompt.")] = None,  # noqa: UP045
+        run_dir: RunDirOpt = Path("."),
+        fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json | parquet")] = "table",
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None) -> None:  # noqa: UP045
+    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics with an iter column."""
+    from rlhf_batch.inspect import run_sql
+
+    run_sql(run_dir, query, fmt=fmt, out=out)
+
+
+@app.command()
+def status(run_dir: RunDirOpt = Path(".")) -> None:
+    """Per iteration and stage: complete / partial / missing, rows, mean reward, KL, lengths."""
+    from rlhf_batch.inspect import print_status
+
+    print_status(run_dir)
+
+
+@app.command()
+def report(run_dir: RunDirOpt = Path("."),
+           out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output dir (default RUN_DIR/report).")] = None,  # noqa: UP045
+           tensorboard: Annotated[bool, typer.Option("--tensorboard", help="Also write TensorBoard event files.")] = False) -> None:
+    """PNG plots and report.html: reward, KL, length by iteration; train metrics by step."""
+    from rlhf_batch.report import write_report
+
+    path = write_report(run_dir, out, tensorboard=tensorboard)
+    typer.echo(f"report: {path}")
+
+
+@app.command("init-model")
+def init_model(out_dir: Annotated[Path, typer.Argument(help="Where to save the model and tokenizer.")],
+               arch: Annotated[str, typer.Option(help="qwen2 | llama")] = "qwen2",
+               hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
+               vocab_size: Annotated[int, typer.Option(help="Pad the vocabulary to this size (0: ~100 chars).")] = 0,
+               reward: Annotated[bool, typer.Option("--reward", help="A 1-label sequence-classification reward model.")] = False,
+               pad: Annotated[str, typer.Option(help="Pad token: separate | eos | none")] = "separate",
+               seed: int = 0) -> None:
+    """Build a tiny random-initialised model and a char-level tokenizer, offline."""
+    from rlhf_batch.errors import ConfigError
+    from rlhf_batch.tiny import init_model as build
+
+    if arch not in ("qwen2", "llama"):
+        raise ConfigError(f"--arch: must be qwen2 or llama, got {arch!r}")
+    if pad not in ("separate", "eos", "none"):
+        raise ConfigError(f"--pad: must be separate, eos or none, got {pad!r}")
+    try:
+        path = build(out_dir, arch=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,  # type: ignore[arg-type]
+                     intermediate=intermediate, vocab_size=vocab_size, reward=reward, pad=pad, seed=seed)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ConfigError(f"init-model: {e}") from None
+    typer.echo(f"model: {path}")
+
+
+@app.command("init-prompts")
+def init_prompts(out: Annotated[Path, typer.Argument(help="JSONL file to write the demo task's prompts to.")],
+                 n: Annotated[int, typer.Option(help="Number of prompts.")] = 256, seed: int = 0) -> None:
+    """Write the procedural demo task's prompt set (no download)."""
+    from rlhf_batch.rewards.demo import write_prompts
+
+    typer.echo(f"prompts: {write_prompts(out, n, seed)}")
+
+
+def main() -> None:
+    """Entry point: user errors become one line on stderr and exit code 1."""
+    import click
+
+    from rlhf_batch.errors import UserError
+
+    try:
+        app(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except UserError as e:
+        if os.environ.get("RLHF_BATCH_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)

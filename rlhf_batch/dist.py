@@ -1,0 +1,43 @@
+"""torch.distributed, as torchrun sets it up: rank and world size, barriers, device per rank.
+
+Every stage works unchanged on one process; under `torchrun --nproc-per-node N -m rlhf_batch
+STAGE ...` the CLI calls `init()` and the stages split their parts by rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def init(device: str = "cpu") -> None:
+    """Join the process group torchrun describes in the environment (no-op without it)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    import torch.distributed as td
+
+    if not td.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        td.init_process_group(backend=backend)
+
+
+def rank_world() -> tuple[int, int]:
+    if "torch.distributed" not in sys.modules:
+        return 0, 1
+    import torch.distributed as td
+
+    if td.is_available() and td.is_initialized():
+        return td.get_rank(), td.get_world_size()
+    return 0, 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def barrier() -> None:
+    if rank_world()[1] > 1:
+        import torch.distributed as td
+
+        td.barrier()
+

@@ -1,0 +1,116 @@
+"""The only module that loads models and tokenizers: local Hugging Face dirs, safetensors only.
+
+`trust_remote_code` stays off unless the config turns it on; nothing is fetched from a hub
+(`local_files_only`). Device and dtype come from the config ("auto" picks CUDA when present,
+and bfloat16 where the hardware has bf16 matrix units).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlhf_batch.errors import ModelError
+
+if TYPE_CHECKING:
+    import torch
+
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelError("device: 'cuda' asked for, but torch sees no CUDA device")
+    return device
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f in flags for f in ("amx_bf16", "avx512_bf16"))
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    import torch
+
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def check_model_dir(path: str, what: str) -> Path:
+    p = Path(path)
+    if not path:
+        raise ModelError(f"{what}: no model directory configured")
+    if not p.is_dir():
+        raise ModelError(f"{what}: model directory not found: {p}")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"{what}: {p} has no config.json (not a Hugging Face model directory)")
+    if not any(p.glob("*.safetensors")):
+        raise ModelError(f"{what}: {p} has no *.safetensors weights (only safetensors are loaded)")
+    return p
+
+
+def _needs_remote_code(p: Path) -> bool:
+    import json
+
+    cfg = json.loads((p / "config.json").read_text())
+    return "auto_map" in cfg
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+    """A tokenizer with a pad token: when it has none, the EOS token serves (masks come from
+    lengths, so pad == eos loses nothing). Padding side is set by the caller per use."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelError(f"tokenizer directory not found: {p}")
+    try:
+        tok = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{p}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ModelError(f"{p}: tokenizer has neither a pad nor an EOS token")
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(path: str, what: str, *, kind: str = "causal", device: str = "cpu", dtype: str = "auto",
+               trust_remote_code: bool = False) -> Any:
+    """Load a causal LM (`kind="causal"`) or a 1-label reward model (`kind="reward"`), in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    p = check_model_dir(path, what)
+    if _needs_remote_code(p) and not trust_remote_code:
+        raise ModelError(f"{what}: {p} needs remote code (config.json has auto_map); "
+                         "set trust_remote_code = true only if you trust it")
+    dev = resolve_device(device)
+    cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    try:
+        model = cls.from_pretrained(p, dtype=resolve_dtype(dtype, dev), use_safetensors=True,
+                                    trust_remote_code=trust_remote_code, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"{what}: cannot load {p} ({str(e).splitlines()[0]})") from None
+    if kind == "reward" and model.config.num_labels != 1:
+        raise ModelError(f"{what}: {p} has {model.config.num_labels} labels; a reward model needs 1")
+    if kind == "reward" and model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model.to(dev).eval()
+
+
+def vocab_signature(tok: Any) -> tuple[int, int]:
+    """(vocab size, hash of the token->id map): tokenizers must agree to share token ids."""
+    import hashlib
+
+    items = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256(repr(items).encode()).hexdigest()
+    return len(items), int(digest[:12], 16)

@@ -1,0 +1,54 @@
+"""The demo task: write a given letter N times, then stop. Procedural, so no download.
+
+A prompt reads ``c*3=`` and the ideal response is ``ccc`` followed by EOS. The reward gives
+partial credit, so even a random model's samples differ and GRPO has a signal:
+
+    score = (correct letters among the first N characters) / max(N, len(response))
+
+which is 1.0 for exactly N copies, and less for wrong letters, too few, or extra characters.
+
+>>> letter_count(prompts=["c*3="], responses=["ccc"], response_ids=[[1, 2, 3]], letter=["c"], count=[3])
+[1.0]
+>>> letter_count(prompts=["c*3="], responses=["cxcc"], response_ids=[[1, 2, 3, 4]], letter=["c"], count=[3])
+[0.5]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+LETTERS = "abcde"
+MAX_COUNT = 4
+
+
+def letter_count(
+    *, prompts: list[str], responses: list[str], letter: list[str], count: list[int], **_: Any
+) -> list[float | None]:
+    """Reward function (batched): the share of the target string the response got right."""
+    out: list[float | None] = []
+    for response, c, n in zip(responses, letter, count, strict=True):
+        if not c or n is None or n < 1:
+            out.append(None)  # not a demo prompt: cannot score
+            continue
+        hits = sum(ch == c for ch in response[:n])
+        out.append(hits / max(n, len(response)))
+    return out
+
+
+def write_prompts(path: str | Path, n: int, seed: int = 0) -> Path:
+    """Write `n` distinct demo prompts as JSONL: id, prompt, letter, count."""
+    combos = [(c, k) for c in LETTERS for k in range(1, MAX_COUNT + 1)]
+    rng = random.Random(seed)
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    with open(tmp, "w") as f:
+        for i in range(n):
+            c, k = rng.choice(combos)
+            row = {"id": f"demo-{i:06d}", "prompt": f"{c}*{k}=", "letter": c, "count": k}
+            f.write(json.dumps(row) + "\n")
+    tmp.replace(p)
+    return p

@@ -1,0 +1,106 @@
+"""The on-disk contract: pyarrow schemas of every stage's tables, and their validation.
+
+Token ids are list<int32>, log-probs list<float32>, one row per rollout. Each table has
+required columns with exact types; extra columns are allowed (rollouts carry the prompt
+dataset's other columns along, scores carry one column per reward function) and are passed
+through untouched. A missing required column or a column of the wrong type is an error that
+names the file and the column.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from rlhf_batch.errors import SchemaError
+
+SCHEMA_VERSION = 1
+
+TOKENS = pa.list_(pa.int32())
+LOGPROBS = pa.list_(pa.float32())
+
+ROLLOUTS = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("sample_idx", pa.int32()),
+        ("prompt", pa.string()),
+        ("prompt_ids", TOKENS),
+        ("response", pa.string()),
+        ("response_ids", TOKENS),
+        ("behavior_logprobs", LOGPROBS),
+        ("finish_reason", pa.string()),  # 'stop' | 'length'
+        ("policy", pa.string()),  # the checkpoint that generated the rollout
+    ]
+)
+
+SCORES = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("reward_raw", pa.float64()),  # weighted sum of reward functions / model, before clipping
+        ("score", pa.float64()),  # reward_raw clipped to [-score_clip, score_clip]; null: cannot score
+        ("ref_logprobs", LOGPROBS),
+        ("kl", LOGPROBS),  # per token, the configured estimator
+        ("kl_sum", pa.float64()),
+        ("kl_coef", pa.float64()),
+        ("reward", pa.float64()),  # score - kl_coef * kl_sum when KL is in the reward
+    ]
+)
+
+ADVANTAGES = pa.schema(
+    [
+        ("rollout_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("input_ids", TOKENS),  # prompt + response
+        ("prompt_len", pa.int32()),
+        ("behavior_logprobs", LOGPROBS),
+        ("ref_logprobs", LOGPROBS),
+        ("advantage", pa.float32()),
+        ("reward", pa.float64()),
+        ("group_size", pa.int32()),
+        ("group_mean", pa.float64()),
+        ("group_std", pa.float64()),
+    ]
+)
+
+METRICS = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("epoch", pa.int32()),
+        ("lr", pa.float64()),
+        ("loss", pa.float64()),
+        ("loss_objective", pa.float64()),
+        ("loss_kl_to_ref", pa.float64()),
+        ("loss_entropy", pa.float64()),
+        ("clip_fraction", pa.float64()),
+        ("kl_approx", pa.float64()),
+        ("kl_to_ref", pa.float64()),
+        ("entropy", pa.float64()),
+        ("ess", pa.float64()),
+        ("ratio_mean", pa.float64()),
+        ("grad_norm", pa.float64()),
+        ("tokens", pa.int64()),
+        ("sequences", pa.int64()),
+        ("tokens_per_s", pa.float64()),
+    ]
+)
+
+STAGE_SCHEMAS = {"rollouts": ROLLOUTS, "scores": SCORES, "advantages": ADVANTAGES, "train": METRICS}
+
+
+
+def validate(actual: pa.Schema, expected: pa.Schema, where: str) -> None:
+    """Fail naming `where` and the column unless every expected column exists with its type."""
+    for f in expected:
+        idx = actual.get_field_index(f.name)
+        if idx < 0:
+            raise SchemaError(f"{where}: missing column '{f.name}' ({f.type})")
+        got = actual.field(idx).type
+        if not got.equals(f.type):
+            raise SchemaError(f"{where}: column '{f.name}' has type {got}, expected {f.type}")
+
+
+def with_extra(base: pa.Schema, extra: pa.Schema) -> pa.Schema:
+    """`base` followed by the fields of `extra` that `base` does not have."""
+    fields = list(base) + [f for f in extra if base.get_field_index(f.name) < 0]
+    return pa.schema(fields)

@@ -1,0 +1,246 @@
+"""The stage contract on disk: Hive layout, atomic part writes, manifests, resume, ranks.
+
+    RUN_DIR/iter=0003/<stage>/part-RRRRR-NNNNN.parquet   (R = writing rank, N = part number)
+    RUN_DIR/iter=0003/<stage>/_manifest.json             (written last: the stage is complete)
+
+Work is cut into numbered parts whose content depends only on the part number, never on the
+number of ranks; rank r writes the parts n with n % world == r. A part is written to a hidden
+temporary name, fsynced and renamed, so a reader never sees half a file; a re-run skips the
+parts that exist and ends with exactly the rows of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf_batch import dist
+from rlhf_batch.errors import SchemaError, StageError
+from rlhf_batch.schemas import SCHEMA_VERSION, validate
+
+MANIFEST = "_manifest.json"
+STARTED = "_started.json"
+COUNTS_KEY = b"rlhf_batch.counts"
+
+
+
+def iter_dir(run_dir: str | Path, it: int) -> Path:
+    return Path(run_dir) / f"iter={it:04d}"
+
+
+def stage_dir(run_dir: str | Path, it: int, stage: str) -> Path:
+    return iter_dir(run_dir, it) / stage
+
+
+def part_name(rank: int, n: int) -> str:
+    return f"part-{rank:05d}-{n:05d}.parquet"
+
+
+def part_number(path: Path) -> int:
+    return int(path.stem.split("-")[2])
+
+
+def list_parts(sdir: Path) -> list[Path]:
+    """Finished parts on disk (temporary files are hidden and never match)."""
+    return sorted(sdir.glob("part-*-*.parquet"), key=lambda p: (part_number(p), p.name))
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise StageError(f"{path}: not valid JSON ({e})") from None
+
+
+def write_parquet_atomic(path: Path, table: pa.Table, schema: pa.Schema, counts: dict | None = None) -> None:
+    """Write `table` cast to `schema` (zstd) under a temporary name, fsync, rename."""
+    meta = dict(schema.metadata or {})
+    if counts:
+        meta[COUNTS_KEY] = json.dumps(counts).encode()
+    table = table.select(schema.names).cast(schema).replace_schema_metadata(meta)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_part(path: Path, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
+    """Read one part, checking it against `schema`; errors name the file and the column."""
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise SchemaError(f"{path}: not a readable Parquet file ({e})") from None
+    validate(pf.schema_arrow, schema, str(path))
+    try:
+        return pf.read(columns=columns)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise SchemaError(f"{path}: cannot read ({e})") from None
+
+
+def part_counts(path: Path) -> dict[str, int]:
+    meta = pq.read_schema(path).metadata or {}
+    return json.loads(meta[COUNTS_KEY]) if COUNTS_KEY in meta else {}
+
+
+def fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """Content hash of a file, or of every file below a directory (names, sizes, bytes)."""
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+    for q in files:
+        h.update(str(q.relative_to(p) if p.is_dir() else q.name).encode())
+        with open(q, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def manifest(sdir: Path) -> dict | None:
+    path = sdir / MANIFEST
+    return read_json(path) if path.exists() else None
+
+
+def read_stage(sdir: Path, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
+    """All rows of a complete stage, in part order, schema-checked."""
+    m = manifest(sdir)
+    if m is None:
+        raise StageError(f"{sdir}: stage is not complete (no {MANIFEST}); run it first")
+    tables = [read_part(sdir / p["file"], schema, columns) for p in m["parts"]]
+    if not tables:
+        return schema.empty_table() if columns is None else schema.empty_table().select(columns)
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+class StageRun:
+    """One stage of one iteration: skip if complete, resume if partial, manifest at the end.
+
+    `config` is the resolved stage config and `inputs` the fingerprints of what it reads; a
+    complete or partial stage written with other values is refused unless `force` is set,
+    in which case its files are removed first (explicitly asked for, never silently).
+    """
+
+    def __init__(self, sdir: Path, stage: str, config: dict, inputs: dict, force: bool = False):
+        self.sdir, self.stage = sdir, stage
+        self.rank, self.world = dist.rank_world()
+        self.identity = {"config": config, "inputs": inputs, "schema_version": SCHEMA_VERSION}
+        self.key = fingerprint(self.identity)
+        if force and self.rank == 0 and sdir.exists():
+            for p in [*list_parts(sdir), sdir / MANIFEST, sdir / STARTED]:
+                p.unlink(missing_ok=True)
+        dist.barrier()
+        done = manifest(sdir)
+        self.complete = done is not None
+        if done is not None and done.get("key") != self.key:
+            raise StageError(
+                f"{sdir}: stage is complete with a different config or inputs; "
+                "re-run it with --force to replace it"
+            )
+        started = sdir / STARTED
+        if not self.complete and started.exists() and read_json(started).get("key") != self.key:
+            raise StageError(
+                f"{sdir}: a partial run with a different config or inputs is here; "
+                "re-run with the same config, or with --force to start over"
+            )
+        if not self.complete and self.rank == 0:
+            sdir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(started, {"key": self.key, **self.identity})
+        dist.barrier()
+
+    def todo(self, n_parts: int) -> list[int]:
+        """This rank's part numbers that are not on disk yet."""
+        have = {part_number(p) for p in list_parts(self.sdir)}
+        return [n for n in range(n_parts) if n % self.world == self.rank and n not in have]
+
+    def write(self, n: int, table: pa.Table, schema: pa.Schema, counts: dict | None = None) -> Path:
+        path = self.sdir / part_name(self.rank, n)
+        write_parquet_atomic(path, table, schema, counts)
+        return path
+
+    def finish(self, n_parts: int, extra: dict | None = None) -> dict | None:
+        """After every rank is done: rank 0 checks the parts and writes the manifest."""
+        dist.barrier()
+        result = None
+        if self.rank == 0:
+            result = write_manifest(self.sdir, self.stage, n_parts, self.key, self.identity, extra)
+        dist.barrier()
+        return result
+
+
+def write_manifest(sdir: Path, stage: str, n_parts: int, key: str, identity: dict, extra: dict | None) -> dict:
+    by_n: dict[int, Path] = {}
+    for p in list_parts(sdir):
+        by_n.setdefault(part_number(p), p)
+    missing = [n for n in range(n_parts) if n not in by_n]
+    if missing:
+        raise StageError(f"{sdir}: parts {missing[:5]} are missing; re-run the stage to finish them")
+    parts, counts = [], _Counter()
+    for n in range(n_parts):
+        path = by_n[n]
+        rows = pq.ParquetFile(path).metadata.num_rows
+        parts.append({"file": path.name, "rows": rows})
+        counts.add(part_counts(path))
+    m = {
+        "stage": stage,
+        "key": key,
+        **identity,
+        "parts": parts,
+        "rows": sum(p["rows"] for p in parts),
+        "counts": dict(counts),
+        "versions": _versions(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **(extra or {}),
+    }
+    write_json_atomic(sdir / MANIFEST, m)
+    (sdir / STARTED).unlink(missing_ok=True)
+    return m
+
+
+class _Counter(dict):
+    def add(self, other: dict[str, int]) -> None:
+        for k, v in other.items():
+            self[k] = self.get(k, 0) + v
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("rlhf-batch", "torch", "transformers", "pyarrow", "duckdb"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+
+def policy_dir(run_dir: str | Path, it: int) -> Path:
+    """Where `train` of iteration `it` writes the new policy (a Hugging Face model dir)."""
+    return iter_dir(run_dir, it) / "policy"

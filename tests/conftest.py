@@ -1,0 +1,65 @@
+"""Shared fixtures: tiny real models built locally (never downloaded) and config files."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+import tomli_w
+
+from rlhf_batch.config import load_config
+from rlhf_batch.tiny import init_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer Qwen2 causal LM with the char-level tokenizer (pad separate from EOS)."""
+    return init_model(tmp_path_factory.mktemp("models") / "policy", arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_model(tmp_path_factory.mktemp("models") / "reward", arch="qwen2", reward=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def demo_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlhf_batch.rewards.demo import write_prompts
+
+    return write_prompts(tmp_path_factory.mktemp("data") / "prompts.jsonl", 12, seed=0)
+
+
+@pytest.fixture
+def make_config(tmp_path: Path, tiny_model: Path, demo_prompts: Path):
+    """make_config(extra_toml="", **top_level) -> (config path, Config) for a small run in tmp_path.
+
+    `extra` is TOML whose tables are merged into the defaults below."""
+
+    def make(extra: str = "", name: str = "config.toml", **top: object):
+        raw: dict = {
+            "run_dir": str(tmp_path / "run"),
+            "seed": 0,
+            "policy_model": str(tiny_model),
+            "device": "cpu",
+            "dtype": "float32",
+            "generate": {
+                "prompts": str(demo_prompts),
+                "num_generations": 4,
+                "max_new_tokens": 6,
+                "prompts_per_part": 5,
+                "batch_size": 16,
+            },
+            "score": {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"]},
+        }
+        raw.update(top)
+        for key, value in tomllib.loads(extra).items():
+            if isinstance(value, dict):
+                raw.setdefault(key, {}).update(value)
+            else:
+                raw[key] = value
+        path = tmp_path / name
+        path.write_text(tomli_w.dumps(raw))
+        return path, load_config(path)
+
+    return make
