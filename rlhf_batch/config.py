@@ -15,6 +15,7 @@ are resolved against the directory of the config file.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tomllib
 import types
 import typing
@@ -177,7 +178,8 @@ def _build(cls: type, raw: dict[str, Any], where: str, prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in names:
-            hint = f" (known: {', '.join(sorted(names))})" if len(names) < 40 else ""
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
             raise ConfigError(f"{where}: unknown key '{prefix}{key}'{hint}")
     kwargs = {}
     for key, value in raw.items():

@@ -88,7 +88,9 @@ def load_model(path: str, what: str, *, kind: str = "causal", device: str = "cpu
                trust_remote_code: bool = False) -> Any:
     """Load a causal LM (`kind="causal"`) or a 1-label reward model (`kind="reward"`), in eval mode."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     p = check_model_dir(path, what)
     if _needs_remote_code(p) and not trust_remote_code:
         raise ModelError(f"{what}: {p} needs remote code (config.json has auto_map); "
@@ -114,3 +116,11 @@ def vocab_signature(tok: Any) -> tuple[int, int]:
     items = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     digest = hashlib.sha256(repr(items).encode()).hexdigest()
     return len(items), int(digest[:12], 16)
+
+
+def model_fingerprint(path: str, what: str) -> dict[str, Any]:
+    """What identifies a model for the stage manifests, cheaply: its path, config.json and the
+    names and sizes of its weight files (weights are not hashed: models can be many GB)."""
+    p = check_model_dir(path, what)
+    weights = {q.name: q.stat().st_size for q in sorted(p.glob("*.safetensors"))}
+    return {"path": str(p), "config": (p / "config.json").read_text(), "weights": weights}

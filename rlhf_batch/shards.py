@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +30,7 @@ from rlhf_batch.schemas import SCHEMA_VERSION, validate
 MANIFEST = "_manifest.json"
 STARTED = "_started.json"
 COUNTS_KEY = b"rlhf_batch.counts"
+FAULT_ENV = "RLHF_BATCH_FAULT"
 
 
 
@@ -69,7 +71,16 @@ def read_json(path: Path) -> Any:
         raise StageError(f"{path}: not valid JSON ({e})") from None
 
 
-def write_parquet_atomic(path: Path, table: pa.Table, schema: pa.Schema, counts: dict | None = None) -> None:
+def fault_point(name: str) -> None:
+    """Fault injection for the reliability tests: SIGKILL this process when $RLHF_BATCH_FAULT
+    names this point (e.g. 'rollouts:part-2:tmp', 'scores:part-0:done', 'train:manifest')."""
+    if os.environ.get(FAULT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_parquet_atomic(
+    path: Path, table: pa.Table, schema: pa.Schema, counts: dict | None = None, fault: str = ""
+) -> None:
     """Write `table` cast to `schema` (zstd) under a temporary name, fsync, rename."""
     meta = dict(schema.metadata or {})
     if counts:
@@ -81,6 +92,7 @@ def write_parquet_atomic(path: Path, table: pa.Table, schema: pa.Schema, counts:
             pq.write_table(table, f, compression="zstd")
             f.flush()
             os.fsync(f.fileno())
+        fault_point(f"{fault}:tmp")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -170,6 +182,8 @@ class StageRun:
             )
         if not self.complete and self.rank == 0:
             sdir.mkdir(parents=True, exist_ok=True)
+            for tmp in sdir.glob(".part-*.tmp"):  # a killed writer's leftovers
+                tmp.unlink(missing_ok=True)
             write_json_atomic(started, {"key": self.key, **self.identity})
         dist.barrier()
 
@@ -180,7 +194,8 @@ class StageRun:
 
     def write(self, n: int, table: pa.Table, schema: pa.Schema, counts: dict | None = None) -> Path:
         path = self.sdir / part_name(self.rank, n)
-        write_parquet_atomic(path, table, schema, counts)
+        write_parquet_atomic(path, table, schema, counts, fault=f"{self.stage}:part-{n}")
+        fault_point(f"{self.stage}:part-{n}:done")
         return path
 
     def finish(self, n_parts: int, extra: dict | None = None) -> dict | None:
@@ -188,6 +203,7 @@ class StageRun:
         dist.barrier()
         result = None
         if self.rank == 0:
+            fault_point(f"{self.stage}:manifest")
             result = write_manifest(self.sdir, self.stage, n_parts, self.key, self.identity, extra)
         dist.barrier()
         return result

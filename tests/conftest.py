@@ -52,8 +52,7 @@ def make_config(tmp_path: Path, tiny_model: Path, demo_prompts: Path):
             },
             "score": {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"]},
         }
-        raw.update(top)
-        for key, value in tomllib.loads(extra).items():
+        for key, value in [*top.items(), *tomllib.loads(extra).items()]:
             if isinstance(value, dict):
                 raw.setdefault(key, {}).update(value)
             else:

@@ -1,0 +1,149 @@
+"""Prompt sets: a Hugging Face `datasets` directory, JSONL or Parquet, read into Arrow.
+
+A prompt is a text column (`prompt`) or a chat column (`messages`: a list of {role, content},
+rendered with the tokenizer's chat template and the generation prompt). `prompt_id` comes from
+the id column, or is a hash of the rendered prompt. Every other column is carried along into
+the rollouts for reward functions (e.g. a ground-truth `answer`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from rlhf_batch.config import GenerateConfig
+from rlhf_batch.errors import StageError
+from rlhf_batch.schemas import ROLLOUTS
+
+
+@dataclass
+class Prompts:
+    ids: list[str]  # prompt_id per prompt
+    texts: list[str]  # rendered prompt text
+    tokens: list[list[int]]  # prompt token ids
+    carried: pa.Table  # the other columns, one row per prompt
+    counts: dict[str, int] = field(default_factory=dict)  # skipped / truncated prompts
+
+
+def read_table(path: str) -> pa.Table:
+    """The prompt file as an Arrow table; errors name the file."""
+    p = Path(path)
+    if not path:
+        raise StageError("generate.prompts: no prompt file configured")
+    if not p.exists():
+        raise StageError(f"{p}: prompt file not found")
+    try:
+        if p.is_dir():
+            return _read_datasets_dir(p)
+        if p.suffix in (".jsonl", ".json"):
+            import pyarrow.json as pj
+
+            return pj.read_json(p) if p.stat().st_size else pa.table({})
+        if p.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(p)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
+    raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl or .parquet)")
+
+
+def _read_datasets_dir(p: Path) -> pa.Table:
+    from datasets import Dataset, DatasetDict, load_from_disk
+
+    ds = load_from_disk(str(p))
+    if isinstance(ds, DatasetDict):
+        if "train" not in ds:
+            raise StageError(f"{p}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
+        ds = ds["train"]
+    assert isinstance(ds, Dataset)
+    return ds.flatten_indices().data.table
+
+
+def load_prompts(cfg: GenerateConfig, tokenizer: Any) -> Prompts:
+    table = read_table(cfg.prompts)
+    where = cfg.prompts
+    if table.num_rows == 0:
+        raise StageError(f"{where}: the prompt file is empty")
+    texts, chat = _texts(table, cfg, tokenizer, where)
+    ids = _ids(table, texts, cfg.id_column, where)
+    used = {cfg.prompt_column, cfg.messages_column, cfg.id_column}
+    carried = table.drop_columns([c for c in table.column_names if c in used])
+    for name in carried.column_names:
+        if ROLLOUTS.get_field_index(name) >= 0:
+            raise StageError(f"{where}: column '{name}' clashes with a rollouts column; rename it")
+    tokens = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
+    return _limit(Prompts(ids, texts, tokens, carried), cfg, where)
+
+
+def _texts(table: pa.Table, cfg: GenerateConfig, tokenizer: Any, where: str) -> tuple[list[str], bool]:
+    if cfg.prompt_column in table.column_names:
+        col = table.column(cfg.prompt_column)
+        if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
+            raise StageError(f"{where}: column '{cfg.prompt_column}' must hold strings, not {col.type}")
+        texts = col.to_pylist()
+        for i, t in enumerate(texts):
+            if t is None or not t:
+                raise StageError(f"{where}: row {i}: column '{cfg.prompt_column}' is null or empty")
+        return texts, False
+    if cfg.messages_column in table.column_names:
+        if not getattr(tokenizer, "chat_template", None):
+            raise StageError(f"{where}: chat prompts ('{cfg.messages_column}') need a tokenizer with a chat template")
+        out = []
+        for i, messages in enumerate(table.column(cfg.messages_column).to_pylist()):
+            if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+                raise StageError(f"{where}: row {i}: '{cfg.messages_column}' must be a list of {{role, content}}")
+            out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        return out, True
+    raise StageError(
+        f"{where}: no '{cfg.prompt_column}' or '{cfg.messages_column}' column "
+        f"(columns: {', '.join(table.column_names)}); set generate.prompt_column or generate.messages_column"
+    )
+
+
+def _ids(table: pa.Table, texts: list[str], id_column: str, where: str) -> list[str]:
+    if id_column in table.column_names:
+        ids = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
+    else:
+        ids = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
+    seen: dict[str, int] = {}
+    for i, pid in enumerate(ids):
+        if pid is None or pid == "":
+            raise StageError(f"{where}: row {i}: '{id_column}' is null or empty")
+        if pid in seen:
+            what = f"'{id_column}'" if id_column in table.column_names else "prompt text"
+            raise StageError(f"{where}: rows {seen[pid]} and {i} have the same {what} (prompt_id {pid})")
+        seen[pid] = i
+    return ids  # type: ignore[return-value]
+
+
+def _limit(p: Prompts, cfg: GenerateConfig, where: str) -> Prompts:
+    """Apply max_prompt_tokens: error (default), truncate_left, or skip (counted)."""
+    limit, keep, truncated = cfg.max_prompt_tokens, [], 0
+    for i, toks in enumerate(p.tokens):
+        if len(toks) <= limit:
+            keep.append(i)
+        elif cfg.overlong == "error":
+            raise StageError(
+                f"{where}: row {i} (prompt_id {p.ids[i]}) has {len(toks)} tokens > generate.max_prompt_tokens "
+                f"= {limit}; raise it or set generate.overlong to 'truncate_left' or 'skip'"
+            )
+        elif cfg.overlong == "truncate_left":
+            p.tokens[i] = toks[-limit:]
+            truncated += 1
+            keep.append(i)
+    skipped = len(p.tokens) - len(keep)
+    if not keep:
+        raise StageError(f"{where}: every prompt is longer than generate.max_prompt_tokens = {limit}")
+    counts = {"prompts": len(keep), "prompts_skipped_overlong": skipped, "prompts_truncated": truncated}
+    return Prompts(
+        [p.ids[i] for i in keep],
+        [p.texts[i] for i in keep],
+        [p.tokens[i] for i in keep],
+        p.carried.take(pa.array(keep, pa.int64())),
+        counts,
+    )

@@ -1,0 +1,74 @@
+"""The decoding loop: left-padded prefill, KV cache, one token per row per step.
+
+Rows that finish (a stop token, or max_new_tokens) are removed from the batch and from the
+cache at once, so the remaining steps cost only what the running rows need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rlhf_batch.core.logprobs import logprobs_from_logits
+from rlhf_batch.core.sampling import filter_logits, sample_from_uniform
+
+
+@torch.no_grad()
+def sample(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop_ids: set[int] | None = None,
+    pad_id: int = 0,
+) -> list[tuple[list[int], list[float], str]]:
+    """Per row: (response token ids, behaviour log-probs, finish reason 'stop' | 'length')."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    n, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)  # [B, L] left-padded
+    attn = torch.zeros((n, width), dtype=torch.long)  # [B, L]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.as_tensor(p)
+        attn[i, width - len(p) :] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    stops = torch.as_tensor(sorted(stop_ids or set()), dtype=torch.long, device=device)  # [S]
+    cache = DynamicCache()
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    next_pos = attn.sum(-1)  # [B]
+    live = torch.arange(n, device=device)  # [b] original row of each running row
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    logps: list[list[float]] = [[] for _ in range(n)]
+    reasons = ["length"] * n
+    for step in range(max_new_tokens):
+        scaled = logits.float() / temperature  # [b, V]
+        u = torch.stack([torch.rand((), generator=gens[int(r)]) for r in live.tolist()])  # [b]
+        tok = sample_from_uniform(filter_logits(scaled, top_k, top_p), u)  # [b]
+        lp = logprobs_from_logits(logits, tok, temperature)  # [b] float32, full vocabulary
+        done = torch.isin(tok, stops)  # [b]
+        for r, t, l_, d in zip(live.tolist(), tok.tolist(), lp.tolist(), done.tolist(), strict=True):
+            tokens[r].append(t)
+            logps[r].append(l_)
+            if d:
+                reasons[r] = "stop"
+        keep = (~done).nonzero().squeeze(-1)  # [b']
+        if keep.numel() == 0 or step == max_new_tokens - 1:
+            break
+        if keep.numel() < live.numel():
+            cache.batch_select_indices(keep)
+            live, tok, attn, next_pos = live[keep], tok[keep], attn[keep], next_pos[keep]
+        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=-1)  # [b, L + step + 1]
+        logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                       past_key_values=cache, use_cache=True).logits[:, -1]  # [b, V]
+        next_pos = next_pos + 1
+    return [(tokens[i], logps[i], reasons[i]) for i in range(n)]

@@ -1,0 +1,167 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from rlhf_batch import shards
+from rlhf_batch.errors import StageError
+from rlhf_batch.forward import response_logprobs
+from rlhf_batch.models import load_model
+from rlhf_batch.schemas import ROLLOUTS
+from rlhf_batch.stages import generate
+from rlhf_batch.tiny import init_model
+
+
+def rollouts(cfg, it: int = 0) -> pa.Table:
+    return shards.read_stage(shards.stage_dir(cfg.run_dir, it, "rollouts"), ROLLOUTS)
+
+
+def test_rollouts_table_ids_and_carried_columns(make_config) -> None:
+    _, cfg = make_config()
+    m = generate.run(cfg, 0, quiet=True)
+    t = rollouts(cfg)
+    assert m["rows"] == t.num_rows == 12 * 4  # 12 demo prompts x G=4
+    assert len(m["parts"]) == 3  # ceil(12 prompts / 5 per part)
+    assert t.column("rollout_id").to_pylist()[:2] == ["0000-demo-000000-0", "0000-demo-000000-1"]
+    assert len(set(t.column("rollout_id").to_pylist())) == t.num_rows
+    assert {"letter", "count"} <= set(t.column_names)  # carried along for reward functions
+    for row in t.to_pylist():
+        assert len(row["behavior_logprobs"]) == len(row["response_ids"]) <= 6
+        assert row["finish_reason"] in ("stop", "length")
+        assert (row["finish_reason"] == "length") == (len(row["response_ids"]) == 6 and row["response_ids"][-1] != 0)
+        assert row["policy"] == cfg.policy_model
+
+
+def test_behaviour_logprobs_match_a_plain_forward_pass(make_config) -> None:
+    _, cfg = make_config()
+    generate.run(cfg, 0, quiet=True)
+    t = rollouts(cfg).to_pylist()
+    model = load_model(cfg.policy_model, "policy", dtype="float32")
+    with torch.no_grad():
+        logp, mask, _ = response_logprobs(model, [r["prompt_ids"] + r["response_ids"] for r in t],
+                                          [len(r["prompt_ids"]) for r in t], cfg.generate.temperature, pad_id=1)
+    stored = torch.zeros_like(logp)
+    for i, r in enumerate(t):
+        stored[i, : len(r["behavior_logprobs"])] = torch.tensor(r["behavior_logprobs"])
+    assert mask.sum() == sum(len(r["response_ids"]) for r in t)
+    assert (logp - stored)[mask].abs().max() < 1e-5
+
+
+def test_same_config_and_seed_give_identical_files_whatever_the_batch_size(make_config, tmp_path: Path) -> None:
+    _, a = make_config(run_dir=str(tmp_path / "a"))
+    _, b = make_config(run_dir=str(tmp_path / "b"), name="b.toml", generate={"batch_size": 3})
+    _, c = make_config(run_dir=str(tmp_path / "c"), name="c.toml")
+    for cfg in (a, b, c):
+        generate.run(cfg, 0, quiet=True)
+    ids = [rollouts(cfg).column("response_ids").to_pylist() for cfg in (a, b, c)]
+    assert ids[0] == ids[1] == ids[2]
+    part = shards.part_name(0, 0)
+    assert (Path(a.run_dir) / "iter=0000/rollouts" / part).read_bytes() == (
+        Path(c.run_dir) / "iter=0000/rollouts" / part
+    ).read_bytes()
+    _, d = make_config(run_dir=str(tmp_path / "d"), name="d.toml", seed=1)
+    generate.run(d, 0, quiet=True)
+    assert rollouts(d).column("response_ids").to_pylist() != ids[0]  # the seed matters
+
+
+def test_pad_equal_to_eos_keeps_the_eos_token_and_its_logprob(make_config, tmp_path: Path) -> None:
+    path = init_model(tmp_path / "eos_model", pad="eos", seed=3)
+    model = load_model(str(path), "policy", dtype="float32")
+    with torch.no_grad():  # make EOS (id 0) likely so that some responses stop early
+        model.get_output_embeddings().weight[0] *= 30
+    model.save_pretrained(path)
+    _, cfg = make_config(policy_model=str(path))
+    generate.run(cfg, 0, quiet=True)
+    t = rollouts(cfg).to_pylist()
+    stopped = [r for r in t if r["finish_reason"] == "stop"]
+    assert stopped, "the EOS-biased model should stop some responses"
+    for r in stopped:
+        assert r["response_ids"][-1] == 0 and len(r["behavior_logprobs"]) == len(r["response_ids"])
+    with torch.no_grad():
+        logp, mask, _ = response_logprobs(model, [r["prompt_ids"] + r["response_ids"] for r in stopped],
+                                          [len(r["prompt_ids"]) for r in stopped], pad_id=0)
+    for i, r in enumerate(stopped):  # the EOS position (pad id == eos id) is part of the mask
+        n = len(r["response_ids"])
+        assert mask[i].sum() == n
+        assert abs(logp[i, n - 1].item() - r["behavior_logprobs"][-1]) < 1e-5
+
+
+def test_chat_prompts_use_the_chat_template(make_config, tmp_path: Path) -> None:
+    data = tmp_path / "chat.jsonl"
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"say {i}"}], "answer": str(i)} for i in range(3)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, cfg = make_config(generate={"prompts": str(data)}, score={"reward_functions": []})
+    generate.run(cfg, 0, quiet=True)
+    t = rollouts(cfg)
+    assert t.column("prompt").to_pylist()[0] == "<|im_start|>user\nsay 0<|im_end|>\n<|im_start|>assistant\n"
+    assert t.column("answer").to_pylist()[:4] == ["0"] * 4
+
+
+def test_overlong_prompts_error_skip_or_truncate(make_config, tmp_path: Path) -> None:
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "a*1="}\n{"prompt": "a very long prompt"}\n')
+    _, cfg = make_config(generate={"prompts": str(data), "max_prompt_tokens": 8})
+    with pytest.raises(StageError, match=r"row 1 \(prompt_id \w+\) has 18 tokens > generate.max_prompt_tokens = 8"):
+        generate.run(cfg, 0, quiet=True)
+    _, cfg = make_config(name="s.toml", generate={"prompts": str(data), "max_prompt_tokens": 8, "overlong": "skip"})
+    m = generate.run(cfg, 0, quiet=True, force=True)
+    assert m["rows"] == 4 and m["prompt_counts"]["prompts_skipped_overlong"] == 1
+    _, cfg = make_config(name="t.toml", generate={"prompts": str(data), "max_prompt_tokens": 8,
+                                                   "overlong": "truncate_left"})
+    generate.run(cfg, 0, quiet=True, force=True)
+    long_ids = rollouts(cfg).column("prompt_ids").to_pylist()[-1]
+    assert len(long_ids) == 8  # the last 8 characters, "g prompt"
+    assert long_ids == rollouts(cfg).column("prompt_ids").to_pylist()[-1]
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (None, "prompt file not found"),
+        ("", "the prompt file is empty"),
+        ('{"text": "x"}\n', "no 'prompt' or 'messages' column (columns: text)"),
+        ('{"prompt": "x"}\n{"prompt": null}\n', "row 1: column 'prompt' is null or empty"),
+        ('{"prompt": 3}\n', "column 'prompt' must hold strings"),
+        ('{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n', "rows 0 and 1 have the same 'id'"),
+        ('{"prompt": "x", "response": "y"}\n', "column 'response' clashes with a rollouts column"),
+        ('{"prompt": "x"\n', "cannot read prompts"),
+    ],
+)
+def test_bad_prompt_files(make_config, tmp_path: Path, content: str | None, needle: str) -> None:
+    data = tmp_path / "bad.jsonl"
+    if content is not None:
+        data.write_text(content)
+    _, cfg = make_config(generate={"prompts": str(data)})
+    with pytest.raises(StageError, match="bad.jsonl") as e:
+        generate.run(cfg, 0, quiet=True)
+    assert needle in str(e.value)
+    assert not (Path(cfg.run_dir) / "iter=0000/rollouts/_manifest.json").exists()
+
+
+def test_iteration_that_skips_one_is_refused(make_config) -> None:
+    _, cfg = make_config()
+    with pytest.raises(StageError, match="iteration 0 has no trained policy"):
+        generate.run(cfg, 1, quiet=True)
+
+
+def test_resume_after_a_kill_mid_write_gives_the_rows_of_an_uninterrupted_run(make_config, tmp_path: Path) -> None:
+    path, cfg = make_config()
+    env = {**os.environ, shards.FAULT_ENV: "rollouts:part-1:tmp"}  # SIGKILL between writing and renaming part 1
+    cmd = [sys.executable, "-m", "rlhf_batch", "generate", str(path), "--quiet"]
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert killed.returncode == -9
+    assert len(list(shards.stage_dir(cfg.run_dir, 0, "rollouts").glob(".part-*.tmp"))) == 1
+    sdir = shards.stage_dir(cfg.run_dir, 0, "rollouts")
+    assert [p.name for p in shards.list_parts(sdir)] == [shards.part_name(0, 0)]
+    assert not (sdir / shards.MANIFEST).exists()
+    resumed = subprocess.run(cmd, capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    _, clean = make_config(run_dir=str(tmp_path / "clean"), name="clean.toml")
+    generate.run(clean, 0, quiet=True)
+    assert rollouts(cfg).to_pylist() == rollouts(clean).to_pylist()
+    assert not list(sdir.glob(".*.tmp"))  # the killed writer's temporary file was cleaned up

@@ -1,0 +1,66 @@
+from pathlib import Path
+
+import pytest
+
+from rlhf_batch.config import Config, load_config
+from rlhf_batch.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_tables_and_overrides(tmp_path: Path) -> None:
+    p = write(tmp_path, 'run_dir = "runs/x"\nseed = 2\n[generate]\ntemperature = 0.9\n[train]\nlr = 1\n')
+    cfg = load_config(p, ["generate.temperature=0.7", "seed=3", "run_dir=/tmp/run1", "train.aggregation=token_mean"])
+    assert cfg.generate.temperature == 0.7
+    assert cfg.seed == 3
+    assert cfg.run_dir == "/tmp/run1"
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)  # an int where a float is expected is fine
+    assert cfg.generate.num_generations == Config().generate.num_generations
+
+
+def test_relative_paths_and_run_dir_placeholder(tmp_path: Path) -> None:
+    p = write(tmp_path, 'run_dir = "runs/a"\npolicy_model = "{run_dir}/models/policy"\n')
+    cfg = load_config(p)
+    assert cfg.run_dir == str(tmp_path / "runs/a")
+    assert cfg.policy_model == str(tmp_path / "runs/a/models/policy")
+    assert cfg.ref == cfg.policy_model  # the reference defaults to the initial policy
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "needle"),
+    [
+        ("[generate]\ntemprature = 0.7\n", [], "unknown key 'generate.temprature'"),
+        ("sed = 1\n", [], "unknown key 'sed'"),
+        ("[generate]\nnum_generations = 'four'\n", [], "'generate.num_generations' must be int"),
+        ("[train]\nrecompute_old = 1\n", [], "'train.recompute_old' must be bool"),
+        ("seed = true\n", [], "'seed' must be int"),
+        ("[advantage]\nestimator = 'ppo'\n", [], "'advantage.estimator' must be one of"),
+        ("", ["generate.temperature=0"], "'generate.temperature' must be > 0"),
+        ("", ["nosuch.key=1"], "unknown key 'nosuch'"),
+        ("", ["generate"], "expected KEY=VALUE"),
+        ("generate = 3\n", [], "'generate' must be a table"),
+        ("[score]\nreward_functions = ['a:b']\nreward_weights = [1.0, 2.0]\n", [], "'score.reward_weights' has 2"),
+        ("[train]\ndual_clip = 0.5\n", [], "'train.dual_clip' must be 0 (off) or > 1"),
+        ("[generate\n", [], "not valid TOML"),
+    ],
+)
+def test_errors_name_the_key(tmp_path: Path, text: str, overrides: list[str], needle: str) -> None:
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(p, overrides)
+    assert needle in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_stage_dict_holds_run_keys_and_one_stage() -> None:
+    d = Config().stage_dict("score")
+    assert "score" in d and "generate" not in d and d["seed"] == 0

@@ -1,0 +1,113 @@
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlhf_batch import shards
+from rlhf_batch.errors import SchemaError, StageError
+
+SCHEMA = pa.schema([("rollout_id", pa.string()), ("x", pa.list_(pa.float32()))])
+
+
+def table(n: int, start: int = 0) -> pa.Table:
+    ids = [f"r{i}" for i in range(start, start + n)]
+    return pa.table({"rollout_id": ids, "x": pa.array([[float(i)] for i in range(n)], pa.list_(pa.float32()))})
+
+
+def test_layout_names() -> None:
+    assert shards.stage_dir("/r", 3, "scores") == Path("/r/iter=0003/scores")
+    assert shards.part_name(1, 42) == "part-00001-00042.parquet"
+    assert shards.policy_dir("/r", 0) == Path("/r/iter=0000/policy")
+
+
+def test_stage_run_writes_parts_then_manifest_and_skips_when_complete(tmp_path: Path) -> None:
+    sdir = tmp_path / "iter=0000" / "rollouts"
+    st = shards.StageRun(sdir, "rollouts", {"a": 1}, {"in": "x"})
+    assert not st.complete and st.todo(3) == [0, 1, 2]
+    for n in range(3):
+        st.write(n, table(2, 2 * n), SCHEMA, {"rows": 2})
+    assert not (sdir / shards.MANIFEST).exists()  # written last, by finish()
+    m = st.finish(3)
+    assert m is not None and m["rows"] == 6 and m["counts"] == {"rows": 6}
+    assert [p["file"] for p in m["parts"]] == [shards.part_name(0, n) for n in range(3)]
+    assert m["config"] == {"a": 1} and "versions" in m
+    again = shards.StageRun(sdir, "rollouts", {"a": 1}, {"in": "x"})
+    assert again.complete
+    assert shards.read_stage(sdir, SCHEMA).column("rollout_id").to_pylist() == [f"r{i}" for i in range(6)]
+
+
+def test_complete_stage_with_other_config_is_refused_unless_forced(tmp_path: Path) -> None:
+    sdir = tmp_path / "s"
+    st = shards.StageRun(sdir, "scores", {"a": 1}, {})
+    st.write(0, table(1), SCHEMA)
+    st.finish(1)
+    with pytest.raises(StageError, match="different config"):
+        shards.StageRun(sdir, "scores", {"a": 2}, {})
+    forced = shards.StageRun(sdir, "scores", {"a": 2}, {}, force=True)
+    assert not forced.complete and forced.todo(1) == [0]
+
+
+def test_partial_stage_resumes_only_missing_parts_and_refuses_a_changed_config(tmp_path: Path) -> None:
+    sdir = tmp_path / "s"
+    st = shards.StageRun(sdir, "rollouts", {"a": 1}, {})
+    st.write(1, table(1), SCHEMA)
+    (sdir / ".part-00000-00000.parquet.123.tmp").write_bytes(b"half a file")  # a killed writer's leftover
+    resumed = shards.StageRun(sdir, "rollouts", {"a": 1}, {})
+    assert resumed.todo(3) == [0, 2]
+    with pytest.raises(StageError, match="partial run with a different config"):
+        shards.StageRun(sdir, "rollouts", {"a": 9}, {})
+    with pytest.raises(StageError, match=r"parts \[0, 2\] are missing"):
+        resumed.finish(3)
+
+
+def test_temporary_files_are_never_read(tmp_path: Path) -> None:
+    sdir = tmp_path / "s"
+    sdir.mkdir()
+    (sdir / ".part-00000-00000.parquet.1.tmp").write_bytes(b"x")
+    assert shards.list_parts(sdir) == []
+
+
+def test_failed_write_leaves_no_part(tmp_path: Path) -> None:
+    bad = pa.table({"rollout_id": ["a"], "x": [["not a float"]]})  # the cast to the schema fails
+    with pytest.raises(pa.ArrowInvalid):
+        shards.write_parquet_atomic(tmp_path / "part-00000-00000.parquet", bad, SCHEMA)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_schema_checked_reads_name_file_and_column(tmp_path: Path) -> None:
+    p = tmp_path / "part-00000-00000.parquet"
+    pq.write_table(pa.table({"rollout_id": ["a"], "x": [[1.0]]}), p)  # x is list<double>, not float32
+    with pytest.raises(SchemaError, match=r"part-00000-00000.parquet: column 'x' has type list<element: double>"):
+        shards.read_part(p, SCHEMA)
+    pq.write_table(pa.table({"x": pa.array([[1.0]], pa.list_(pa.float32()))}), p)
+    with pytest.raises(SchemaError, match="missing column 'rollout_id'"):
+        shards.read_part(p, SCHEMA)
+    p.write_bytes(b"PAR1 truncated")
+    with pytest.raises(SchemaError, match="not a readable Parquet file"):
+        shards.read_part(p, SCHEMA)
+
+
+def test_extra_columns_are_allowed(tmp_path: Path) -> None:
+    p = tmp_path / "part-00000-00000.parquet"
+    t = table(2).append_column("answer", pa.array(["1", "2"]))
+    pq.write_table(t, p)
+    assert shards.read_part(p, SCHEMA).column_names == ["rollout_id", "x", "answer"]
+
+
+def test_json_is_atomic_and_readable(tmp_path: Path) -> None:
+    shards.write_json_atomic(tmp_path / "m.json", {"b": 1})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"b": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+
+
+def test_file_fingerprint_changes_with_content(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text("a")
+    before = shards.file_fingerprint(f)
+    f.write_text("b")
+    assert shards.file_fingerprint(f) != before
+    os.utime(f, (0, 0))  # touching the file does not change it
+    assert shards.file_fingerprint(f) == shards.file_fingerprint(f)
