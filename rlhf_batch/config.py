@@ -8,8 +8,9 @@ A config file has top-level run keys and one table per stage::
     num_generations = 8
 
 `--set generate.temperature=0.7` and `--set seed=3` override any key. Unknown keys and values
-of the wrong type are errors that name the key. Strings may use `{run_dir}`; relative paths
-are resolved against the directory of the config file.
+of the wrong type are errors that name the key. Paths may use `{run_dir}`; relative paths in
+the file are resolved against the file's directory, relative paths given with --set against the
+current directory.
 """
 
 from __future__ import annotations
@@ -131,6 +132,7 @@ class Config:
 
 
 STAGE_TABLES = ("generate", "score", "advantage", "train")
+PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -164,7 +166,10 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         value: Any = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare string: --set run_dir=/tmp/run1
-    *tables, last = key.strip().split(".")
+    key = key.strip()
+    if key in PATH_KEYS and isinstance(value, str) and value and "{run_dir}" not in value:
+        value = str(Path(value).expanduser().absolute())  # command-line paths are relative to the cwd
+    *tables, last = key.split(".")
     node = raw
     for t in tables:
         node = node.setdefault(t, {})
@@ -223,10 +228,10 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
         return str(p if p.is_absolute() else (base / p))
 
     cfg.run_dir = fix(cfg.run_dir)
-    cfg.policy_model = fix(cfg.policy_model)
-    cfg.ref_model = fix(cfg.ref_model)
-    cfg.reward_model = fix(cfg.reward_model)
-    cfg.generate.prompts = fix(cfg.generate.prompts)
+    for key in PATH_KEYS[1:]:
+        *tables, last = key.split(".")
+        node = cfg.generate if tables else cfg
+        setattr(node, last, fix(getattr(node, last)))
 
 
 def _check(cfg: Config, where: str) -> None:

@@ -28,6 +28,9 @@ def test_relative_paths_and_run_dir_placeholder(tmp_path: Path) -> None:
     assert cfg.run_dir == str(tmp_path / "runs/a")
     assert cfg.policy_model == str(tmp_path / "runs/a/models/policy")
     assert cfg.ref == cfg.policy_model  # the reference defaults to the initial policy
+    cfg = load_config(p, ["run_dir=elsewhere"])
+    assert cfg.run_dir == str(Path.cwd() / "elsewhere")  # command-line paths: relative to the cwd
+    assert cfg.policy_model == str(Path.cwd() / "elsewhere/models/policy")
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,150 @@
+"""Reward functions: loaded by ``"package.module:function"``, called batched, combined by weight.
+
+A reward function is called once per batch of rollouts with keyword lists (TRL-like)::
+
+    fn(*, prompts: list[str], responses: list[str], response_ids: list[list[int]], **columns)
+        -> list[float | None]
+
+where ``columns`` are the prompt dataset's columns carried along in the rollouts table (every
+column not in ``schemas.ROLLOUTS``, e.g. ``answer``), each a list; functions should accept
+``**kwargs``. ``None`` means "cannot score this rollout". Its values go to the column
+``reward_<function name>``. The weighted sum of all values is ``reward_raw``; a row where any
+value is ``None`` has no ``reward_raw``. Light module: no torch import.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+from rlhf_batch.errors import ConfigError, RewardError
+
+RM_COLUMN = "rm_score"  # the reward model's end score
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    path: str  # "package.module:function"
+    fn: Callable[..., Any]
+    weight: float
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition(":")[2].rpartition(".")[2]
+
+    @property
+    def column(self) -> str:
+        return f"reward_{self.name}"
+
+
+def import_function(path: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function; ConfigError naming the path otherwise."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"score.reward_functions: {path!r} is not of the form 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
+        raise ConfigError(
+            f"score.reward_functions: cannot import {module_name!r} for {path!r} ({e})"
+        ) from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"score.reward_functions: {module_name!r} has no attribute {attr!r} ({path!r})")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"score.reward_functions: {path!r} is not callable")
+    fn: Callable[..., Any] = obj
+    return fn
+
+
+def load_reward_functions(
+    paths: Sequence[str], weights: Sequence[float] = (), reserved: Sequence[str] = ()
+) -> list[RewardFunction]:
+    """Import every function; weights default to 1.0. Two functions whose columns would have the
+    same name (or a name in `reserved`) are a ConfigError."""
+    weights = list(weights) or [1.0] * len(paths)
+    if len(weights) != len(paths):
+        raise ConfigError(f"score.reward_weights: {len(weights)} weights for {len(paths)} reward_functions")
+    out: list[RewardFunction] = []
+    for path, weight in zip(paths, weights, strict=True):
+        rf = RewardFunction(path, import_function(path), float(weight))
+        clash = [o.path for o in out if o.column == rf.column]
+        if clash or rf.column in reserved or rf.column == RM_COLUMN:
+            other = f"{clash[0]!r}" if clash else "a column of the scores table"
+            raise ConfigError(
+                f"score.reward_functions: {path!r} would write column {rf.column!r}, as does {other}; "
+                "give the function another name"
+            )
+        out.append(rf)
+    return out
+
+
+def call_reward_function(
+    rf: RewardFunction,
+    rollout_ids: Sequence[str],
+    *,
+    prompts: list[str],
+    responses: list[str],
+    response_ids: list[list[int]],
+    columns: dict[str, list[Any]],
+) -> list[float | None]:
+    """Call `rf` on a batch; RewardError naming the function and the rollout when it raises,
+    returns the wrong number of values, a non-number, NaN or inf."""
+    kwargs = {**columns, "prompts": prompts, "responses": responses, "response_ids": response_ids}
+    try:
+        values = rf.fn(**kwargs)
+    except Exception as e:  # noqa: BLE001 - a user function: report it with the rollout
+        bad = _failing_rollout(rf, kwargs, rollout_ids)
+        msg = str(e).splitlines()[0] if str(e) else ""
+        raise RewardError(
+            f"reward function {rf.path} raised {type(e).__name__}: {msg} (rollout {bad})"
+        ) from e
+    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != len(rollout_ids):
+        got = len(values) if isinstance(values, Sequence) else type(values).__name__
+        raise RewardError(
+            f"reward function {rf.path} returned {got} values for {len(rollout_ids)} rollouts "
+            f"({rollout_ids[0] if rollout_ids else ''}...); it must return one float or None per rollout"
+        )
+    out: list[float | None] = []
+    for rid, v in zip(rollout_ids, values, strict=True):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v)):
+            raise RewardError(
+                f"reward function {rf.path} returned {v!r} for rollout {rid}; expected a finite float or None"
+            )
+        out.append(None if v is None else float(v))
+    return out
+
+
+def _failing_rollout(rf: RewardFunction, kwargs: dict[str, list[Any]], rollout_ids: Sequence[str]) -> str:
+    """The first rollout the function fails on when called on it alone."""
+    for i, rid in enumerate(rollout_ids):
+        try:
+            rf.fn(**{k: v[i : i + 1] for k, v in kwargs.items()})
+        except Exception:  # noqa: BLE001
+            return rid
+    return f"{rollout_ids[0]}..{rollout_ids[-1]}, fails only on the whole batch" if rollout_ids else "none"
+
+
+def weighted_sum(
+    values: dict[str, list[float | None]], weights: dict[str, float], n: int
+) -> list[float | None]:
+    """reward_raw per row: sum over columns of weight * value; None when any value is None."""
+    out: list[float | None] = []
+    for i in range(n):
+        row = [(w, values[c][i]) for c, w in weights.items()]
+        out.append(
+            None if any(v is None for _, v in row) else math.fsum(w * v for w, v in row if v is not None)
+        )
+    return out
+
+
+def clip(x: float | None, c: float) -> float | None:
+    """Clip to [-c, c] (c = score_clip, as RolloutFromModel does); c == 0 disables."""
+    if x is None or c <= 0:
+        return x
+    return min(max(x, -c), c)

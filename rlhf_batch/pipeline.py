@@ -1,0 +1,144 @@
+"""`run`: every stage of iterations 0..N-1, skipping what is complete, under a run-dir lock.
+
+Each stage runs in its own process by default (`python -m rlhf_batch STAGE CONFIG --iter K`),
+so stages may use different devices and a crash takes one stage down, not the run; with
+`in_process = true` (or `--in-process`) they run in this process, which saves the start-up
+time of the small demo. Either way the files are the only interface between stages, and a
+re-run after a crash does only the missing work.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from rlhf_batch import shards
+from rlhf_batch.config import Config, load_config
+from rlhf_batch.errors import StageError, UserError
+
+STAGES = (("generate", "rollouts"), ("score", "scores"), ("advantage", "advantages"), ("train", "train"))
+LOCK = ".run.lock"
+
+
+class RunLock:
+    """An exclusive flock on RUN_DIR/.run.lock holding the owner's pid. The kernel drops the lock
+    when its holder dies, so a stale lock file (dead pid) is simply taken over."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK
+        self.file: IO[str] | None = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")  # noqa: SIM115 - held for the lifetime of the run
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise StageError(f"{self.path.parent}: another `rlhf-batch run` holds the lock ({holder}); "
+                             "wait for it or stop it") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        f.flush()
+        self.file = f
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def stage_done(cfg: Config, it: int, stage: str, folder: str) -> bool:
+    """Complete with this config (inputs are checked again by the stage itself when it runs)."""
+    m = shards.manifest(shards.stage_dir(cfg.run_dir, it, folder))
+    return m is not None and m.get("config") == cfg.stage_dict(stage)
+
+
+def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -> None:
+    cfg = load_config(config_path, overrides)
+    with RunLock(Path(cfg.run_dir)):
+        if cfg.demo:
+            ensure_demo_assets(cfg)
+        for it in range(cfg.iterations):
+            for stage, folder in STAGES:
+                if stage_done(cfg, it, stage, folder):
+                    continue
+                _say(f"iteration {it}: {stage}", quiet)
+                if cfg.in_process:
+                    _run_here(cfg, stage, it, quiet)
+                else:
+                    _run_child(config_path, overrides, stage, it, quiet)
+    print_summary(cfg)
+
+
+def _run_here(cfg: Config, stage: str, it: int, quiet: bool) -> None:
+    import importlib
+
+    importlib.import_module(f"rlhf_batch.stages.{stage}").run(cfg, it, quiet=quiet)
+
+
+def _run_child(config_path: Path, overrides: list[str], stage: str, it: int, quiet: bool) -> None:
+    cmd = [sys.executable, "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
+    cmd += [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
+    code = subprocess.run(cmd).returncode
+    if code != 0:
+        raise StageError(f"{stage} of iteration {it} failed (exit {code}); fix the cause and run again, "
+                         "completed work is kept")
+
+
+def ensure_demo_assets(cfg: Config) -> None:
+    """Build the tiny demo model and the demo prompts where the config expects them, if missing."""
+    from rlhf_batch.rewards.demo import write_prompts
+    from rlhf_batch.tiny import init_model
+
+    if cfg.policy_model and not Path(cfg.policy_model, "config.json").exists():
+        init_model(cfg.policy_model, seed=cfg.seed)
+    if cfg.generate.prompts and not Path(cfg.generate.prompts).exists():
+        write_prompts(cfg.generate.prompts, 256, seed=cfg.seed)
+
+
+def reward_by_iteration(cfg: Config) -> list[dict[str, Any]]:
+    """Mean score and reward of each iteration whose scores are complete."""
+    import pyarrow.compute as pc
+
+    from rlhf_batch.schemas import SCORES
+
+    out = []
+    for it in range(cfg.iterations):
+        sdir = shards.stage_dir(cfg.run_dir, it, "scores")
+        if shards.manifest(sdir) is None:
+            break
+        t = shards.read_stage(sdir, SCORES, ["score", "reward"])
+        out.append({"iter": it, "score": pc.mean(t["score"]).as_py(), "reward": pc.mean(t["reward"]).as_py()})
+    return out
+
+
+def print_summary(cfg: Config) -> None:
+    rows = reward_by_iteration(cfg)
+    print("iter  mean score  mean reward")
+    for r in rows:
+        print(f"{r['iter']:>4}  {_fmt(r['score']):>10}  {_fmt(r['reward']):>11}")
+    try:
+        from rlhf_batch.report import write_report
+
+        print(f"report: {write_report(Path(cfg.run_dir), None)}")
+    except UserError as e:
+        print(f"report: not written ({e})", file=sys.stderr)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,174 @@
+"""`report`: PNG plots and one report.html for a run, complete or partial.
+
+Reads only complete stages: scores and rollouts per iteration, the advantage manifests (the
+share of groups filtered) and the train metrics (iter=K/train/metrics.parquet).
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rlhf_batch import shards
+from rlhf_batch.errors import StageError
+from rlhf_batch.schemas import METRICS, ROLLOUTS, SCORES
+
+
+def iterations(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("=")[1]) for p in run_dir.glob("iter=[0-9][0-9][0-9][0-9]") if p.is_dir())
+
+
+def collect(run_dir: Path) -> dict[str, Any]:
+    """Per-iteration headline numbers, train metrics by step, and the last scored iteration."""
+    per_iter: list[dict[str, Any]] = []
+    steps: list[pa.Table] = []
+    last = None
+    for it in iterations(run_dir):
+        row: dict[str, Any] = {"iter": it}
+        sdir = shards.stage_dir(run_dir, it, "scores")
+        if shards.manifest(sdir) is not None:
+            t = shards.read_stage(sdir, SCORES, ["score", "reward", "kl_sum"])
+            row.update(score=_mean(t["score"]), score_std=_std(t["score"]), reward=_mean(t["reward"]),
+                       kl=_mean(t["kl_sum"]))
+            last = it
+        rdir = shards.stage_dir(run_dir, it, "rollouts")
+        if shards.manifest(rdir) is not None:
+            lengths = pc.list_value_length(shards.read_stage(rdir, ROLLOUTS, ["response_ids"])["response_ids"])
+            row["length"] = _mean(lengths)
+        adv = shards.manifest(shards.stage_dir(run_dir, it, "advantages"))
+        if adv is not None:
+            c = adv.get("counts", {})
+            total = c.get("groups_total", 0)
+            dropped = c.get("groups_dropped_zero_variance", 0) + c.get("groups_dropped_small", 0)
+            row["filtered"] = dropped / total if total else None
+        metrics = shards.stage_dir(run_dir, it, "train") / "metrics.parquet"
+        if metrics.exists() and shards.manifest(metrics.parent) is not None:
+            m = shards.read_part(metrics, METRICS)
+            steps.append(m.append_column("iter", pa.array([it] * m.num_rows, pa.int32())))
+        per_iter.append(row)
+    return {"iters": per_iter, "steps": pa.concat_tables(steps) if steps else None, "last": last}
+
+
+def _mean(col: Any) -> float | None:
+    return pc.mean(col).as_py()
+
+
+def _std(col: Any) -> float | None:
+    return pc.stddev(col, ddof=1).as_py() if pc.count(col).as_py() > 1 else None
+
+
+def write_report(run_dir: Path | str, out: Path | None = None, *, tensorboard: bool = False, n_examples: int = 5) -> Path:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise StageError(f"{run_dir}: run directory not found")
+    out = Path(out) if out else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    data = collect(run_dir)
+    plots = _plots(data, out)
+    examples = _examples(run_dir, data["last"], n_examples) if data["last"] is not None else []
+    page = out / "report.html"
+    shards.write_json_atomic(out / "summary.json", data["iters"])
+    page.write_text(_html(run_dir, data, plots, examples))
+    if tensorboard:
+        _tensorboard(data, out / "tensorboard")
+    return page
+
+
+def _plots(data: dict[str, Any], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, names = data["iters"], []
+
+    def series(key: str) -> tuple[list[int], list[float]]:
+        pts = [(r["iter"], r[key]) for r in rows if r.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        names.append(name)
+
+    for key, title, name in [("score", "mean score (band: ±1 std)", "reward.png"), ("kl", "mean KL per rollout", "kl.png"),
+                             ("length", "mean response length (tokens)", "length.png"),
+                             ("filtered", "share of groups filtered", "filtered.png")]:
+        x, y = series(key)
+        if not x:
+            continue
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        ax.plot(x, y, marker="o")
+        if key == "score":
+            band = [r for r in rows if r.get("score") is not None and r.get("score_std") is not None]
+            ax.fill_between([r["iter"] for r in band], [r["score"] - r["score_std"] for r in band],
+                            [r["score"] + r["score_std"] for r in band], alpha=0.2)
+            rx, ry = series("reward")
+            ax.plot(rx, ry, marker=".", linestyle="--", label="reward (after KL)")
+            ax.legend()
+        ax.set(title=title, xlabel="iteration")
+        save(fig, name)
+    steps = data["steps"]
+    if steps is not None and steps.num_rows:
+        fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+        x = list(range(steps.num_rows))
+        for ax, key in zip(axes, ["clip_fraction", "entropy", "ess", "kl_approx"], strict=True):
+            ax.plot(x, steps[key].to_pylist())
+            ax.set(title=key, xlabel="train step (all iterations)")
+        save(fig, "train.png")
+    return names
+
+
+def _examples(run_dir: Path, it: int, n: int) -> list[dict[str, Any]]:
+    scores = shards.read_stage(shards.stage_dir(run_dir, it, "scores"), SCORES, ["rollout_id", "score"])
+    rollouts = shards.read_stage(shards.stage_dir(run_dir, it, "rollouts"), ROLLOUTS,
+                                 ["rollout_id", "prompt", "response"])
+    joined = rollouts.join(scores, "rollout_id").filter(pc.is_valid(pc.field("score")))
+    ordered = joined.sort_by([("score", "descending"), ("rollout_id", "ascending")]).to_pylist()
+    best, worst = ordered[:n], ordered[-n:][::-1] if len(ordered) > n else []
+    return [{"kind": "best", **r} for r in best] + [{"kind": "worst", **r} for r in worst]
+
+
+def _html(run_dir: Path, data: dict[str, Any], plots: list[str], examples: list[dict[str, Any]]) -> str:
+    def cell(v: Any) -> str:
+        return "" if v is None else f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+
+    keys = ["iter", "score", "reward", "kl", "length", "filtered"]
+    table = "".join("<tr>" + "".join(f"<td>{cell(r.get(k))}</td>" for k in keys) + "</tr>" for r in data["iters"])
+    ex = "".join(
+        f"<tr><td>{e['kind']}</td><td>{cell(e['score'])}</td><td><pre>{html.escape(e['prompt'])}</pre></td>"
+        f"<td><pre>{html.escape(e['response'])}</pre></td></tr>" for e in examples
+    )
+    imgs = "".join(f'<img src="{p}" alt="{p}">' for p in plots)
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>rlhf-batch report</title>
+<style>body{{font-family:sans-serif;margin:2em}}td,th{{border:1px solid #ccc;padding:4px}}
+table{{border-collapse:collapse}}pre{{margin:0;white-space:pre-wrap}}img{{margin:4px}}</style></head><body>
+<h1>rlhf-batch report</h1><p>{html.escape(str(run_dir))}</p>
+<h2>By iteration</h2><table><tr>{''.join(f'<th>{k}</th>' for k in keys)}</tr>{table}</table>
+<h2>Plots</h2>{imgs or '<p>nothing to plot yet</p>'}
+<h2>Best and worst responses (iteration {data['last']})</h2>
+<table><tr><th></th><th>score</th><th>prompt</th><th>response</th></tr>{ex}</table></body></html>
+"""
+
+
+def _tensorboard(data: dict[str, Any], logdir: Path) -> None:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise StageError(f"--tensorboard needs the tensorboard package ({e}); pip install tensorboard") from None
+    w = SummaryWriter(str(logdir))
+    for r in data["iters"]:
+        for key in ("score", "reward", "kl", "length", "filtered"):
+            if r.get(key) is not None:
+                w.add_scalar(f"iteration/{key}", r[key], r["iter"])
+    steps = data["steps"]
+    if steps is not None:
+        for i, row in enumerate(steps.to_pylist()):
+            for key in ("loss", "clip_fraction", "entropy", "ess", "kl_approx", "grad_norm"):
+                w.add_scalar(f"train/{key}", row[key], i)
+    w.close()

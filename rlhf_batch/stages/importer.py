@@ -1,0 +1,194 @@
+"""``rlhf-batch import FILE``: externally produced (prompt, response) rows -> ``iter=K/rollouts``.
+
+The file is JSONL or Parquet with string columns ``prompt`` and ``response``, optionally
+``prompt_id`` (default: the first 16 hex digits of the prompt's sha256) and ``finish_reason``
+('stop' | 'length', default 'stop'). Every other column is carried along, so reward functions
+receive it. Decisions:
+
+* The prompt is tokenised as the tokenizer does by default (special tokens added, e.g. a BOS),
+  the response without special tokens.
+* An imported response is complete unless marked 'length': its finish_reason is 'stop' and the
+  EOS token is appended to ``response_ids`` unless it is already the last token (the
+  ``response`` text stays as given). A 'length' row keeps its tokens as they are.
+* ``sample_idx`` is the row's rank among the file's rows with the same ``prompt_id``;
+  ``rollout_id`` = ``f"{K:04d}-{prompt_id}-{sample_idx}"`` as generate writes it. One
+  ``prompt_id`` with two different prompts is an error.
+* Behaviour log-probs come from the policy of iteration K (``policy_model`` for K = 0, else
+  ``iter=K-1/policy``) at ``generate.temperature``, through the same log-prob function as
+  generate and score; the ``policy`` column holds that directory.
+* Parts of ``score.rows_per_part`` rows in file order, forward batches of
+  ``score.max_tokens_per_batch`` tokens (import feeds score, and shares its batching knobs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from rlhf_batch.config import Config
+from rlhf_batch.errors import ConfigError, SchemaError, StageError
+from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
+from rlhf_batch.schemas import LOGPROBS, ROLLOUTS, TOKENS, with_extra
+from rlhf_batch.shards import StageRun, file_fingerprint, manifest, stage_dir
+from rlhf_batch.stages.generate import policy_for
+from rlhf_batch.stages.score import batched_logprobs, stage_device
+
+COMPUTED = set(ROLLOUTS.names) - {"prompt", "response", "prompt_id", "finish_reason"}
+
+
+def import_rollouts(
+    cfg: Config, file: str | Path, iteration: int, *, force: bool = False, quiet: bool = False
+) -> dict[str, Any]:
+    """Write iter=`iteration`/rollouts from `file`; returns the manifest (existing one if complete)."""
+    path = Path(file)
+    rows = prepare(read_rows(path), path, iteration)
+    policy = policy_for(cfg, iteration)
+    per_part = cfg.score.rows_per_part
+    sdir = stage_dir(cfg.run_dir, iteration, "rollouts")
+    config = {
+        "import": str(path.resolve()),
+        "policy": policy,
+        "temperature": cfg.generate.temperature,
+        "dtype": cfg.dtype,
+        "rows_per_part": per_part,
+    }
+    inputs = {
+        "file": file_fingerprint(path),
+        "policy": model_fingerprint(policy, f"policy of iteration {iteration}"),
+    }
+    stage = StageRun(sdir, "rollouts", config, inputs, force)
+    if stage.complete:
+        return manifest(sdir) or {}
+    n_parts = math.ceil(rows.num_rows / per_part)
+    todo = stage.todo(n_parts)
+    if todo:
+        tok = load_tokenizer(policy, cfg.trust_remote_code)
+        model = load_model(
+            policy,
+            f"policy of iteration {iteration}",
+            device=stage_device(cfg.device),
+            dtype=cfg.dtype,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        schema = with_extra(ROLLOUTS, rows.schema)
+        total = sum(min(per_part, rows.num_rows - n * per_part) for n in todo)
+        with tqdm(total=total, unit="row", desc="import", disable=quiet, dynamic_ncols=True) as bar:
+            for n in todo:
+                part = rows.slice(n * per_part, per_part)
+                table, counts = tokenize_part(part, tok, model, cfg, policy, str(path))
+                stage.write(n, table, schema, counts)
+                bar.update(part.num_rows)
+    return stage.finish(n_parts, {"source": str(path.resolve())}) or manifest(sdir) or {}
+
+
+def read_rows(path: Path) -> pa.Table:
+    if not path.is_file():
+        raise StageError(f"{path}: file not found")
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".ndjson", ".parquet"):
+        raise ConfigError(f"{path}: expected a .jsonl or .parquet file")
+    try:
+        if suffix == ".parquet":
+            return pq.read_table(path)
+        return pajson.read_json(path, read_options=pajson.ReadOptions(block_size=1 << 26))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise SchemaError(f"{path}: cannot read ({str(e).splitlines()[0]})") from None
+
+
+def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
+    """Check the columns; add rollout_id, prompt_id, sample_idx and finish_reason (file order)."""
+    for name in ("prompt", "response"):
+        if name not in t.column_names:
+            raise SchemaError(
+                f"{path}: missing column '{name}' (needs prompt and response; prompt_id optional)"
+            )
+        typ = t.schema.field(name).type
+        if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
+            raise SchemaError(f"{path}: column '{name}' has type {typ}, expected string")
+        _no_nulls(t[name], path, name)
+    clash = sorted(c for c in t.column_names if c in COMPUTED)
+    if clash:
+        raise SchemaError(f"{path}: column '{clash[0]}' is computed by import; rename or drop it")
+    prompts = t["prompt"].to_pylist()
+    given = (
+        t["prompt_id"].cast(pa.string()).to_pylist()
+        if "prompt_id" in t.column_names
+        else [None] * len(prompts)
+    )
+    ids = [
+        g if g is not None else hashlib.sha256(p.encode()).hexdigest()[:16]
+        for g, p in zip(given, prompts, strict=True)
+    ]
+    first: dict[str, tuple[int, str]] = {}
+    seen: dict[str, int] = {}
+    sample_idx = []
+    for row, (pid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+        r0, p0 = first.setdefault(pid, (row, prompt))
+        if p0 != prompt:
+            raise SchemaError(
+                f"{path}: prompt_id {pid!r} has different prompts in rows {r0 + 1} and {row + 1}"
+            )
+        sample_idx.append(seen.get(pid, 0))
+        seen[pid] = sample_idx[-1] + 1
+    finish = ["stop"] * len(prompts)
+    if "finish_reason" in t.column_names:
+        finish = [f or "stop" for f in t["finish_reason"].cast(pa.string()).to_pylist()]
+        bad = [i for i, f in enumerate(finish) if f not in ("stop", "length")]
+        if bad:
+            raise SchemaError(
+                f"{path}: column 'finish_reason' is {finish[bad[0]]!r} in row {bad[0] + 1}; "
+                "expected 'stop' or 'length'"
+            )
+    out = t.drop_columns([c for c in ("prompt_id", "finish_reason") if c in t.column_names])
+    out = out.append_column(
+        "rollout_id", pa.array([f"{iteration:04d}-{p}-{k}" for p, k in zip(ids, sample_idx, strict=True)])
+    )
+    out = out.append_column("prompt_id", pa.array(ids, pa.string()))
+    out = out.append_column("sample_idx", pa.array(sample_idx, pa.int32()))
+    return out.append_column("finish_reason", pa.array(finish, pa.string()))
+
+
+def _no_nulls(col: pa.ChunkedArray, path: Path, name: str) -> None:
+    if col.null_count:
+        row = pc.index(col.is_null(), True).as_py()
+        raise SchemaError(f"{path}: column '{name}' is null in row {row + 1}")
+
+
+def tokenize_part(
+    t: pa.Table, tok: Any, model: Any, cfg: Config, policy: str, where: str
+) -> tuple[pa.Table, dict[str, int]]:
+    """Token ids (EOS appended to complete responses) and behaviour log-probs of one part."""
+    rid, finish = t["rollout_id"].to_pylist(), t["finish_reason"].to_pylist()
+    prompt_ids = tok(t["prompt"].to_pylist())["input_ids"]
+    response_ids = tok(t["response"].to_pylist(), add_special_tokens=False)["input_ids"]
+    appended = 0
+    for ids, f in zip(response_ids, finish, strict=True):
+        if f == "stop" and (not ids or ids[-1] != tok.eos_token_id):
+            ids.append(tok.eos_token_id)
+            appended += 1
+    for i in range(len(rid)):
+        if not prompt_ids[i] or not response_ids[i]:
+            what = "prompt" if not prompt_ids[i] else "response"
+            raise SchemaError(f"{where}: rollout {rid[i]}: the {what} has no tokens")
+    logps = batched_logprobs(
+        model,
+        prompt_ids,
+        response_ids,
+        cfg.generate.temperature,
+        pad_id=int(tok.pad_token_id),
+        max_tokens=cfg.score.max_tokens_per_batch,
+    )
+    t = t.append_column("prompt_ids", pa.array(prompt_ids, TOKENS))
+    t = t.append_column("response_ids", pa.array(response_ids, TOKENS))
+    t = t.append_column("behavior_logprobs", pa.array([lp.tolist() for lp in logps], LOGPROBS))
+    t = t.append_column("policy", pa.array([policy] * len(rid), pa.string()))
+    counts = {"rows": len(rid), "tokens": sum(len(r) for r in response_ids), "eos_appended": appended}
+    return t, counts

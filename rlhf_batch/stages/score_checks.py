@@ -1,0 +1,89 @@
+"""Input checks of the score stage: the rollouts table against the contract and the model
+vocabulary, and the tokenizers of the policy, reference and reward model against each other.
+Every failure is a one-line error naming the rollout or the model directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rlhf_batch.config import Config
+from rlhf_batch.errors import ModelError, SchemaError
+from rlhf_batch.models import check_model_dir, load_tokenizer, vocab_signature
+from rlhf_batch.schemas import ROLLOUTS
+
+
+def same_dir(a: str | None, b: str | None) -> bool:
+    return bool(a) and bool(b) and Path(str(a)).resolve() == Path(str(b)).resolve()
+
+
+def check_rollouts(t: pa.Table, where: str, vocab_size: int) -> None:
+    """SchemaError naming the rollout: nulls, empty prompts, log-prob/response length mismatch,
+    non-finite behaviour log-probs, token ids outside the vocabulary."""
+    rid = t["rollout_id"].to_pylist()
+    for name in ROLLOUTS.names:
+        if t[name].null_count:
+            i = int(np.flatnonzero(t[name].is_null().to_numpy(zero_copy_only=False))[0])
+            raise SchemaError(f"{where}: column '{name}' is null in rollout {rid[i]}")
+    p_len = pc.list_value_length(t["prompt_ids"]).to_numpy()  # [B]
+    r_len = pc.list_value_length(t["response_ids"]).to_numpy()  # [B]
+    b_len = pc.list_value_length(t["behavior_logprobs"]).to_numpy()  # [B]
+    for bad, what in (
+        (p_len == 0, "has no prompt tokens"),
+        (r_len != b_len, "has behavior_logprobs of another length than its response_ids"),
+    ):
+        if bad.any():
+            raise SchemaError(f"{where}: rollout {rid[int(np.flatnonzero(bad)[0])]} {what}")
+    beh = pc.list_flatten(t["behavior_logprobs"]).to_numpy()  # [N]
+    if not np.isfinite(beh).all():
+        row = np.searchsorted(np.cumsum(r_len), np.flatnonzero(~np.isfinite(beh))[0], side="right")
+        raise SchemaError(f"{where}: rollout {rid[int(row)]} has a NaN or inf behavior log-prob")
+    for name, lens in (("prompt_ids", p_len), ("response_ids", r_len)):
+        ids = pc.list_flatten(t[name]).to_numpy()  # [N]
+        bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+        if bad.size:
+            row = int(np.searchsorted(np.cumsum(lens), bad[0], side="right"))
+            raise SchemaError(
+                f"{where}: rollout {rid[row]} has token id {ids[bad[0]]} in {name}, "
+                f"outside the model vocabulary [0, {vocab_size})"
+            )
+
+
+def _tokenizer(path: str, what: str, cfg: Config) -> Any:
+    if not path:
+        raise ModelError(f"{what}: no model directory configured")
+    try:
+        return load_tokenizer(path, cfg.trust_remote_code)
+    except ModelError as e:
+        raise ModelError(f"{what}: {e}") from None
+
+
+def check_tokenizers(cfg: Config, policies: list[str]) -> Any:
+    """The reference tokenizer, after checking that the reward model's and those of the policies
+    named in the rollouts (the ones that are model directories) have the same vocabulary."""
+    ref_tok = _tokenizer(cfg.ref, "ref_model", cfg)
+    others = [(p, "policy") for p in policies if (Path(p) / "config.json").is_file()]
+    if cfg.reward_model:
+        others.append((cfg.reward_model, "reward_model"))
+    for path, what in others:
+        if not same_dir(path, cfg.ref) and vocab_signature(_tokenizer(path, what, cfg)) != vocab_signature(
+            ref_tok
+        ):
+            raise ModelError(
+                f"the tokenizers of the {what} ({path}) and of the reference model ({cfg.ref}) "
+                "have different vocabularies; their token ids and log-probs cannot be compared"
+            )
+    return ref_tok
+
+
+def config_vocab_size(path: str) -> int:
+    raw = json.loads((check_model_dir(path, "ref_model") / "config.json").read_text())
+    size = raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
+    if not isinstance(size, int):
+        raise ModelError(f"ref_model: {path}/config.json has no vocab_size")
+    return size

@@ -1,0 +1,173 @@
+"""`import`: external (prompt, response) rows -> a rollouts table that score and train accept."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rlhf_batch import shards
+from rlhf_batch.cli import app
+from rlhf_batch.errors import ConfigError, SchemaError, StageError
+from rlhf_batch.forward import response_logprobs
+from rlhf_batch.models import load_model, load_tokenizer
+from rlhf_batch.schemas import ROLLOUTS, SCORES
+from rlhf_batch.stages import score
+from rlhf_batch.stages.importer import import_rollouts
+
+ROWS = [
+    {"prompt": "a*2=", "response": "aa", "letter": "a", "count": 2},
+    {"prompt": "b*3=", "response": "bxb", "letter": "b", "count": 3},
+    {"prompt": "a*2=", "response": "xa", "letter": "a", "count": 2},
+    {"prompt": "c*1=", "response": "c<|endoftext|>", "letter": "c", "count": 1},  # EOS already there
+    {"prompt": "c*1=", "response": "cccc", "letter": "c", "count": 1, "finish_reason": "length"},
+]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sha(prompt: str) -> str:
+    return hashlib.sha256(prompt.encode()).hexdigest()[:16]
+
+
+def rollouts(cfg, it: int = 0) -> list[dict]:
+    return shards.read_stage(shards.stage_dir(cfg.run_dir, it, "rollouts"), ROLLOUTS).to_pylist()
+
+
+def test_import_tokenises_appends_eos_and_carries_columns(make_config, tmp_path: Path) -> None:
+    _, cfg = make_config(generate={"temperature": 0.7}, score={"rows_per_part": 2})
+    m = import_rollouts(cfg, write_jsonl(tmp_path / "ext.jsonl", ROWS), 0, quiet=True)
+    got = rollouts(cfg)
+    tok = load_tokenizer(cfg.policy_model)
+    assert [r["rollout_id"] for r in got] == [
+        f"0000-{sha('a*2=')}-0",
+        f"0000-{sha('b*3=')}-0",
+        f"0000-{sha('a*2=')}-1",
+        f"0000-{sha('c*1=')}-0",
+        f"0000-{sha('c*1=')}-1",
+    ]  # file order; sample_idx per prompt
+    assert [r["sample_idx"] for r in got] == [0, 0, 1, 0, 1]
+    chars = tok.convert_tokens_to_ids  # the char-level tokenizer: one token per character, EOS id 0
+    assert got[0]["prompt_ids"] == chars(list("a*2=")) and got[0]["response_ids"] == [*chars(list("aa")), 0]
+    assert got[3]["response_ids"] == [chars("c"), 0]  # not doubled
+    assert got[4]["response_ids"] == chars(list("cccc")) and got[4]["finish_reason"] == "length"
+    assert [r["finish_reason"] for r in got[:4]] == ["stop"] * 4
+    assert {r["policy"] for r in got} == {cfg.policy_model}
+    assert (got[1]["letter"], got[1]["count"], got[1]["response"]) == ("b", 3, "bxb")
+    assert m["rows"] == 5 and len(m["parts"]) == 3 and m["counts"]["eos_appended"] == 3
+    model = load_model(cfg.policy_model, "policy", dtype="float32")
+    for r in got:  # the behaviour log-probs are those of one plain forward pass at temperature 0.7
+        with torch.no_grad():
+            lp, _, _ = response_logprobs(
+                model, [r["prompt_ids"] + r["response_ids"]], [len(r["prompt_ids"])], 0.7
+            )
+        assert r["behavior_logprobs"] == pytest.approx(lp[0].tolist(), abs=1e-5)
+
+
+def test_imported_rollouts_score_with_zero_kl_and_carried_columns(make_config, tmp_path: Path) -> None:
+    _, cfg = make_config()
+    import_rollouts(cfg, write_jsonl(tmp_path / "ext.jsonl", ROWS), 0, quiet=True)
+    m = score.run(cfg, 0, quiet=True)
+    got = shards.read_stage(shards.stage_dir(cfg.run_dir, 0, "scores"), SCORES).to_pylist()
+    # letter_count: "aa" for a*2 -> 2/2; "bxb" for b*3 -> 2/3; "xa" -> 1/2; "c<|endoftext|>" for c*1 ->
+    # 1 hit / max(1, 14 characters); "cccc" for c*1 -> 1/4
+    assert [r["score"] for r in got] == pytest.approx([1.0, 2 / 3, 0.5, 1 / 14, 0.25], abs=1e-12)
+    assert all(r["kl_sum"] == 0.0 and r["reward"] == r["score"] for r in got)  # the policy is the reference
+    assert m["rows"] == 5
+
+
+def test_parquet_with_prompt_ids_and_reimport_rules(make_config, tmp_path: Path) -> None:
+    _, cfg = make_config()
+    path = tmp_path / "ext.parquet"
+    pq.write_table(
+        pa.table(
+            {
+                "prompt_id": [7, 7, 8],
+                "prompt": ["a*1=", "a*1=", "b*1="],
+                "response": ["a", "b", "b"],
+                "answer": [["x"], ["y"], ["z"]],
+            }
+        ),
+        path,
+    )
+    m = import_rollouts(cfg, path, 0, quiet=True)
+    got = rollouts(cfg)
+    assert [r["rollout_id"] for r in got] == ["0000-7-0", "0000-7-1", "0000-8-0"]
+    assert got[1]["answer"] == ["y"]  # any column type is carried along
+    assert import_rollouts(cfg, path, 0, quiet=True) == m  # complete: nothing is redone
+    other = write_jsonl(tmp_path / "other.jsonl", ROWS)
+    with pytest.raises(StageError, match="--force"):
+        import_rollouts(cfg, other, 0, quiet=True)
+    assert import_rollouts(cfg, other, 0, force=True, quiet=True)["rows"] == 5
+
+
+@pytest.mark.parametrize(
+    ("rows", "error", "message"),
+    [
+        ([{"prompt": "a"}], SchemaError, "missing column 'response'"),
+        (
+            [{"prompt": "a", "response": "b"}, {"prompt": None, "response": "c"}],
+            SchemaError,
+            "column 'prompt' is null in row 2",
+        ),
+        ([{"prompt": 1, "response": "b"}], SchemaError, "column 'prompt' has type int64, expected string"),
+        (
+            [
+                {"prompt_id": "q", "prompt": "a", "response": "b"},
+                {"prompt_id": "q", "prompt": "c", "response": "b"},
+            ],
+            SchemaError,
+            "prompt_id 'q' has different prompts in rows 1 and 2",
+        ),
+        (
+            [{"prompt": "a", "response": "b", "policy": "x"}],
+            SchemaError,
+            "column 'policy' is computed by import",
+        ),
+        (
+            [{"prompt": "a", "response": "b", "finish_reason": "eos"}],
+            SchemaError,
+            "'finish_reason' is 'eos' in row 1; expected 'stop' or 'length'",
+        ),
+        ([{"prompt": "", "response": "b"}], SchemaError, "the prompt has no tokens"),
+    ],
+)
+def test_bad_files_are_refused_naming_file_column_and_row(
+    make_config, tmp_path: Path, rows, error, message
+) -> None:
+    _, cfg = make_config()
+    path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(error, match=message) as info:
+        import_rollouts(cfg, path, 0, quiet=True)
+    assert str(path) in str(info.value)
+
+
+def test_wrong_suffix_missing_file_and_missing_policy(make_config, tmp_path: Path) -> None:
+    _, cfg = make_config()
+    (tmp_path / "rows.csv").write_text("prompt,response\n")
+    with pytest.raises(ConfigError, match="expected a .jsonl or .parquet file"):
+        import_rollouts(cfg, tmp_path / "rows.csv", 0)
+    with pytest.raises(StageError, match="file not found"):
+        import_rollouts(cfg, tmp_path / "nope.jsonl", 0)
+    path = write_jsonl(tmp_path / "ext.jsonl", ROWS)
+    with pytest.raises(
+        StageError, match="iteration 0 has no trained policy"
+    ):  # iteration 1 samples iter=0/policy
+        import_rollouts(cfg, path, 1)
+
+
+def test_cli_import(make_config, tmp_path: Path) -> None:
+    cfg_path, cfg = make_config()
+    path = write_jsonl(tmp_path / "ext.jsonl", ROWS)
+    res = CliRunner().invoke(app, ["import", str(path), "--config", str(cfg_path), "--iter", "0", "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert shards.manifest(shards.stage_dir(cfg.run_dir, 0, "rollouts"))["rows"] == 5
