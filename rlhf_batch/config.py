@@ -63,13 +63,13 @@ class ScoreConfig:
 
 @dataclass
 class AdvantageConfig:
-    estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"
-    scale: Literal["group", "batch", "none"] = "group"
-    ddof: int = 1
-    eps: float = 1e-6
+    estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"  # (r-mean)/(std+eps) | r-mean | leave-one-out
+    scale: Literal["group", "batch", "none"] = "group"  # grpo's std: of the group, of the batch, none
+    ddof: int = 1  # std: 1 sample (stddev_samp, as TorchRL's MCAdvantage), 0 population
+    eps: float = 1e-6  # added to the std (TorchRL's MCAdvantage default)
     window: int = 1  # pool groups over the last W iterations
-    drop_zero_variance: bool = True
-    min_group_size: int = 2
+    drop_zero_variance: bool = True  # drop groups whose rewards are all equal (DAPO dynamic sampling)
+    min_group_size: int = 2  # drop groups with fewer scored rollouts
     truncated: Literal["keep", "drop", "zero"] = "keep"  # finish_reason = 'length'
     bucket_tokens: int = 64  # width of a length bucket
     rows_per_shard: int = 4096
@@ -126,12 +126,13 @@ class Config:
         return dataclasses.asdict(self)
 
     def stage_dict(self, stage: str) -> dict[str, Any]:
-        """The run-level keys plus one stage's table: what a stage's manifest records."""
-        top = {k: v for k, v in self.to_dict().items() if not isinstance(v, dict)}
+        """The run-level keys that can change a result plus one stage's table."""
+        top = {k: v for k, v in self.to_dict().items() if not isinstance(v, dict) and k not in NOT_IDENTITY}
         return {**top, stage: dataclasses.asdict(getattr(self, stage))}
 
 
 STAGE_TABLES = ("generate", "score", "advantage", "train")
+NOT_IDENTITY = ("iterations", "in_process", "demo")  # run-level keys that change no stage's result
 PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
 
 

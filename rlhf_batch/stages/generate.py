@@ -46,6 +46,11 @@ def row_seed(seed: int, rid: str) -> int:
     return int(hashlib.sha256(f"{seed}:{rid}".encode()).hexdigest()[:15], 16)
 
 
+def identity(cfg: Config) -> dict:
+    """The config that decides this stage's result (recorded in, and compared with, its manifest)."""
+    return cfg.stage_dict("generate")
+
+
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict:
     from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
 
@@ -56,7 +61,7 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
         raise StageError(f"{g.prompts or 'generate.prompts'}: prompt file not found")
     inputs = {"prompts": shards.file_fingerprint(g.prompts), "policy": model_fingerprint(policy, "policy"),
               "iteration": iteration}
-    stage = shards.StageRun(sdir, "rollouts", cfg.stage_dict("generate"), inputs, force)
+    stage = shards.StageRun(sdir, "rollouts", identity(cfg), inputs, force)
     if stage.complete:
         return shards.manifest(sdir) or {}
     tok = load_tokenizer(policy, cfg.trust_remote_code)

@@ -61,6 +61,18 @@ from rlhf_batch.shards import StageRun, list_parts, manifest, part_number, read_
 from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_dir
 
 
+def identity(cfg: Config) -> dict:
+    """The config that decides this stage's result (recorded in, and compared with, its manifest).
+    The token budget changes no result (up to rounding): a resume may lower it after an OOM."""
+    return {
+        "score": {k: v for k, v in dataclasses.asdict(cfg.score).items() if k != "max_tokens_per_batch"},
+        "ref_model": cfg.ref,
+        "reward_model": cfg.reward_model,
+        "temperature": cfg.generate.temperature,
+        "dtype": cfg.dtype,
+    }
+
+
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Score iteration `iteration`'s rollouts; returns the manifest (existing one if complete)."""
     s = cfg.score
@@ -78,13 +90,6 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     ctl = kl_controller_for(cfg, iteration)
     kl_coef = ctl.value if s.kl_in_reward else 0.0
     sdir = stage_dir(cfg.run_dir, iteration, "scores")
-    config = {  # the token budget changes no result (up to rounding): a resume may lower it after an OOM
-        "score": {k: v for k, v in dataclasses.asdict(s).items() if k != "max_tokens_per_batch"},
-        "ref_model": cfg.ref,
-        "reward_model": cfg.reward_model,
-        "temperature": cfg.generate.temperature,
-        "dtype": cfg.dtype,
-    }
     inputs = {
         "rollouts": {k: rollouts_manifest[k] for k in ("key", "rows")},
         "ref_model": model_fingerprint(cfg.ref, "ref_model"),
@@ -92,7 +97,7 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
         "kl_controller": ctl.state_dict(),
         "kl_coef": kl_coef,
     }
-    stage = StageRun(sdir, "scores", config, inputs, force)
+    stage = StageRun(sdir, "scores", identity(cfg), inputs, force)
     if stage.complete:
         return manifest(sdir) or {}
     n_parts = math.ceil(rollouts_manifest["rows"] / s.rows_per_part)

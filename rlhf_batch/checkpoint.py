@@ -1,0 +1,96 @@
+"""Atomic training checkpoints: weights, optimizer, RNG and data position; nothing is unpickled.
+
+    <root>/step-00000012/model.safetensors   weights (safetensors save_model: tied weights ok)
+                         optimizer.pt        optimizer state, read with torch.load(weights_only=True)
+                         rng.safetensors     torch CPU (and CUDA) RNG states
+                         state.json          next step, stage key, metrics rows so far
+
+A checkpoint is written to a hidden temporary directory, fsynced and renamed to `step-N`; only
+then are older ones removed, so a kill at any moment leaves at least one whole checkpoint (or
+none, before the first). Readers take the highest `step-N`; temporary directories are ignored.
+The learning-rate schedule is a pure function of the step, so `next_step` is its state, and
+the training data plan is a pure function of the data and seed, so it is the data position too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rlhf_batch.errors import StageError
+
+PREFIX = "step-"
+
+
+def fsync_tree(path: Path) -> None:
+    for p in [*sorted(path.iterdir()), path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save(root: Path, step: int, model: Any, optimizer: Any, state: dict[str, Any]) -> Path:
+    """Write checkpoint `step` (the number of optimizer steps done) and drop older ones."""
+    import torch
+    from safetensors.torch import save_file, save_model
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(model, str(tmp / "model.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(rng, str(tmp / "rng.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({**state, "next_step": step}, indent=1))
+    fsync_tree(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fsync_tree(root)
+    for old in root.iterdir():
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(root: Path) -> Path | None:
+    dirs = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir()) if root.is_dir() else []
+    return dirs[-1] if dirs else None
+
+
+def load_latest(root: Path, model: Any, optimizer: Any, key: str, device: Any) -> dict[str, Any] | None:
+    """Restore the newest checkpoint into `model` and `optimizer`; returns its state or None."""
+    import torch
+    from safetensors.torch import load_file, load_model
+
+    path = latest(root)
+    if path is None:
+        return None
+    try:
+        state: dict[str, Any] = json.loads((path / "state.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise StageError(
+            f"{path}: unreadable checkpoint state ({e}); re-run with --force to start over"
+        ) from None
+    if state.get("key") != key:
+        raise StageError(f"{path}: checkpoint of another config or input; re-run with --force to start over")
+    load_model(model, str(path / "model.safetensors"), device=str(device))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    rng = load_file(str(path / "rng.safetensors"))
+    torch.set_rng_state(rng["cpu"])
+    cuda = [rng[f"cuda{i}"] for i in range(len(rng) - 1) if f"cuda{i}" in rng]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    return state
+
+
+def remove(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)

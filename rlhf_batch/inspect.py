@@ -1,0 +1,293 @@
+"""SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
+
+`connect(run_dir)` opens an in-memory DuckDB with four views over every iteration, each with
+an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
+
+    rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet
+    scores      RUN_DIR/iter=*/scores/part-*.parquet
+    advantages  RUN_DIR/iter=*/advantages/part-*.parquet
+    metrics     RUN_DIR/iter=*/train/metrics.parquet
+
+A view whose files do not exist yet is an empty table with the stage's schema. The connection
+is read-only with respect to the run, in two layers: DuckDB may only touch files below RUN_DIR
+(`allowed_directories` + `enable_external_access = false`, then `lock_configuration = true`, so
+no query can undo it: reading /etc/passwd, ATTACH elsewhere, INSTALL/LOAD fail), and only
+read statements are run (a DuckDB `allowed_directories` entry also allows writing there, so
+COPY, EXPORT, ATTACH, CREATE, ... are refused before they reach DuckDB, and so is EXPLAIN, whose
+ANALYZE form executes its statement). `--out` files are written by Python (pyarrow), not by DuckDB.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from rlhf_batch.errors import ConfigError, UserError
+
+VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.schemas)
+    "rollouts": ("iter=*/rollouts/part-*.parquet", "ROLLOUTS"),
+    "scores": ("iter=*/scores/part-*.parquet", "SCORES"),
+    "advantages": ("iter=*/advantages/part-*.parquet", "ADVANTAGES"),
+    "metrics": ("iter=*/train/metrics.parquet", "METRICS"),
+}
+FORMATS = ("table", "csv", "json", "parquet")
+SUFFIXES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# DuckDB folds isnan(x) to false from Parquet min/max statistics, which leave NaN out, so a NaN
+# would pass as a number; without statistics propagation isnan() looks at the values.
+NAN_SAFE = "SET disabled_optimizers = 'statistics_propagation'"
+READ_ONLY = (
+    "only read queries (SELECT, FROM, WITH, VALUES, SHOW, DESCRIBE, SUMMARIZE) can run: the run is read-only"
+)
+
+
+def quote(text: str) -> str:
+    """A SQL string literal, for paths the code built (never for user SQL)."""
+    return "'" + text.replace("'", "''") + "'"
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def run_root(run_dir: str | Path) -> Path:
+    root = Path(run_dir).expanduser().resolve()
+    if not root.is_dir():
+        raise UserError(f"{root}: run directory not found")
+    if any(c in str(root) for c in "*?[]{}"):
+        raise UserError(f"{root}: the run directory's path must not contain glob characters (*?[]{{}})")
+    return root
+
+
+def connect(run_dir: str | Path) -> Any:
+    """A DuckDB connection with the run's views, sandboxed to reading below RUN_DIR."""
+    import duckdb
+    import pyarrow as pa
+
+    from rlhf_batch import schemas
+
+    root = run_root(run_dir)
+    con = duckdb.connect(":memory:")
+    for setting in ("enable_progress_bar", "autoinstall_known_extensions", "autoload_known_extensions"):
+        con.execute(f"SET {setting} = false")
+    con.execute(NAN_SAFE)
+    for name, (pattern, schema_name) in VIEWS.items():
+        if any(root.glob(pattern)):
+            con.execute(
+                f"CREATE VIEW {name} AS SELECT * FROM read_parquet({quote(str(root / pattern))}, "
+                "hive_partitioning = true, hive_types = {'iter': INTEGER}, union_by_name = true)"
+            )
+        else:  # no files yet: an empty table with the schema, so queries over it still bind
+            empty: pa.Table = getattr(schemas, schema_name).empty_table()
+            con.register("_empty", empty)
+            con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter FROM _empty")
+            con.unregister("_empty")
+    con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def run_sql(
+    run_dir: str | Path, query: str | None, fmt: str = "table", out: str | Path | None = None
+) -> None:
+    """Run one read query over the run and print it (`fmt`) or write it to `out`; without a
+    query, read queries from stdin (each ended by ';') until EOF or `.quit`."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    con = connect(run_dir)
+    try:
+        if query is None:
+            _repl(con)
+        else:
+            _run_one(con, query, fmt, Path(out) if out else None)
+    finally:
+        con.close()
+
+
+def _run_one(con: Any, query: str, fmt: str, out: Path | None) -> None:
+    import duckdb
+
+    try:
+        statements = con.extract_statements(query)
+        if len(statements) != 1:
+            raise UserError(f"sql: give exactly one statement, got {len(statements)}")
+        if statements[0].type != duckdb.StatementType.SELECT:
+            raise UserError(f"sql: {statements[0].type.name} refused; {READ_ONLY}")
+        rel = con.sql(query)
+        if out is not None:
+            kind = SUFFIXES.get(out.suffix.lower()) if fmt == "table" else fmt
+            if kind is None:
+                raise UserError(f"--out {out}: give --format csv|json|parquet or a .csv/.json/.parquet name")
+            rows = _write_file(rel.to_arrow_reader(), kind, out)
+            print(f"{out}: {rows} rows", file=sys.stderr)
+        elif fmt == "table":
+            width = shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
+            rel.show(max_rows=100, max_width=width)
+        elif fmt == "parquet":
+            raise UserError("--format parquet needs --out FILE")
+        else:
+            _write_text(rel.to_arrow_reader(), fmt, sys.stdout)
+    except duckdb.Error as e:
+        raise UserError(f"sql: {one_line(e)}") from None
+
+
+def _write_file(reader: Any, kind: str, out: Path) -> int:
+    """Write the rows to `out` (temporary name, then rename); return the row count."""
+    import pyarrow.parquet as pq
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        if kind == "parquet":
+            rows = 0
+            with pq.ParquetWriter(tmp, reader.schema, compression="zstd") as w:
+                for batch in reader:
+                    w.write_batch(batch)
+                    rows += batch.num_rows
+        else:
+            with open(tmp, "w", newline="") as f:
+                rows = _write_text(reader, kind, f)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return rows
+
+
+def _write_text(reader: Any, kind: str, f: Any) -> int:
+    """CSV (nested values as JSON) or JSON Lines (non-finite floats as null), batch by batch."""
+    rows = 0
+    writer = csv.writer(f) if kind == "csv" else None
+    if writer is not None:
+        writer.writerow(reader.schema.names)
+    for batch in reader:
+        for row in batch.to_pylist():
+            if writer is not None:
+                writer.writerow(
+                    [json.dumps(_clean(v)) if isinstance(v, list | dict) else v for v in row.values()]
+                )
+            else:
+                f.write(json.dumps(_clean(row), default=str) + "\n")
+        rows += batch.num_rows
+    return rows
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    return v
+
+
+def _repl(con: Any) -> None:
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(
+            f"views: {', '.join(VIEWS)} (column iter). End a query with ';'. .quit to leave.", file=sys.stderr
+        )
+    buf: list[str] = []
+    try:
+        while True:
+            if interactive:
+                print("sql> " if not buf else "...> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line or (not buf and line.strip() in (".quit", ".exit", "\\q")):
+                break
+            if line.strip():
+                buf.append(line)
+            if buf and line.rstrip().endswith(";"):
+                _repl_one(con, "".join(buf))
+                buf = []
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return
+    if buf:
+        _repl_one(con, "".join(buf))
+
+
+def _repl_one(con: Any, query: str) -> None:
+    try:
+        _run_one(con, query, "table", None)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+
+
+STATUS_STAGES = ("rollouts", "scores", "advantages", "train")
+
+
+def print_status(run_dir: str | Path) -> None:
+    """Per iteration and stage: complete / partial / missing, rows and headline numbers."""
+    root = run_root(run_dir)
+    iters = sorted(int(p.name[5:]) for p in root.glob("iter=*") if p.is_dir() and p.name[5:].isdigit())
+    if not iters:
+        print(f"{root}: no iterations yet")
+        return
+    con = connect(root)
+    try:
+        rows = [
+            (str(it), stage, *_stage_status(con, root, it, stage)) for it in iters for stage in STATUS_STAGES
+        ]
+    finally:
+        con.close()
+    table = [("iter", "stage", "state", "rows", "details"), *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    print(f"run: {root}")
+    for r in table:
+        cells = [
+            c.rjust(w) if i in (0, 3) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))
+        ]
+        print("  ".join([*cells, r[4]]).rstrip())
+
+
+def _stage_status(con: Any, root: Path, it: int, stage: str) -> tuple[str, str, str]:
+    """(state, rows, details) of one stage of one iteration."""
+    import duckdb
+    import pyarrow.parquet as pq
+
+    from rlhf_batch import shards
+
+    sdir = shards.stage_dir(root, it, stage)
+    m = shards.manifest(sdir)
+    if stage == "train":
+        files = [f for f in [sdir / "metrics.parquet"] if f.exists()]
+        started = sdir.exists() or shards.policy_dir(root, it).exists()
+    else:
+        files = [sdir / p["file"] for p in m["parts"]] if m else shards.list_parts(sdir)
+        started = sdir.exists()
+    state = "complete" if m else "partial" if started else "missing"
+    details = []
+    if files:
+        try:
+            cur = con.execute(sql_text(f"status_{stage}"), {"files": [str(f) for f in files]})
+            values = dict(zip([d[0] for d in cur.description], cur.fetchall()[0], strict=True))
+            details = [f"{k} {_fmt(v)}" for k, v in values.items()]
+        except duckdb.Error as e:  # a damaged file must not hide the other stages
+            details = [f"unreadable ({one_line(e)})"]
+    if stage == "advantages" and m:
+        c = m.get("counts", {})
+        details.append(f"kept {c.get('groups_out', '?')}/{c.get('groups_total', '?')} groups")
+    if stage == "train" and (shards.policy_dir(root, it) / "config.json").exists():
+        details.append("policy saved")
+    rows = m["rows"] if m and stage != "train" else sum(pq.read_metadata(f).num_rows for f in files)
+    return state, str(rows) if files or m else "-", ", ".join(details)
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def sql_text(name: str) -> str:
+    """The text of rlhf_batch/sql/<name>.sql (package data)."""
+    from importlib.resources import files
+
+    return files("rlhf_batch").joinpath("sql", f"{name}.sql").read_text()

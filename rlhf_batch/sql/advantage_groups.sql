@@ -1,0 +1,38 @@
+-- advantage, step 3: one row per prompt_id over the pooled rows that enter the statistics
+-- (`used`: non-null reward, and not truncated when advantage.truncated = 'drop').
+-- Semantics of rlhf_batch.core.advantages (its twin): float64; std with ddof (stddev_samp for
+-- ddof = 1, stddev_pop for ddof = 0); a constant group (max = min, which includes groups of one)
+-- gets mean = the common value and std = 0 exactly, so its advantages are exactly 0.
+--   $iter: the current iteration (`current`: the group has training rows)
+--   $ddof, $min_group_size, $drop_zero_variance: advantage.* config
+-- The float aggregates run over sorted values, so they do not depend on thread scheduling: a
+-- resumed run rewrites shards bit-identical to an uninterrupted one.
+-- `dropped` is the first filter that removes the group: 'small' (n < min_group_size), then
+-- 'zero_variance' (max = min, when drop_zero_variance); NULL: kept.
+CREATE OR REPLACE TEMP TABLE groups AS
+WITH g AS (
+    SELECT
+        prompt_id,
+        count(*) AS n,
+        min(reward) AS lo,
+        max(reward) AS hi,
+        avg(reward ORDER BY reward) AS mean_raw,
+        CASE WHEN $ddof = 1 THEN stddev_samp(reward ORDER BY reward) ELSE stddev_pop(reward ORDER BY reward) END
+            AS std_raw,
+        bool_or(iter = $iter) AS current
+    FROM pool
+    WHERE used
+    GROUP BY prompt_id
+)
+SELECT
+    prompt_id,
+    n,
+    current,
+    lo = hi AS constant,
+    CASE WHEN lo = hi THEN lo ELSE mean_raw END AS mean,
+    CASE WHEN lo = hi THEN 0.0 ELSE std_raw END AS std,
+    CASE
+        WHEN n < $min_group_size THEN 'small'
+        WHEN $drop_zero_variance AND lo = hi THEN 'zero_variance'
+    END AS dropped
+FROM g;

@@ -1,0 +1,52 @@
+-- advantage, step 6: the training rows of the current iteration ($iter), in shard order.
+--   $rollout_files, $score_files: the current iteration's parts only
+--   $estimator ('grpo' | 'drgrpo' | 'rloo'), $scale ('group' | 'batch' | 'none'), $eps,
+--   $batch_std, $zero_truncated (advantage.truncated = 'zero'), $bucket_tokens, $seed
+-- Advantages (float64, stored as float32), with mean/std/n from `groups`:
+--   constant group -> 0 exactly; truncated row with truncated = 'zero' -> 0;
+--   rloo   -> n / (n - 1) * (r - mean)    (= r minus the mean of the others)
+--   drgrpo, or grpo with scale 'none' -> r - mean
+--   grpo   -> (r - mean) / (std + eps), std = the group's std or $batch_std
+-- Order: bucket b = len(input_ids) // $bucket_tokens; buckets sorted by
+-- md5_number('{seed}:{iter}:bucket:{b}') (a seeded shuffle), rows within a bucket by
+-- md5_number('{seed}:{iter}:row:{rollout_id}'); b and rollout_id break ties (total order).
+WITH r AS (
+    SELECT rollout_id, prompt_id, prompt_ids, response_ids, behavior_logprobs
+    FROM read_parquet($rollout_files, union_by_name = true)
+), s AS (
+    SELECT rollout_id, ref_logprobs
+    FROM read_parquet($score_files, union_by_name = true)
+), rows AS (
+    SELECT
+        r.rollout_id,
+        r.prompt_id,
+        list_concat(r.prompt_ids, r.response_ids) AS input_ids,
+        len(r.prompt_ids)::INTEGER AS prompt_len,
+        r.behavior_logprobs,
+        s.ref_logprobs,
+        CAST(CASE
+            WHEN g.constant THEN 0.0
+            WHEN p.truncated AND $zero_truncated THEN 0.0
+            WHEN $estimator = 'rloo' THEN (p.reward - g.mean) * g.n / (g.n - 1)
+            WHEN $estimator = 'drgrpo' OR $scale = 'none' THEN p.reward - g.mean
+            WHEN $scale = 'batch' THEN (p.reward - g.mean) / ($batch_std + $eps)
+            ELSE (p.reward - g.mean) / (g.std + $eps)
+        END AS FLOAT) AS advantage,
+        p.reward,
+        g.n::INTEGER AS group_size,
+        g.mean AS group_mean,
+        g.std AS group_std,
+        (len(r.prompt_ids) + len(r.response_ids)) // $bucket_tokens AS bucket
+    FROM r
+    JOIN s USING (rollout_id)
+    JOIN pool AS p ON p.iter = $iter AND p.rollout_id = r.rollout_id
+    JOIN groups AS g ON g.prompt_id = r.prompt_id
+    WHERE p.used AND g.dropped IS NULL
+)
+SELECT * EXCLUDE (bucket)
+FROM rows
+ORDER BY
+    md5_number(concat_ws(':', $seed, $iter, 'bucket', bucket)),
+    bucket,
+    md5_number(concat_ws(':', $seed, $iter, 'row', rollout_id)),
+    rollout_id;

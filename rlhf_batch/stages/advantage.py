@@ -1,0 +1,296 @@
+"""advantage: group advantages by prompt in DuckDB, filters, length-bucketed training shards.
+
+Reads iter=K/rollouts and iter=K/scores (both complete) and writes iter=K/advantages: one row
+per training rollout with exactly the columns of schemas.ADVANTAGES. The SQL lives in
+rlhf_batch/sql/advantage_*.sql; rlhf_batch.core.advantages is its pure-torch twin (same
+semantics, tested equal). Nothing is fetched row by row into Python: DuckDB sorts and streams
+Arrow batches that are cut into shards.
+
+Semantics (config [advantage]):
+
+* Group = rollouts with the same prompt_id. With `window` W > 1 the rollouts + scores of
+  iterations K-W+1..K that are complete are pooled for the group statistics (and the batch std),
+  but only iteration K's rollouts become training rows: older rollouts are off-policy, pooling
+  only widens the baseline. Missing or incomplete older iterations are skipped (the manifest
+  lists the iterations used in `window_iters`); iteration K itself must be complete.
+* Rows whose reward is null (or NaN) are left out of every statistic and of the output
+  (`unscored`). `truncated` ('length' finish_reason): 'keep'; 'drop' leaves them out like
+  null rewards, before the statistics (`truncated_dropped`); 'zero' keeps them in the
+  statistics and gives them advantage 0 (`truncated_zeroed`).
+* Estimators: grpo (r - mean) / (std + eps) with std of the `group` (default), of the `batch`
+  (every reward used, around the batch mean), or `none`; drgrpo r - mean; rloo
+  n / (n - 1) * (r - mean). std uses `ddof` (default 1, sample std, like TorchRL's
+  MCAdvantage); `eps` (default 1e-6) is added to the std. float64 throughout; a constant group
+  (max == min, including a group of one) gets exactly 0.
+* Group filters, in this order, each group counted once: `min_group_size` (n < min, default 2:
+  `groups_dropped_small`), then `drop_zero_variance` (max == min, default on, DAPO's dynamic
+  sampling: `groups_dropped_zero_variance`). n counts the rewards used.
+* Output order: bucket b = len(input_ids) // bucket_tokens; buckets in a seeded shuffled order
+  (md5 of '{seed}:{iter}:bucket:{b}'), rows inside a bucket in a seeded hash order (md5 of
+  '{seed}:{iter}:row:{rollout_id}'). Shard n (part-00000-NNNNN.parquet) holds rows
+  [n * rows_per_shard, (n + 1) * rows_per_shard) of that order, so reading shards in order gives
+  length-homogeneous runs. Shard content depends only on n: a resumed run rewrites only the
+  missing shards, identical to an uninterrupted run.
+* Manifest `counts`: rows_in, unscored, truncated, truncated_dropped, truncated_zeroed,
+  rows_dropped_small, rows_dropped_zero_variance, rows_out, pooled_rows, groups_total,
+  groups_dropped_small, groups_dropped_zero_variance, groups_out (current iteration only;
+  pooled_rows = older rows in the statistics); also `window_iters` and `batch_std`. Empty input,
+  or every group filtered, is a StageError saying which filter and how to relax it, raised
+  before anything is written. Identity: config = seed + [advantage]; inputs = content hashes of
+  the pooled rollouts/scores manifests (a re-scored iteration invalidates its advantages).
+* md5 is used for the order, so it does not change with the DuckDB version; rows with the same
+  (iter, md5, ...) cannot tie because rollout_id is the last key and is unique (checked).
+* One process (rank 0) sorts and writes; other ranks under torchrun only wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf_batch import shards
+from rlhf_batch.config import Config
+from rlhf_batch.errors import SchemaError, StageError
+from rlhf_batch.inspect import NAN_SAFE, quote, sql_text
+from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate
+
+STAGE = "advantages"
+
+
+def identity(cfg: Config) -> dict:
+    """The config that decides this stage's result (recorded in, and compared with, its manifest)."""
+    return {"seed": cfg.seed, "advantage": dataclasses.asdict(cfg.advantage)}
+
+
+def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
+    if iteration < 0:
+        raise StageError(f"--iter must be >= 0, got {iteration}")
+    sdir = shards.stage_dir(cfg.run_dir, iteration, STAGE)
+    window = _window(cfg, iteration)
+    config = identity(cfg)
+    inputs = {
+        f"iter={it:04d}/{stage}": shards.file_fingerprint(
+            shards.stage_dir(cfg.run_dir, it, stage) / shards.MANIFEST
+        )
+        for it in window
+        for stage in ("rollouts", "scores")
+    }
+    if not force and shards.manifest(sdir) is not None:
+        shards.StageRun(sdir, STAGE, config, inputs)  # refuses a manifest written with other config/inputs
+        return shards.manifest(sdir) or {}
+    tmp = shards.iter_dir(cfg.run_dir, iteration) / ".advantages-duckdb.tmp"
+    con = _connect(tmp)
+    try:
+        params = _prepare(con, cfg, iteration, window)
+        counts = _counts(con, cfg, iteration)
+        stage = shards.StageRun(sdir, STAGE, config, inputs, force)
+        n_parts = math.ceil(counts["rows_out"] / cfg.advantage.rows_per_shard)
+        if stage.rank == 0:  # one process sorts and writes every shard
+            _write_shards(con, stage, cfg, iteration, params, n_parts, quiet)
+        extra = {"counts": counts, "window_iters": window, "batch_std": params["batch_std"]}
+        return stage.finish(n_parts, extra) or shards.manifest(sdir) or {}
+    finally:
+        con.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _window(cfg: Config, iteration: int) -> list[int]:
+    """The iterations pooled for the statistics: iteration K (required) and the complete ones
+    among the W - 1 before it."""
+    for stage, command in (("rollouts", "generate"), ("scores", "score")):
+        sdir = shards.stage_dir(cfg.run_dir, iteration, stage)
+        if shards.manifest(sdir) is None:
+            raise StageError(
+                f"{sdir}: {stage} of iteration {iteration} is not complete (no {shards.MANIFEST}); "
+                f"run `rlhf-batch {command} --iter {iteration}` first"
+            )
+    older = range(max(0, iteration - cfg.advantage.window + 1), iteration)
+    complete = [
+        it
+        for it in older
+        if all(
+            shards.manifest(shards.stage_dir(cfg.run_dir, it, s)) is not None for s in ("rollouts", "scores")
+        )
+    ]
+    return [*complete, iteration]
+
+
+def _where(cfg: Config, iteration: int) -> str:
+    return f"iteration {iteration} ({shards.iter_dir(cfg.run_dir, iteration)})"
+
+
+def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema) -> list[str]:
+    """The parts a complete stage's manifest lists, schema-checked (errors name file and column)."""
+    sdir = shards.stage_dir(run_dir, it, stage)
+    out = []
+    for p in (shards.manifest(sdir) or {}).get("parts", []):
+        path = sdir / p["file"]
+        try:
+            actual = pq.read_schema(path)
+        except (OSError, pa.ArrowInvalid) as e:
+            raise SchemaError(f"{path}: not a readable Parquet file ({e})") from None
+        validate(actual, schema, str(path))
+        out.append(str(path.resolve()))
+    return out
+
+
+def _connect(tmp: Path) -> Any:
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    con.execute("SET enable_progress_bar = false")
+    con.execute(NAN_SAFE)  # NaN rewards must count as null
+    con.execute(f"SET temp_directory = {quote(str(tmp))}")  # spills of a 10M-row sort go here
+    return con
+
+
+def _prepare(con: Any, cfg: Config, iteration: int, window: list[int]) -> dict[str, Any]:
+    """Build the `pool` and `groups` temp tables; check integrity; return the query parameters."""
+    a = cfg.advantage
+    rollouts = {it: _parts(cfg.run_dir, it, "rollouts", ROLLOUTS) for it in window}
+    scores = {it: _parts(cfg.run_dir, it, "scores", SCORES) for it in window}
+    for stage in ("rollouts", "scores"):
+        if not (shards.manifest(shards.stage_dir(cfg.run_dir, iteration, stage)) or {}).get("rows"):
+            raise StageError(
+                f"{_where(cfg, iteration)}: {stage} are empty (0 rows); nothing to compute advantages from"
+            )
+    all_r = [f for it in window for f in rollouts[it]]
+    all_s = [f for it in window for f in scores[it]]
+    con.execute(
+        sql_text("advantage_pool"),
+        {"rollout_files": all_r, "score_files": all_s, "drop_truncated": a.truncated == "drop"},
+    )
+    _check(con, cfg.run_dir)
+    con.execute(
+        sql_text("advantage_groups"),
+        {
+            "iter": iteration,
+            "ddof": a.ddof,
+            "min_group_size": a.min_group_size,
+            "drop_zero_variance": a.drop_zero_variance,
+        },
+    )
+    batch_std = None
+    if a.estimator == "grpo" and a.scale == "batch":
+        batch_std = float(
+            con.execute(sql_text("advantage_batch_std"), {"ddof": a.ddof}).fetchall()[0][0] or 0.0
+        )
+    return {"rollout_files": rollouts[iteration], "score_files": scores[iteration], "batch_std": batch_std}
+
+
+_PROBLEMS = {  # advantage_check.sql column -> what is wrong, which stage to re-run
+    "duplicate": ("rows share their rollout_id in rollouts or scores", "generate and score"),
+    "unmatched_rollout": ("rollouts have no score row", "score"),
+    "unmatched_score": ("score rows match no rollout", "score"),
+    "prompt_mismatch": ("score rows have another prompt_id than their rollout", "score"),
+    "infinite": ("rewards are +/-inf", "score"),
+}
+
+
+def _check(con: Any, run_dir: str) -> None:
+    cur = con.execute(sql_text("advantage_check"))
+    row = dict(zip([d[0] for d in cur.description], cur.fetchall()[0], strict=True))
+    for key, (what, fix) in _PROBLEMS.items():
+        if row[key]:
+            it = row[f"{key}_iter"]
+            raise StageError(
+                f"{shards.iter_dir(run_dir, it)}: {row[key]} {what} (e.g. rollout_id {row[f'{key}_id']!r}); "
+                f"re-run {fix} of iteration {it} with --force"
+            )
+
+
+def _counts(con: Any, cfg: Config, iteration: int) -> dict[str, int]:
+    """What the filters did (the manifest's counts); an error when nothing is left to train on."""
+    values = {"iter": iteration, "zero_truncated": cfg.advantage.truncated == "zero"}
+    cur = con.execute(sql_text("advantage_counts"), values)
+    counts = {d[0]: int(v) for d, v in zip(cur.description, cur.fetchall()[0], strict=True)}
+    if counts["rows_out"] == 0:
+        raise StageError(
+            f"{_where(cfg, iteration)}: every training row was filtered out ({_why(counts, cfg)})"
+        )
+    return counts
+
+
+def _why(c: dict[str, int], cfg: Config) -> str:
+    """Which filters removed the rows, and the option that relaxes each."""
+    a, why = cfg.advantage, []
+    if c["unscored"]:
+        why.append(f"{c['unscored']} of {c['rows_in']} rows have a null reward (see score)")
+    if c["truncated_dropped"]:
+        why.append(
+            f"{c['truncated_dropped']} truncated rows dropped (set advantage.truncated='zero' or 'keep')"
+        )
+    if c["groups_dropped_small"]:
+        why.append(
+            f"{c['groups_dropped_small']} of {c['groups_total']} groups smaller than "
+            f"advantage.min_group_size={a.min_group_size} (lower it)"
+        )
+    if c["groups_dropped_zero_variance"]:
+        why.append(
+            f"{c['groups_dropped_zero_variance']} of {c['groups_total']} groups with zero reward variance "
+            "(set advantage.drop_zero_variance=false to keep them with advantage 0)"
+        )
+    return "; ".join(why) or "no group has a scored rollout"
+
+
+def _write_shards(
+    con: Any,
+    stage: shards.StageRun,
+    cfg: Config,
+    iteration: int,
+    params: dict[str, Any],
+    n_parts: int,
+    quiet: bool,
+) -> None:
+    """Stream the ordered rows out of DuckDB and write the shards that are not on disk yet."""
+    from tqdm import tqdm
+
+    a = cfg.advantage
+    have = {shards.part_number(p) for p in shards.list_parts(stage.sdir)}
+    todo = {n for n in range(n_parts) if n not in have}
+    if not todo:
+        return
+    values = {
+        "rollout_files": params["rollout_files"],
+        "score_files": params["score_files"],
+        "iter": iteration,
+        "estimator": a.estimator,
+        "scale": a.scale,
+        "eps": a.eps,
+        "batch_std": params["batch_std"] or 0.0,
+        "zero_truncated": a.truncated == "zero",
+        "bucket_tokens": a.bucket_tokens,
+        "seed": cfg.seed,
+    }
+    reader = con.sql(sql_text("advantage_rows"), params=values).to_arrow_reader(min(a.rows_per_shard, 65536))
+    bar = tqdm(total=len(todo), unit="shard", desc="advantage", disable=quiet, leave=False)
+    for n, table in enumerate(_chunks(reader, a.rows_per_shard)):
+        if n in todo:
+            stage.write(n, table, ADVANTAGES)
+            bar.update(1)
+        if n >= max(todo):
+            break
+    bar.close()
+    reader.close()
+
+
+def _chunks(reader: pa.RecordBatchReader, size: int) -> Any:
+    """Tables of exactly `size` rows (the last one shorter) from a stream of record batches."""
+    buf: list[pa.RecordBatch] = []
+    held = 0
+    for batch in reader:
+        buf.append(batch)
+        held += batch.num_rows
+        while held >= size:
+            table = pa.Table.from_batches(buf)
+            yield table.slice(0, size)
+            rest = table.slice(size)
+            buf, held = rest.to_batches(), rest.num_rows
+    if held:
+        yield pa.Table.from_batches(buf, schema=reader.schema)

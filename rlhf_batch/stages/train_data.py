@@ -1,0 +1,231 @@
+"""The train stage's data: the advantages shards as flat arrays, the step plan, micro-batches.
+
+The plan is a pure function of the shard rows, the config and the seed, so a resumed run
+replays exactly the same steps and the data position in a checkpoint is just a step index:
+
+* Epoch 0 keeps the row order the advantage stage wrote (length-bucketed, seeded). The rows
+  are cut into contiguous optimizer steps of about `tokens_per_step` response tokens (there
+  are ceil(total / tokens_per_step) steps and the cuts balance their tokens), and each step
+  into micro-batches by `core.batching.token_budget_batches` over the full sequence lengths
+  (padded rows x longest row <= `max_tokens_per_batch`).
+* Epoch e >= 1 reuses those micro-batches in an order shuffled by a generator seeded with
+  (seed, iteration, e), cut again into steps of about `tokens_per_step` tokens.
+* Ranks: micro-batch j of a step goes to rank j % world. A rank with fewer micro-batches than
+  the others runs the step's shortest row with weight 0, so that every rank does the same
+  number of forward/backward passes (DDP needs it). The global batch of a step, and hence its
+  loss normaliser, never depends on the number of ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rlhf_batch.core.batching import token_budget_batches
+from rlhf_batch.errors import StageError
+from rlhf_batch.schemas import ADVANTAGES
+from rlhf_batch.shards import read_stage
+
+COLUMNS = ["rollout_id", "input_ids", "prompt_len", "behavior_logprobs", "ref_logprobs", "advantage"]
+
+
+@dataclass
+class Shards:
+    """The advantages table, flat: row i's tokens are ids[ids_off[i]:ids_off[i + 1]]."""
+
+    rollout_ids: list[str]
+    ids: np.ndarray  # [sum L] int64, prompt + response tokens
+    ids_off: np.ndarray  # [N + 1]
+    prompt_lens: np.ndarray  # [N] int64
+    old: np.ndarray  # [sum T] float32, behaviour log-probs (or recomputed ones)
+    ref: np.ndarray  # [sum T] float32, reference log-probs
+    resp_off: np.ndarray  # [N + 1]
+    adv: np.ndarray  # [N] float32
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return np.diff(self.ids_off)  # [N]
+
+    @property
+    def resp_lens(self) -> np.ndarray:
+        return np.diff(self.resp_off)  # [N]
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def _flat(arr: pa.ListArray, dtype: Any) -> np.ndarray:
+    return np.asarray(arr.flatten().to_numpy(zero_copy_only=False), dtype=dtype)
+
+
+def load_shards(sdir: Path) -> Shards:
+    """Read and check a complete advantages stage; errors name the directory, rollout and column."""
+    table = read_stage(sdir, ADVANTAGES, columns=COLUMNS).combine_chunks()
+    if table.num_rows == 0:
+        raise StageError(
+            f"{sdir}: the advantages table has 0 rows (every group filtered out?); nothing to train on"
+        )
+    rids = table.column("rollout_id").to_pylist()
+    for name in COLUMNS[1:]:
+        col = table.column(name)
+        if col.null_count:
+            row = pc.index(pc.is_null(col), True).as_py()
+            raise StageError(f"{sdir}: rollout {rids[row]}: column '{name}' is null")
+    seq = pc.list_value_length(table.column("input_ids")).to_numpy().astype(np.int64)  # [N]
+    plen = table.column("prompt_len").to_numpy().astype(np.int64)  # [N]
+    resp = seq - plen  # [N]
+    _check(sdir, rids, (plen < 1) | (resp < 0), "prompt_len", "must be in [1, len(input_ids)]")
+    for name in ("behavior_logprobs", "ref_logprobs"):
+        n = pc.list_value_length(table.column(name)).to_numpy().astype(np.int64)  # [N]
+        _check(sdir, rids, n != resp, name, "must have one value per response token")
+    adv = table.column("advantage").to_numpy().astype(np.float32)  # [N]
+    _check(sdir, rids, ~np.isfinite(adv), "advantage", "must be finite")
+    if resp.sum() == 0:
+        raise StageError(f"{sdir}: no row has a response token; nothing to train on")
+    chunk = {name: table.column(name).chunk(0) for name in COLUMNS[1:]}
+    return Shards(
+        rollout_ids=rids,
+        ids=_flat(chunk["input_ids"], np.int64),
+        ids_off=_offsets(seq),
+        prompt_lens=plen,
+        old=_flat(chunk["behavior_logprobs"], np.float32),
+        ref=_flat(chunk["ref_logprobs"], np.float32),
+        resp_off=_offsets(resp),
+        adv=adv,
+    )
+
+
+def _check(sdir: Path, rids: list[str], bad: np.ndarray, column: str, what: str) -> None:
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise StageError(f"{sdir}: rollout {rids[row]}: column '{column}' {what}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step: its micro-batches over all ranks (row indices) and global counts."""
+
+    index: int  # over all epochs
+    epoch: int
+    micro: tuple[tuple[int, ...], ...]
+    tokens: int  # response tokens of the step (all ranks): the token_mean normaliser
+    sequences: int  # rows with at least one response token: the seq_mean_* normaliser
+    filler: int  # the step's shortest row, run with weight 0 by a rank short of micro-batches
+
+    def for_rank(self, rank: int, world: int) -> list[tuple[tuple[int, ...], float]]:
+        """(rows, weight) of the micro-batches `rank` runs; every rank gets the same count."""
+        mine = [(mb, 1.0) for mb in self.micro[rank::world]]
+        count = -(-len(self.micro) // world)
+        return mine + [((self.filler,), 0.0)] * (count - len(mine))
+
+
+def cut_balanced(tokens: Sequence[int], budget: int) -> list[list[int]]:
+    """Contiguous groups of indices with balanced token sums, at most ceil(sum / budget) of them.
+
+    Cutting [0, total) into n equal spans, item i joins the span holding its middle token.
+    """
+    total = int(sum(tokens))
+    if total == 0:
+        return [list(range(len(tokens)))] if len(tokens) else []
+    n = max(1, math.ceil(total / budget))
+    groups: list[list[int]] = [[] for _ in range(n)]
+    before = 0
+    for i, t in enumerate(tokens):
+        groups[min(n - 1, (2 * before + int(t)) * n // (2 * total))].append(i)
+        before += int(t)
+    return [g for g in groups if g]
+
+
+def _step(index: int, epoch: int, micro: list[tuple[int, ...]], resp_lens: np.ndarray) -> Step:
+    rows = [i for mb in micro for i in mb]
+    lens = resp_lens[rows]  # [n]
+    filler = rows[int(np.argmin(lens))]
+    return Step(index, epoch, tuple(micro), int(lens.sum()), int((lens > 0).sum()), filler)
+
+
+def plan_steps(
+    resp_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    tokens_per_step: int,
+    max_tokens_per_batch: int,
+    epochs: int,
+    seed: tuple[int, ...],
+) -> list[Step]:
+    """Every optimizer step of the stage, in order (see the module docstring)."""
+    first: list[list[tuple[int, ...]]] = []
+    for rows in cut_balanced(resp_lens.tolist(), tokens_per_step):
+        batches = token_budget_batches([int(seq_lens[i]) for i in rows], max_tokens_per_batch)
+        first.append([tuple(rows[k] for k in b) for b in batches])
+    steps = [_step(i, 0, micro, resp_lens) for i, micro in enumerate(first)]
+    micro_all = [mb for micro in first for mb in micro]
+    for epoch in range(1, epochs):
+        rng = np.random.default_rng([*seed, epoch])
+        order = [micro_all[j] for j in rng.permutation(len(micro_all))]
+        per_mb = [int(resp_lens[list(mb)].sum()) for mb in order]
+        for group in cut_balanced(per_mb, tokens_per_step):
+            steps.append(_step(len(steps), epoch, [order[j] for j in group], resp_lens))
+    return steps
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+    """Multiplier of the base lr at optimizer step `step` (0-based) of `total`.
+
+    Linear warmup (step + 1) / warmup over the first `warmup` steps, then constant, or a
+    cosine / linear decay from 1 towards 0 over the remaining steps. The schedule is a pure
+    function of the step, so the step index in a checkpoint is the whole scheduler state.
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 1.0
+
+
+def micro_batch(s: Shards, rows: Sequence[int], device: Any) -> Any:
+    """Rows -> TensorDict [B] of right-padded input_ids [B, L], old/ref log-probs [B, T], ..."""
+    import torch
+    from tensordict import TensorDict
+
+    rows = list(rows)
+    seq, resp = s.seq_lens[rows], s.resp_lens[rows]  # [B], [B]
+    b, width, t = len(rows), int(seq.max()), int(resp.max())
+    ids = np.zeros((b, width), np.int64)  # [B, L]
+    old, ref = np.zeros((b, t), np.float32), np.zeros((b, t), np.float32)  # [B, T]
+    for k, i in enumerate(rows):
+        ids[k, : seq[k]] = s.ids[s.ids_off[i] : s.ids_off[i + 1]]
+        old[k, : resp[k]] = s.old[s.resp_off[i] : s.resp_off[i + 1]]
+        ref[k, : resp[k]] = s.ref[s.resp_off[i] : s.resp_off[i + 1]]
+    mask = np.arange(t)[None, :] < resp[:, None]  # [B, T]
+    data = {
+        "input_ids": ids,
+        "seq_lens": seq,
+        "prompt_lens": s.prompt_lens[rows],
+        "old_logprobs": old,
+        "ref_logprobs": ref,
+        "advantages": s.adv[rows],
+        "mask": mask,
+    }
+    return TensorDict(
+        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in data.items()}, batch_size=[b]
+    ).to(device)
+
+
+def sequences(td: Any) -> tuple[list[list[int]], list[int]]:
+    """A micro-batch TensorDict -> (token lists, prompt lengths) for forward.response_logprobs."""
+    lens = td["seq_lens"].tolist()
+    seqs = [row[:n] for row, n in zip(td["input_ids"].tolist(), lens, strict=True)]
+    return seqs, td["prompt_lens"].tolist()

@@ -1,0 +1,177 @@
+"""One GRPO optimizer step over a step's micro-batches, under DDP or not; old log-probs recompute.
+
+Per step: the global normaliser (response tokens, or sequences for the seq_mean_* variants)
+is known from the lengths before any backward pass and is passed to `grpo_loss` as
+`denominator`, so the summed micro-batch losses equal the loss of one big batch however the
+step is split into micro-batches and ranks. DDP averages gradients over ranks, so each rank
+back-propagates `world * loss`. Gradients are synchronised only on the last micro-batch.
+
+Metrics per step: the loss terms are summed over micro-batches and ranks (they already carry
+the global normaliser); clip_fraction, kl_approx, kl_to_ref, entropy and ratio_mean are
+token-weighted means, i.e. the masked means over all the step's real tokens; ess is computed
+once over all the step's sequences (from their log importance weights, on every rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlhf_batch.core.losses import grpo_loss
+from rlhf_batch.errors import StageError
+from rlhf_batch.forward import response_logprobs
+from rlhf_batch.stages.train_data import Shards, Step, lr_factor, micro_batch, sequences
+
+LOSSES = ("loss", "loss_objective", "loss_kl_to_ref", "loss_entropy")
+TOKEN_MEANS = ("clip_fraction", "kl_approx", "kl_to_ref", "entropy", "ratio_mean")
+
+
+class LogProbs(torch.nn.Module):
+    """The policy as DDP sees it: (token lists, prompt lengths) -> (logp, mask, entropy) [B, T]."""
+
+    def __init__(self, model: Any, temperature: float, pad_id: int):
+        super().__init__()
+        self.model, self.temperature, self.pad_id = model, temperature, pad_id
+
+    def forward(self, seqs: list[list[int]], prompt_lens: list[int]) -> tuple[torch.Tensor, ...]:
+        logp, mask, ent = response_logprobs(
+            self.model, seqs, prompt_lens, self.temperature, pad_id=self.pad_id, with_entropy=True
+        )
+        assert ent is not None
+        return logp, mask, ent  # [B, T] each
+
+
+def _all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    import torch.distributed as td
+
+    if td.is_available() and td.is_initialized() and td.get_world_size() > 1:
+        td.all_reduce(x, op=td.ReduceOp.MAX if op == "max" else td.ReduceOp.SUM)
+    return x
+
+
+class StepMetrics:
+    """Sums of one step's micro-batch metrics on this rank; `reduce` combines all ranks."""
+
+    def __init__(self, device: Any):
+        self.sums = torch.zeros(len(LOSSES) + len(TOKEN_MEANS) + 1, dtype=torch.float64, device=device)
+        self.log_w: list[torch.Tensor] = []
+
+    def add(self, out: Any, mask: torch.Tensor, logp: torch.Tensor, old: torch.Tensor, weight: float) -> None:
+        n = mask.sum().double() * weight  # []
+        losses = [getattr(out, k).detach().double() * weight for k in LOSSES]
+        means = [getattr(out, k).double() * n for k in TOKEN_MEANS]
+        self.sums += torch.stack([*losses, *means, n])  # [K]
+        if weight:
+            log_w = torch.where(mask, logp.detach() - old, 0.0).sum(-1)  # [B]
+            self.log_w.append(log_w[mask.any(-1)].double())  # [B']
+
+    def reduce(self) -> dict[str, float]:
+        sums = _all_reduce(self.sums).tolist()
+        tokens = max(sums[-1], 1.0)
+        out = dict(zip(LOSSES, sums[: len(LOSSES)], strict=True))
+        out.update({k: v / tokens for k, v in zip(TOKEN_MEANS, sums[len(LOSSES) : -1], strict=True)})
+        out["ess"] = self._ess()
+        return out
+
+    def _ess(self) -> float:
+        """(sum w)^2 / (n sum w^2) over the step's sequences, w = exp(log_w), shifted by the max."""
+        log_w = torch.cat(self.log_w) if self.log_w else self.sums.new_zeros(0)  # [n]
+        top = log_w.max() if len(log_w) else self.sums.new_tensor(-1e300)  # []
+        top = _all_reduce(top.clone(), "max")
+        w = torch.exp(log_w - top)  # [n], <= 1
+        s1, s2, n = _all_reduce(torch.stack([w.sum(), (w * w).sum(), w.new_tensor(len(w))])).tolist()
+        return s1 * s1 / (n * s2) if n else 0.0
+
+
+@dataclass
+class Trainer:
+    model: Any  # the Hugging Face model (float32 master weights)
+    net: torch.nn.Module  # LogProbs(model), wrapped in DDP when world > 1
+    optimizer: torch.optim.Optimizer
+    data: Shards
+    tcfg: Any  # TrainConfig
+    loss_kwargs: dict[str, Any]
+    total_steps: int
+    device: Any
+    world: int
+    rank: int
+    bf16: bool
+
+    def forward(self, td: Any) -> tuple[torch.Tensor, ...]:
+        seqs, prompt_lens = sequences(td)
+        with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.bf16):
+            logp, mask, ent = self.net(seqs, prompt_lens)  # [B, T] each
+        return logp.float(), mask, ent.float()
+
+    def step(self, step: Step) -> dict[str, Any]:
+        """Run one optimizer step; returns its metrics row (schemas.METRICS)."""
+        t0 = time.perf_counter()
+        tc = self.tcfg
+        denominator = float(max(1, step.tokens if tc.aggregation == "token_mean" else step.sequences))
+        metrics = StepMetrics(self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        work = step.for_rank(self.rank, self.world)
+        for j, (rows, weight) in enumerate(work):
+            td = micro_batch(self.data, rows, self.device)
+            last = j == len(work) - 1
+            sync = contextlib.nullcontext() if last or self.world == 1 else self.net.no_sync()  # type: ignore[operator]
+            with sync:
+                logp, mask, ent = self.forward(td)  # [B, T] each
+                out = grpo_loss(
+                    logp,
+                    td["old_logprobs"],
+                    td["advantages"],
+                    mask,
+                    ref_logprobs=td["ref_logprobs"],
+                    entropy=ent if tc.entropy_coef else ent.detach(),
+                    denominator=denominator,
+                    **self.loss_kwargs,
+                )
+                (out.loss * (weight * self.world)).backward()  # type: ignore[no-untyped-call]
+            metrics.add(out, mask, logp, td["old_logprobs"], weight)
+        max_norm = tc.max_grad_norm if tc.max_grad_norm > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if not math.isfinite(grad_norm):
+            raise StageError(
+                f"train step {step.index}: gradient norm is {grad_norm}; lower train.lr or check the advantages"
+            )
+        lr = tc.lr * lr_factor(step.index, self.total_steps, tc.warmup_steps, tc.lr_schedule)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        row = metrics.reduce()
+        seconds = time.perf_counter() - t0
+        row.update(
+            step=step.index,
+            epoch=step.epoch,
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens=step.tokens,
+            sequences=step.sequences,
+            tokens_per_s=step.tokens / max(seconds, 1e-9),
+        )
+        return row
+
+
+@torch.no_grad()
+def recompute_old(trainer: Trainer, steps: list[Step]) -> None:
+    """Replace the behaviour log-probs by the current policy's (before the first update).
+
+    Each rank computes the epoch-0 micro-batches it owns (together they cover every row once)
+    into a flat [sum T] buffer; a sum over ranks gives every rank all of them.
+    """
+    data = trainer.data
+    flat = torch.zeros(len(data.old), dtype=torch.float32, device=trainer.device)  # [sum T]
+    for step in (s for s in steps if s.epoch == 0):
+        for rows, weight in step.for_rank(trainer.rank, trainer.world):
+            if not weight:
+                continue
+            logp, mask, _ = trainer.forward(micro_batch(data, rows, trainer.device))  # [B, T]
+            for k, i in enumerate(rows):
+                flat[data.resp_off[i] : data.resp_off[i + 1]] = logp[k][mask[k]]
+    data.old = _all_reduce(flat).cpu().numpy()

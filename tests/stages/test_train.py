@@ -1,0 +1,435 @@
+"""Tests of the train stage: real tiny model, real Parquet shards written with the shards API.
+
+Expected numbers are worked out by hand in the comments. The advantage stage is not used:
+`make_table` builds an advantages table whose behaviour log-probs come from the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import tomli_w
+import torch
+from safetensors.torch import load_file
+
+from rlhf_batch import checkpoint, shards
+from rlhf_batch.errors import StageError
+from rlhf_batch.forward import response_logprobs
+from rlhf_batch.models import load_model
+from rlhf_batch.schemas import ADVANTAGES, METRICS
+from rlhf_batch.stages import train
+from rlhf_batch.stages.train_data import Step, cut_balanced, lr_factor, plan_steps
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def make_table(
+    model_dir: Path,
+    prompt_lens: Sequence[int],
+    resp_lens: Sequence[int],
+    *,
+    seed: int = 0,
+    advantages: Sequence[float] | None = None,
+    old_shift: Sequence[float] | float = 0.0,
+    ref_shift: float = 0.0,
+) -> pa.Table:
+    """Random token ids of the tiny vocab; behaviour log-probs = the model's (temperature 1)
+    plus `old_shift` per row; ref = the model's + `ref_shift`; advantages made up unless given."""
+    rng = np.random.default_rng(seed)
+    n = len(prompt_lens)
+    seqs = [rng.integers(5, 100, p + r).tolist() for p, r in zip(prompt_lens, resp_lens, strict=True)]
+    model = load_model(str(model_dir), "policy", dtype="float32")
+    with torch.no_grad():
+        logp, mask, _ = response_logprobs(model, seqs, list(prompt_lens), 1.0, pad_id=1)  # [B, T]
+    shifts = [float(old_shift)] * n if isinstance(old_shift, float | int) else list(old_shift)
+    true = [logp[i][mask[i]] for i in range(n)]
+    adv = rng.normal(size=n).tolist() if advantages is None else list(advantages)
+    return pa.table(
+        {
+            "rollout_id": [f"0000-p{i // 4}-{i % 4}" for i in range(n)],
+            "prompt_id": [f"p{i // 4}" for i in range(n)],
+            "input_ids": seqs,
+            "prompt_len": list(prompt_lens),
+            "behavior_logprobs": [(t + s).tolist() for t, s in zip(true, shifts, strict=True)],
+            "ref_logprobs": [(t + ref_shift).tolist() for t in true],
+            "advantage": adv,
+            "reward": [0.0] * n,
+            "group_size": [4] * n,
+            "group_mean": [0.0] * n,
+            "group_std": [1.0] * n,
+        }
+    )
+
+
+def write_advantages(run_dir: str | Path, table: pa.Table, iteration: int = 0) -> Path:
+    sdir = shards.stage_dir(run_dir, iteration, "advantages")
+    stage = shards.StageRun(sdir, "advantage", {"test": True}, {"rows": table.num_rows})
+    stage.write(0, table, ADVANTAGES)
+    stage.finish(1)
+    return sdir
+
+
+def weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def train_toml(**train_keys: object) -> str:
+    return tomli_w.dumps({"train": train_keys})
+
+
+def metrics(run_dir: str | Path, iteration: int = 0) -> pa.Table:
+    return pq.read_table(shards.stage_dir(run_dir, iteration, "train") / "metrics.parquet")
+
+
+def random_lengths(n: int, seed: int = 1) -> tuple[list[int], list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(2, 5, n).tolist(), rng.integers(1, 7, n).tolist()
+
+
+# ---------------------------------------------------------------------------- plan (pure)
+
+
+def test_cut_balanced_makes_contiguous_steps_of_equal_tokens() -> None:
+    # 24 tokens / 8 -> 3 steps; row i goes to step (its middle token) * 3 // 24:
+    # middles 2, 6, 10, 14, 18, 22 -> 0, 0, 1, 1, 2, 2
+    assert cut_balanced([4] * 6, 8) == [[0, 1], [2, 3], [4, 5]]
+    # 8 tokens / 4 -> 2 steps; middles 1.5, 3.5, 4.5, 6.5 -> x 2 / 8 -> 0, 0, 1, 1 (sums 4 and 4)
+    assert cut_balanced([3, 1, 1, 3], 4) == [[0, 1], [2, 3]]
+    # chunky items of about the budget land one per step: 192 tokens / 64 -> 3 steps;
+    # middles 28, 87, 148 -> x 3 / 192 -> 0, 1, 2 (by first tokens, 0, 56, 118: 0, 0, 1)
+    assert cut_balanced([56, 62, 60], 64) == [[0], [1], [2]]
+    # 5 tokens / 100 -> 1 step with every row
+    assert cut_balanced([2, 3], 100) == [[0, 1]]
+
+
+def test_plan_keeps_row_order_then_reshuffles_micro_batches() -> None:
+    resp, seq = np.array([4] * 6), np.array([7] * 6)
+    # epoch 0: steps of 8 tokens = rows (0,1), (2,3), (4,5); 2 rows x 7 tokens fit a budget of 14
+    plan = plan_steps(resp, seq, tokens_per_step=8, max_tokens_per_batch=14, epochs=2, seed=(0, 0))
+    assert [s.micro for s in plan[:3]] == [((0, 1),), ((2, 3),), ((4, 5),)]
+    assert [(s.index, s.epoch, s.tokens, s.sequences) for s in plan] == [
+        (0, 0, 8, 2),
+        (1, 0, 8, 2),
+        (2, 0, 8, 2),
+        (3, 1, 8, 2),
+        (4, 1, 8, 2),
+        (5, 1, 8, 2),
+    ]
+    # epoch 1: the same three micro-batches, one per step, in a seeded order
+    assert sorted(s.micro for s in plan[3:]) == [((0, 1),), ((2, 3),), ((4, 5),)]
+    assert plan == plan_steps(resp, seq, 8, 14, 2, (0, 0))
+
+
+def test_plan_micro_batches_respect_the_token_budget() -> None:
+    resp, seq = np.array([1, 2, 3, 4, 5, 6]), np.array([3, 4, 5, 6, 7, 8])
+    # one step (21 tokens <= 100); budget 10 -> rows longest first: (5) 8, (4) 7, (3,2) 2x6=12>10 ...
+    (step,) = plan_steps(resp, seq, 100, 10, 1, (0, 0))
+    assert sorted(i for mb in step.micro for i in mb) == [0, 1, 2, 3, 4, 5]
+    assert all(len(mb) * max(seq[list(mb)]) <= 10 for mb in step.micro)
+    assert (step.tokens, step.sequences) == (21, 6)
+
+
+def test_step_for_rank_pads_short_ranks_with_a_zero_weight_row() -> None:
+    step = Step(index=0, epoch=0, micro=((0, 1), (2,), (3,)), tokens=9, sequences=4, filler=2)
+    # 3 micro-batches on 2 ranks: rank 0 gets #0 and #2, rank 1 gets #1 and a weight-0 filler
+    assert step.for_rank(0, 2) == [((0, 1), 1.0), ((3,), 1.0)]
+    assert step.for_rank(1, 2) == [((2,), 1.0), ((2,), 0.0)]
+    assert step.for_rank(0, 1) == [((0, 1), 1.0), ((2,), 1.0), ((3,), 1.0)]
+
+
+def test_lr_factor_warmup_then_decay() -> None:
+    # warmup 2 of 6 steps: (s + 1) / 2 -> 0.5, 1.0; then progress (s - 2) / 4
+    assert lr_factor(0, 6, 2, "cosine") == pytest.approx(0.5)
+    assert lr_factor(1, 6, 2, "cosine") == pytest.approx(1.0)
+    assert lr_factor(2, 6, 2, "cosine") == pytest.approx(1.0)  # cos(0)
+    assert lr_factor(3, 6, 2, "cosine") == pytest.approx(0.853553, abs=1e-6)  # 0.5 (1 + cos(pi/4))
+    assert lr_factor(5, 6, 2, "cosine") == pytest.approx(0.146447, abs=1e-6)  # 0.5 (1 + cos(3pi/4))
+    assert lr_factor(4, 6, 2, "linear") == pytest.approx(0.5)  # 1 - 2/4
+    assert lr_factor(5, 6, 0, "constant") == 1.0
+
+
+# ---------------------------------------------------------------------------- checkpoint
+
+
+def test_checkpoint_roundtrip_keeps_only_the_newest(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    root = tmp_path / "checkpoint"
+    (root / ".tmp-step-00000009-1").mkdir(parents=True)  # a kill during a save: ignored
+    checkpoint.save(root, 1, model, opt, {"key": "k", "metrics": []})
+    checkpoint.save(root, 2, model, opt, {"key": "k", "metrics": [{"a": 1.5}]})
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000002"]
+
+    fresh = torch.nn.Linear(3, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    state = checkpoint.load_latest(root, fresh, fresh_opt, "k", "cpu")
+    assert state is not None and state["next_step"] == 2 and state["metrics"] == [{"a": 1.5}]
+    assert torch.equal(fresh.weight, model.weight)
+    exp_avg = fresh_opt.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(exp_avg, opt.state_dict()["state"][0]["exp_avg"])
+    with pytest.raises(StageError, match="another config"):
+        checkpoint.load_latest(root, fresh, fresh_opt, "other", "cpu")
+
+
+# ---------------------------------------------------------------------------- the stage
+
+
+def test_train_writes_policy_metrics_and_manifest(make_config, tiny_model: Path) -> None:
+    # 12 rows, prompt 3 + response 4 tokens: 48 tokens; 16 per step -> 3 steps per epoch
+    path, cfg = make_config(
+        train_toml(lr=1e-2, tokens_per_step=16, max_tokens_per_batch=14, ppo_epochs=2, checkpoint_every=2)
+    )
+    write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 12, [4] * 12))
+    m = train.run(cfg, 0, quiet=True)
+
+    table = metrics(cfg.run_dir)
+    assert table.schema.remove_metadata().equals(METRICS)
+    # epoch 1: 6 micro-batches of 2 rows (2 x 7 <= 14), 8 tokens each, regrouped 2 per step -> 3 steps
+    assert table.column("step").to_pylist() == [0, 1, 2, 3, 4, 5]
+    assert table.column("epoch").to_pylist() == [0, 0, 0, 1, 1, 1]
+    assert table.column("tokens").to_pylist() == [16] * 6
+    assert table.column("sequences").to_pylist() == [4] * 6
+    assert table.column("lr").to_pylist() == [1e-2] * 6
+    # before the first update the policy is the behaviour policy: ratio 1, nothing clipped
+    first = table.slice(0, 1).to_pylist()[0]
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert first["clip_fraction"] == 0.0
+    assert first["kl_approx"] == pytest.approx(0.0, abs=1e-6)
+    assert first["ess"] == pytest.approx(1.0, abs=1e-5)
+    assert table.column("ratio_mean").to_pylist()[-1] != pytest.approx(1.0, abs=1e-4)  # it did learn
+
+    sdir = shards.stage_dir(cfg.run_dir, 0, "train")
+    assert m == shards.manifest(sdir)
+    counts = m["counts"]  # 48 tokens x 2 epochs
+    assert (m["rows"], counts["steps"], counts["sequences"], counts["tokens"]) == (6, 6, 12, 96)
+    assert sorted(p.name for p in sdir.iterdir()) == ["_manifest.json", "metrics.parquet"]  # no checkpoint
+    assert max_diff(weights(shards.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) > 1e-3
+
+
+def test_policy_loads_with_transformers_and_generates(make_config, tiny_model: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, cfg = make_config(train_toml(lr=1e-2))
+    write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8)))
+    train.run(cfg, 0, quiet=True)
+    out = shards.policy_dir(cfg.run_dir, 0)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("count the a", return_tensors="pt")
+    gen = model.generate(
+        **ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id
+    )
+    assert gen.shape == (1, ids["input_ids"].shape[1] + 3)
+    assert model.dtype == torch.float32  # saved in the starting checkpoint's dtype
+
+
+def test_lr_zero_leaves_the_weights_unchanged(make_config, tiny_model: Path) -> None:
+    _, cfg = make_config(train_toml(lr=0.0, weight_decay=0.1, tokens_per_step=8, ppo_epochs=2))
+    write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8)))
+    train.run(cfg, 0, quiet=True)
+    assert max_diff(weights(shards.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) == 0.0
+    assert all(g > 0 for g in metrics(cfg.run_dir).column("grad_norm").to_pylist())  # gradients were there
+
+
+def test_lr_schedule_and_grad_norm_in_the_metrics(make_config, tiny_model: Path) -> None:
+    # 12 rows x 4 tokens, 8 per step: 6 steps; warmup 2 then cosine over 4 (see test_lr_factor):
+    # 0.01 x [0.5, 1, 1, 0.853553, 0.5, 0.146447]
+    keys = dict(lr=0.01, warmup_steps=2, lr_schedule="cosine", tokens_per_step=8, max_grad_norm=1e-6)
+    _, cfg = make_config(train_toml(**keys))
+    write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 12, [4] * 12))
+    train.run(cfg, 0, quiet=True)
+    table = metrics(cfg.run_dir)
+    expected = [0.005, 0.01, 0.01, 0.00853553, 0.005, 0.00146447]
+    assert table.column("lr").to_pylist() == pytest.approx(expected, abs=1e-8)
+    # the norm is logged before clipping to 1e-6
+    assert min(table.column("grad_norm").to_pylist()) > 1e-3
+
+
+def test_old_logprobs_stored_or_recomputed(make_config, tiny_model: Path) -> None:
+    # behaviour log-probs stored 0.5 below the model's: log r = 0.5 on every token -> r = e^0.5
+    table = make_table(tiny_model, *random_lengths(8), old_shift=-0.5)
+    _, cfg = make_config(train_toml(lr=0.0))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    assert metrics(cfg.run_dir).column("ratio_mean")[0].as_py() == pytest.approx(1.648721, abs=1e-5)
+    # recompute_old: the old log-probs are the starting policy's, so r = 1 again
+    _, cfg2 = make_config(
+        train_toml(lr=0.0, recompute_old=True), name="b.toml", run_dir=str(Path(cfg.run_dir).parent / "b")
+    )
+    write_advantages(cfg2.run_dir, table)
+    train.run(cfg2, 0, quiet=True)
+    first = metrics(cfg2.run_dir).slice(0, 1).to_pylist()[0]
+    assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and first["clip_fraction"] == 0.0
+
+
+def test_ess_and_clip_fraction_are_over_the_whole_step(make_config, tiny_model: Path) -> None:
+    # two 1-token responses, one micro-batch each; row 1's behaviour is ln 2 lower -> w = 1 and 2
+    # ess = (1 + 2)^2 / (2 (1 + 4)) = 0.9 ; ratio_mean = 1.5 ; A > 0 and r = 2 > 1.2 binds on 1 of 2
+    table = make_table(tiny_model, [3, 3], [1, 1], advantages=[1.0, 1.0], old_shift=[0.0, -math.log(2)])
+    _, cfg = make_config(train_toml(lr=0.0, max_tokens_per_batch=4))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    row = metrics(cfg.run_dir).to_pylist()[0]
+    assert row["ess"] == pytest.approx(0.9, abs=1e-5)
+    assert row["ratio_mean"] == pytest.approx(1.5, abs=1e-5)
+    assert row["clip_fraction"] == pytest.approx(0.5)
+    # token_mean over 2 tokens: -(1 * 1 + 1.2 * 1) / 2 = -1.1
+    assert row["loss_objective"] == pytest.approx(-1.1, abs=1e-5)
+
+
+def test_kl_to_ref_and_entropy_in_the_loss(make_config, tiny_model: Path) -> None:
+    # ref = policy - 0.3 on every token: k3 = e^-0.3 + 0.3 - 1 = 0.040818 ; loss term 0.5 * that
+    table = make_table(tiny_model, *random_lengths(8), advantages=[0.0] * 8, ref_shift=-0.3)
+    _, cfg = make_config(train_toml(lr=0.0, kl_coef=0.5, entropy_coef=0.01))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    row = metrics(cfg.run_dir).to_pylist()[0]
+    assert row["kl_to_ref"] == pytest.approx(0.040818, abs=1e-5)
+    assert row["loss_kl_to_ref"] == pytest.approx(0.020409, abs=1e-5)
+    vocab = 105  # the tiny char tokenizer: entropy is in (0, ln V]
+    assert 0 < row["entropy"] <= math.log(vocab) + 1e-4
+    assert row["loss_entropy"] == pytest.approx(-0.01 * row["entropy"], rel=1e-5)
+    # A = 0: the objective is 0; loss = kl term + entropy term
+    assert row["loss"] == pytest.approx(row["loss_kl_to_ref"] + row["loss_entropy"], abs=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_micro_batching_does_not_change_a_step(
+    make_config, tiny_model: Path, tmp_path: Path, aggregation: str
+) -> None:
+    # one step per epoch, 2 epochs; micro-batches of one row (budget 7) vs one micro-batch (1000).
+    # A small lr: AdamW divides each gradient element by its magnitude, so float noise in near-zero
+    # gradients (k_proj.bias: exactly 0 in theory) becomes a change of order lr.
+    table = make_table(tiny_model, [3] * 8, [1, 2, 3, 4, 4, 3, 2, 1])
+    results = []
+    for name, budget in (("a", 7), ("b", 1000)):
+        keys = dict(lr=1e-4, aggregation=aggregation, ppo_epochs=2, max_tokens_per_batch=budget)
+        _, cfg = make_config(train_toml(**keys), name=f"{name}.toml", run_dir=str(tmp_path / name))
+        write_advantages(cfg.run_dir, table)
+        train.run(cfg, 0, quiet=True)
+        results.append((metrics(cfg.run_dir).to_pylist(), weights(shards.policy_dir(cfg.run_dir, 0))))
+    (rows_a, w_a), (rows_b, w_b) = results
+    assert len(rows_a) == len(rows_b) == 2
+    for a, b in zip(rows_a, rows_b, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    assert max_diff(w_a, w_b) < 1e-5 < 1e-4 < max_diff(w_a, weights(tiny_model))
+
+
+def test_rerun_is_skipped_other_config_refused_unless_force(make_config, tiny_model: Path) -> None:
+    _, cfg = make_config(train_toml(lr=0.0))
+    write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(4)))
+    first = train.run(cfg, 0, quiet=True)
+    policy = shards.policy_dir(cfg.run_dir, 0) / "model.safetensors"
+    mtime = policy.stat().st_mtime_ns
+    assert train.run(cfg, 0, quiet=True) == first
+    assert policy.stat().st_mtime_ns == mtime
+    _, other = make_config(train_toml(lr=1e-2), name="other.toml")
+    with pytest.raises(StageError, match="different config"):
+        train.run(other, 0, quiet=True)
+    forced = train.run(other, 0, force=True, quiet=True)
+    assert forced["config"]["train"]["lr"] == 1e-2
+    assert max_diff(weights(shards.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) > 1e-3
+
+
+def test_iteration_starts_from_the_previous_policy(make_config, tiny_model: Path) -> None:
+    _, cfg = make_config(train_toml(lr=1e-2))
+    table = make_table(tiny_model, *random_lengths(4))
+    write_advantages(cfg.run_dir, table, iteration=1)
+    with pytest.raises(StageError, match="iter=0000/train"):
+        train.run(cfg, 1, quiet=True)
+    write_advantages(cfg.run_dir, table, iteration=0)
+    train.run(cfg, 0, quiet=True)
+    _, zero_lr = make_config(train_toml(lr=0.0), name="zero.toml")
+    train.run(zero_lr, 1, quiet=True)
+    w0, w1 = weights(shards.policy_dir(cfg.run_dir, 0)), weights(shards.policy_dir(cfg.run_dir, 1))
+    assert max_diff(w1, w0) == 0.0 < max_diff(w1, weights(tiny_model))
+
+
+def test_missing_empty_or_bad_advantages_are_named(make_config, tiny_model: Path) -> None:
+    _, cfg = make_config()
+    with pytest.raises(StageError, match=r"iter=0000/advantages: advantages are missing"):
+        train.run(cfg, 0, quiet=True)
+    sdir = write_advantages(cfg.run_dir, ADVANTAGES.empty_table())
+    with pytest.raises(StageError, match="0 rows"):
+        train.run(cfg, 0, quiet=True)
+    table = make_table(tiny_model, [3, 3], [2, 2])
+    bad = table.set_column(4, "behavior_logprobs", pa.array([[-1.0, -1.0], [-1.0]], pa.list_(pa.float32())))
+    for p in sdir.iterdir():
+        p.unlink()
+    write_advantages(cfg.run_dir, bad)
+    with pytest.raises(StageError, match=r"rollout 0000-p0-1: column 'behavior_logprobs'"):
+        train.run(cfg, 0, quiet=True)
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(
+    make_config, tiny_model: Path, tmp_path: Path
+) -> None:
+    # 24 rows x 4 tokens, 4 tokens per step, 2 epochs: 48 steps; a checkpoint every 4 steps
+    table = make_table(tiny_model, [3] * 24, [4] * 24)
+    keys = dict(lr=1e-2, tokens_per_step=4, ppo_epochs=2, checkpoint_every=4)
+    path, cfg = make_config(train_toml(**keys))
+    write_advantages(cfg.run_dir, table)
+    ckpt = shards.stage_dir(cfg.run_dir, 0, "train") / "checkpoint"
+    log = open(tmp_path / "killed.log", "w")  # noqa: SIM115
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf_batch", "train", str(path), "--iter", "0", "-q"],
+        stdout=log,
+        stderr=log,
+        env=env,
+    )
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not list(ckpt.glob("step-*")) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.kill()
+    proc.wait()
+    saved = checkpoint.latest(ckpt)
+    assert saved is not None, (tmp_path / "killed.log").read_text()
+    assert shards.manifest(ckpt.parent) is None  # killed before the end
+    before = json.loads((saved / "state.json").read_text())["metrics"]
+
+    train.run(cfg, 0, quiet=True)
+    rows = metrics(cfg.run_dir).to_pylist()
+    assert len(rows) == 48
+    assert rows[: len(before)] == before  # resumed: the killed run's rows, timings included
+    _, ref = make_config(train_toml(**keys), name="ref.toml", run_dir=str(tmp_path / "ref"))
+    write_advantages(ref.run_dir, table)
+    train.run(ref, 0, quiet=True)
+    assert (
+        max_diff(weights(shards.policy_dir(cfg.run_dir, 0)), weights(shards.policy_dir(ref.run_dir, 0)))
+        < 1e-6
+    )
+
+
+def test_gradient_checkpointing_gives_the_same_steps(make_config, tiny_model: Path, tmp_path: Path) -> None:
+    table = make_table(tiny_model, *random_lengths(8))
+    out = []
+    for on in (False, True):
+        keys = dict(lr=1e-4, tokens_per_step=12, gradient_checkpointing=on)
+        _, cfg = make_config(train_toml(**keys), name=f"{on}.toml", run_dir=str(tmp_path / str(on)))
+        write_advantages(cfg.run_dir, table)
+        train.run(cfg, 0, quiet=True)
+        out.append((metrics(cfg.run_dir).to_pylist(), weights(shards.policy_dir(cfg.run_dir, 0))))
+    (rows_off, w_off), (rows_on, w_on) = out
+    assert [r["grad_norm"] for r in rows_on] == pytest.approx([r["grad_norm"] for r in rows_off], rel=1e-5)
+    assert max_diff(w_on, w_off) < 1e-5 < 1e-4 < max_diff(w_on, weights(tiny_model))
