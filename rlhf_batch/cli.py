@@ -44,8 +44,10 @@ def _stage(name: str, config: Path, iteration: int, overrides: list[str] | None,
     import importlib
 
     from rlhf_batch import dist
+    from rlhf_batch.models import set_threads
 
     cfg = _config(config, overrides)
+    set_threads(cfg.threads)
     dist.init(cfg.device)
     module = importlib.import_module(f"rlhf_batch.stages.{name}")
     module.run(cfg, iteration, force=force, quiet=quiet)

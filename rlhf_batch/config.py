@@ -111,6 +111,7 @@ class Config:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     trust_remote_code: bool = False
+    threads: int = 0  # CPU threads for torch; 0: torch's default (small models run best on 1)
     in_process: bool = False  # run: stages in this process instead of one subprocess each
     demo: bool = False  # run: build the tiny demo model and prompts when missing
     generate: GenerateConfig = field(default_factory=GenerateConfig)
@@ -132,7 +133,7 @@ class Config:
 
 
 STAGE_TABLES = ("generate", "score", "advantage", "train")
-NOT_IDENTITY = ("iterations", "in_process", "demo")  # run-level keys that change no stage's result
+NOT_IDENTITY = ("iterations", "in_process", "demo", "threads")  # run-level keys that change no stage's result
 PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
 
 
@@ -242,6 +243,7 @@ def _check(cfg: Config, where: str) -> None:
 
     g, s, a, t = cfg.generate, cfg.score, cfg.advantage, cfg.train
     need(cfg.iterations >= 1, "iterations", "must be >= 1")
+    need(cfg.threads >= 0, "threads", "must be >= 0")
     need(g.num_generations >= 1, "generate.num_generations", "must be >= 1")
     need(g.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
     need(g.temperature > 0, "generate.temperature", "must be > 0")

@@ -17,7 +17,9 @@ def init(device: str = "cpu") -> None:
     import torch.distributed as td
 
     if not td.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
+        from rlhf_batch.models import resolve_device
+
+        backend = "nccl" if resolve_device(device).startswith("cuda") else "gloo"
         td.init_process_group(backend=backend)
 
 

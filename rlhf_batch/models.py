@@ -27,6 +27,14 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def set_threads(threads: int) -> None:
+    """Use `threads` CPU threads in torch (0 keeps torch's default)."""
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def cpu_has_bf16() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()

@@ -75,6 +75,10 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
     with RunLock(Path(cfg.run_dir)):
         if cfg.demo:
             ensure_demo_assets(cfg)
+        if cfg.in_process:
+            from rlhf_batch.models import set_threads
+
+            set_threads(cfg.threads)
         for it in range(cfg.iterations):
             for stage, folder in STAGES:
                 if stage_done(cfg, it, stage, folder):

@@ -21,14 +21,16 @@ def sample(
     prompts: Sequence[Sequence[int]],
     seeds: Sequence[int],
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
     stop_ids: set[int] | None = None,
     pad_id: int = 0,
 ) -> list[tuple[list[int], list[float], str]]:
-    """Per row: (response token ids, behaviour log-probs, finish reason 'stop' | 'length')."""
+    """Per row: (response token ids, behaviour log-probs, finish reason 'stop' | 'length').
+
+    `max_new_tokens` is one budget for every row or one per row."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -47,22 +49,26 @@ def sample(
                    use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
     next_pos = attn.sum(-1)  # [B]
     live = torch.arange(n, device=device)  # [b] original row of each running row
+    budget = torch.as_tensor(
+        [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens), device=device
+    )  # [B]
+    steps = int(budget.max())
     tokens: list[list[int]] = [[] for _ in range(n)]
     logps: list[list[float]] = [[] for _ in range(n)]
     reasons = ["length"] * n
-    for step in range(max_new_tokens):
+    for step in range(steps):
         scaled = logits.float() / temperature  # [b, V]
         u = torch.stack([torch.rand((), generator=gens[int(r)]) for r in live.tolist()])  # [b]
         tok = sample_from_uniform(filter_logits(scaled, top_k, top_p), u)  # [b]
         lp = logprobs_from_logits(logits, tok, temperature)  # [b] float32, full vocabulary
-        done = torch.isin(tok, stops)  # [b]
-        for r, t, l_, d in zip(live.tolist(), tok.tolist(), lp.tolist(), done.tolist(), strict=True):
+        stop = torch.isin(tok, stops)  # [b]
+        for r, t, l_, d in zip(live.tolist(), tok.tolist(), lp.tolist(), stop.tolist(), strict=True):
             tokens[r].append(t)
             logps[r].append(l_)
             if d:
                 reasons[r] = "stop"
-        keep = (~done).nonzero().squeeze(-1)  # [b']
-        if keep.numel() == 0 or step == max_new_tokens - 1:
+        keep = (~stop & (budget[live] > step + 1)).nonzero().squeeze(-1)  # [b']
+        if keep.numel() == 0:
             break
         if keep.numel() < live.numel():
             cache.batch_select_indices(keep)

@@ -1,0 +1,259 @@
+"""Shared pieces of the benchmarks: machine facts, matmul peaks, the workload, workers, results.
+
+Every measurement runs in a fresh worker subprocess (`python bench_X.py --worker NAME --spec
+JSON`), so peak memory does not bleed from one measurement into the next. A worker reports
+its figures as one JSON line on stdout; `Mem` gives the peak RSS above a mark (the loaded
+model): it resets the kernel's high-water mark (/proc/self/clear_refs) at the mark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results.md"
+CACHE = Path(os.environ.get("RLHF_BATCH_BENCH_CACHE", "/tmp/rlhf-batch-bench"))
+HEADER = (
+    "| date | machine | benchmark | workload | metric | ours | baseline | ratio | peak mem above model "
+    "(ours / baseline) | target | met |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|\n"
+)
+
+# The workload of the issue: a Qwen2-shaped ~40M-parameter model (tied embeddings), 512 rollouts.
+FULL_MODEL = {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "intermediate": 1408, "vocab_size": 32000}
+TINY_MODEL = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab_size": 0}
+GROUP = 8  # rollouts per prompt
+
+
+# ---------------------------------------------------------------- machine and peaks
+
+
+def machine() -> str:
+    model = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    isa = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "?"
+    bf16 = "bf16 units" if any(f in flags for f in ("amx_bf16", "avx512_bf16")) else "no bf16 units"
+    return f"{model}, {os.cpu_count()} cores, {isa}, {bf16}"
+
+
+def _gflops(fn: Any, flops: float, seconds: float = 1.0) -> float:
+    fn()
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        best = max(best, flops / (time.perf_counter() - t0))
+    return best / 1e9
+
+
+def measure_peaks(n: int = 2048) -> dict[str, float]:
+    """Best GFLOP/s of an n x n matmul through F.linear (the path nn.Linear and autocast take),
+    bf16 and float32. torch.mm in bf16 takes a far slower fallback on AVX2-only CPUs; it is
+    reported too, for the record."""
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        out[f"{name}_gflops"] = _gflops(lambda a=a, b=b: F.linear(a, b), 2 * n**3)
+    a, b = torch.randn(256, 256, dtype=torch.bfloat16), torch.randn(256, 256, dtype=torch.bfloat16)
+    out["bf16_mm_gflops"] = _gflops(lambda: a @ b, 2 * 256**3, 0.3)
+    out["threads"] = torch.get_num_threads()
+    return out
+
+
+# ---------------------------------------------------------------- workload
+
+
+@dataclass
+class Workload:
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids, strict=True))
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(len(r) for r in self.response_ids)
+
+    def head(self, n: int) -> Workload:
+        return Workload(self.prompt_ids[:n], self.response_ids[:n])
+
+
+def response_lengths(n: int, rng: np.random.Generator, cap: int = 512) -> np.ndarray:
+    """Skewed: 70% uniform in cap/64..cap/8, 20% in cap/8+1..cap/2, 10% in cap/2+1..cap
+    (cap 512: 8..64, 65..256, 257..512; mean ~96, median ~45)."""
+    kind = rng.choice(3, size=n, p=[0.7, 0.2, 0.1])
+    lo = np.array([max(1, cap // 64), cap // 8 + 1, cap // 2 + 1])[kind]
+    hi = np.array([cap // 8, cap // 2, cap])[kind]
+    return rng.integers(lo, hi + 1)
+
+
+def make_workload(n: int, vocab: int, *, tiny: bool = False, seed: int = 0) -> Workload:
+    """n rollouts, GROUP per prompt; prompts uniform in 32..256 tokens (4..16 when tiny),
+    responses skewed (see response_lengths; capped at 24 when tiny). Token ids uniform in
+    [5, vocab) (ids 0..4 are the tokenizer's specials)."""
+    rng = np.random.default_rng(seed)
+    n_prompts = -(-n // GROUP)
+    p_lens = rng.integers(4, 17, n_prompts) if tiny else rng.integers(32, 257, n_prompts)
+    prompts = [rng.integers(5, vocab, int(k)).tolist() for k in p_lens]
+    r_lens = response_lengths(n, rng, cap=24 if tiny else 512)
+    return Workload(
+        [prompts[i // GROUP] for i in range(n)], [rng.integers(5, vocab, int(k)).tolist() for k in r_lens]
+    )
+
+
+def lengths_text(w: Workload) -> str:
+    p = np.array([len(x) for x in w.prompt_ids])
+    r = np.array([len(x) for x in w.response_ids])
+    return (
+        f"{len(w)} rollouts, prompts {p.min()}..{p.max()} (mean {p.mean():.0f}), "
+        f"responses {r.min()}..{r.max()} (mean {r.mean():.0f}, median {np.median(r):.0f})"
+    )
+
+
+def model_dir(tiny: bool, vocab_size: int | None = None, untied: bool = False) -> Path:
+    """The benchmark model, built once into CACHE (random weights, saved in HF format)."""
+    from rlhf_batch.tiny import init_model
+
+    spec = dict(TINY_MODEL if tiny else FULL_MODEL)
+    if vocab_size is not None:
+        spec["vocab_size"] = vocab_size
+    name = f"qwen2-h{spec['hidden']}-l{spec['layers']}-v{spec['vocab_size']}"
+    path = CACHE / "models" / name
+    if not (path / "config.json").exists():
+        init_model(path, arch="qwen2", seed=0, **spec)
+    return path
+
+
+def flop_params(model: Any) -> tuple[int, int]:
+    """(decoder matmul parameters, LM-head parameters): embeddings and norms do no matmul."""
+    head = model.get_output_embeddings().weight.numel()
+    body = sum(
+        p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n
+    )
+    return body, head
+
+
+# ---------------------------------------------------------------- workers and memory
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class Mem:
+    """Peak RSS (bytes) above the RSS at `mark()`."""
+
+    def __init__(self) -> None:
+        self.base = _status("VmRSS")
+
+    def mark(self) -> None:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+        except OSError:
+            pass
+        self.base = _status("VmRSS")
+
+    def peak_above(self) -> int:
+        return max(0, _status("VmHWM") - self.base)
+
+
+def run_worker(script: str, name: str, spec: dict[str, Any], timeout: float = 3600) -> dict[str, Any]:
+    """Run `script --worker name --spec JSON` in a fresh process; its last stdout line is JSON.
+    With spec["tiny"] (the smoke test) the worker runs in this process instead: the figures of
+    a tiny run mean nothing, and a process start costs seconds."""
+    if spec.get("tiny"):
+        import importlib
+
+        return importlib.import_module(script.removesuffix(".py")).WORKERS[name](spec)
+    cmd = [sys.executable, str(HERE / script), "--worker", name, "--spec", json.dumps(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} worker {name} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def emit(result: dict[str, Any]) -> None:
+    print(json.dumps(result), flush=True)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc)
+    p.add_argument("--tiny", action="store_true", help="tiny model and workload (the smoke test)")
+    p.add_argument("--peaks", type=Path, help="JSON of peak.py; measured here when not given")
+    p.add_argument("--results", type=Path, default=RESULTS, help="markdown table to append rows to")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    return p
+
+
+def peaks_from(args: argparse.Namespace) -> dict[str, float]:
+    if args.peaks and args.peaks.exists():
+        return json.loads(args.peaks.read_text())
+    return run_worker("peak.py", "peak", {"tiny": args.tiny})
+
+
+# ---------------------------------------------------------------- results
+
+
+def mb(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**20:.0f} MB"
+
+
+def append_row(
+    path: Path,
+    bench: str,
+    workload: str,
+    metric: str,
+    ours: str,
+    baseline: str = "-",
+    ratio: str = "-",
+    mem: str = "-",
+    target: str = "-",
+    met: bool | None = None,
+) -> None:
+    """Print one result row and append it to the markdown table at `path`."""
+    cells = [time.strftime("%Y-%m-%d %H:%M"), machine(), bench, workload, metric, ours, baseline, ratio, mem,
+             target, "-" if met is None else ("yes" if met else "**no**")]
+    row = "| " + " | ".join(c.replace("|", "/") for c in cells) + " |\n"
+    print(row, end="", flush=True)
+    new = not path.exists() or not path.read_text().strip()
+    with open(path, "a") as f:
+        if new:
+            f.write("# Benchmark results\n\nAppended by `make bench` (benchmarks/run_all.py); see README.md.\n\n")
+            f.write(HEADER)
+        f.write(row)
+
+
+def fit_exponent(sizes: list[float], times: list[float]) -> float:
+    """b of time = a * size^b, least squares in log-log."""
+    return float(np.polyfit(np.log(sizes), np.log(times), 1)[0])
