@@ -1,11 +1,12 @@
 # rlhf-batch: every target sets up what it needs first, so `make demo` and `make test`
 # work on a fresh clone with nothing but Python 3.11.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
+AIRFLOW_VENV := .venv-airflow
 RUN_DIR ?= runs/demo
 
-.PHONY: setup test test-fast demo lint bench soak clean
+.PHONY: setup airflow test test-fast demo lint bench soak clean
 
 setup: $(VENV)/.installed
 
@@ -15,7 +16,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
 	touch $@
 
-test: setup
+# Apache Airflow lives in its own venv (its pins clash with ours); the DAG test calls its CLI.
+airflow: $(AIRFLOW_VENV)/.installed
+
+$(AIRFLOW_VENV)/.installed: constraints-airflow.txt
+	test -x $(AIRFLOW_VENV)/bin/python || $(PYTHON) -m venv $(AIRFLOW_VENV)
+	$(AIRFLOW_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(AIRFLOW_VENV)/bin/python -m pip install --quiet -c constraints-airflow.txt apache-airflow
+	touch $@
+
+test: setup airflow
 	$(PY) -m pytest -q -ra
 
 test-fast: setup
@@ -36,4 +46,4 @@ soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) runs .pytest_cache

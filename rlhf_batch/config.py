@@ -113,7 +113,7 @@ class Config:
     trust_remote_code: bool = False
     threads: int = 0  # CPU threads for torch; 0: torch's default (small models run best on 1)
     in_process: bool = False  # run: stages in this process instead of one subprocess each
-    demo: bool = False  # run: build the tiny demo model and prompts when missing
+    demo: bool = False  # generate: build the tiny demo model and prompts when missing
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)

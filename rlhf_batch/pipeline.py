@@ -73,8 +73,6 @@ def stage_done(cfg: Config, it: int, stage: str, folder: str) -> bool:
 def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -> None:
     cfg = load_config(config_path, overrides)
     with RunLock(Path(cfg.run_dir)):
-        if cfg.demo:
-            ensure_demo_assets(cfg)
         if cfg.in_process:
             from rlhf_batch.models import set_threads
 
@@ -104,17 +102,6 @@ def _run_child(config_path: Path, overrides: list[str], stage: str, it: int, qui
     if code != 0:
         raise StageError(f"{stage} of iteration {it} failed (exit {code}); fix the cause and run again, "
                          "completed work is kept")
-
-
-def ensure_demo_assets(cfg: Config) -> None:
-    """Build the tiny demo model and the demo prompts where the config expects them, if missing."""
-    from rlhf_batch.rewards.demo import write_prompts
-    from rlhf_batch.tiny import init_model
-
-    if cfg.policy_model and not Path(cfg.policy_model, "config.json").exists():
-        init_model(cfg.policy_model, seed=cfg.seed)
-    if cfg.generate.prompts and not Path(cfg.generate.prompts).exists():
-        write_prompts(cfg.generate.prompts, 256, seed=cfg.seed)
 
 
 def reward_by_iteration(cfg: Config) -> list[dict[str, Any]]:

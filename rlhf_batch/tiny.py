@@ -7,9 +7,13 @@ character maps to <|unk|>. It has a ChatML chat template.
 
 from __future__ import annotations
 
+import os
 import string
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from rlhf_batch.config import Config
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|unk|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -90,7 +94,22 @@ def init_model(
     cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
     model = cls.from_config(cfg, dtype=torch.float32)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    if out.exists():  # the user's own directory: write into it
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+        return out
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")  # a new directory appears whole or not at all
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
     return out
+
+
+def ensure_demo_assets(cfg: Config) -> None:
+    """Build the tiny demo model and the demo prompts where the config expects them, if missing."""
+    from rlhf_batch.rewards.demo import write_prompts
+
+    if cfg.policy_model and not Path(cfg.policy_model, "config.json").exists():
+        init_model(cfg.policy_model, seed=cfg.seed)
+    if cfg.generate.prompts and not Path(cfg.generate.prompts).exists():
+        write_prompts(cfg.generate.prompts, 256, seed=cfg.seed)

@@ -54,6 +54,10 @@ def identity(cfg: Config) -> dict:
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict:
     from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
 
+    if cfg.demo:
+        from rlhf_batch.tiny import ensure_demo_assets
+
+        ensure_demo_assets(cfg)
     policy = policy_for(cfg, iteration)
     g = cfg.generate
     sdir = shards.stage_dir(cfg.run_dir, iteration, "rollouts")
