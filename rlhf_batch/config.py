@@ -95,9 +95,8 @@ class TrainConfig:
     entropy_coef: float = 0.0
     recompute_old: bool = False
     gradient_checkpointing: bool = False
-    autocast_bf16: bool = True  # bf16 autocast where the hardware has it; master weights float32
+    autocast_bf16: bool = True  # bf16 autocast when dtype resolves to bfloat16; master weights float32
     checkpoint_every: int = 0  # optimizer steps; 0: only at the end
-    tensorboard: bool = False
 
 
 @dataclass
@@ -132,7 +131,6 @@ class Config:
         return {**top, stage: dataclasses.asdict(getattr(self, stage))}
 
 
-STAGE_TABLES = ("generate", "score", "advantage", "train")
 NOT_IDENTITY = ("iterations", "in_process", "demo", "threads")  # run-level keys that change no stage's result
 PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
 
