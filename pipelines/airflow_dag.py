@@ -17,7 +17,6 @@ from datetime import timedelta
 from airflow.providers.standard.operators.bash import BashOperator
 from airflow.sdk import DAG, Param, Variable
 
-
 ITERATIONS = int(Variable.get("rlhf_batch_iterations", default="2"))
 BIN = Variable.get("rlhf_batch_bin", default="rlhf-batch")
 STAGES = ("generate", "score", "advantage", "train")

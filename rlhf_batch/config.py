@@ -27,7 +27,6 @@ from typing import Any, Literal
 from rlhf_batch.errors import ConfigError
 
 
-
 @dataclass
 class GenerateConfig:
     prompts: str = ""  # HF datasets dir (save_to_disk), .jsonl or .parquet

@@ -114,7 +114,8 @@ def load_model(path: str, what: str, *, kind: str = "causal", device: str = "cpu
         raise ModelError(f"{what}: {p} has {model.config.num_labels} labels; a reward model needs 1")
     if kind == "reward" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
-    return model.to(dev).eval()
+    model.to(dev)  # type: ignore[arg-type]  # transformers types .to() oddly
+    return model.eval()
 
 
 def vocab_signature(tok: Any) -> tuple[int, int]:

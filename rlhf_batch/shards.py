@@ -11,12 +11,12 @@ parts that exist and ends with exactly the rows of an uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import signal
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -55,13 +55,23 @@ def list_parts(sdir: Path) -> list[Path]:
     return sorted(sdir.glob("part-*-*.parquet"), key=lambda p: (part_number(p), p.name))
 
 
+def write_error(path: Path, e: BaseException) -> StageError:
+    """A failed write (disk full, file too large, no permission) as a one-line error naming the file."""
+    reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0]
+    return StageError(f"{path}: cannot write ({reason}); free disk space and run again, finished work is kept")
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, sort_keys=True, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=True, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, e) from e
 
 
 def read_json(path: Path) -> Any:
@@ -94,8 +104,10 @@ def write_parquet_atomic(
             os.fsync(f.fileno())
         fault_point(f"{fault}:tmp")
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from e
         raise
 
 
@@ -134,7 +146,7 @@ def file_fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def manifest(sdir: Path) -> dict | None:
+def manifest(sdir: Path) -> dict[str, Any] | None:
     path = sdir / MANIFEST
     return read_json(path) if path.exists() else None
 
@@ -175,14 +187,15 @@ class StageRun:
                 "re-run it with --force to replace it"
             )
         started = sdir / STARTED
-        if not self.complete and started.exists() and read_json(started).get("key") != self.key:
+        # a run that failed before writing any part leaves nothing to protect: a new config takes over
+        if not self.complete and started.exists() and read_json(started).get("key") != self.key and list_parts(sdir):
             raise StageError(
                 f"{sdir}: a partial run with a different config or inputs is here; "
                 "re-run with the same config, or with --force to start over"
             )
         if not self.complete and self.rank == 0:
             sdir.mkdir(parents=True, exist_ok=True)
-            for tmp in sdir.glob(".part-*.tmp"):  # a killed writer's leftovers
+            for tmp in sdir.glob(".*.tmp"):  # a killed writer's leftovers (parts, manifest, _started)
                 tmp.unlink(missing_ok=True)
             write_json_atomic(started, {"key": self.key, **self.identity})
         dist.barrier()
@@ -198,7 +211,7 @@ class StageRun:
         fault_point(f"{self.stage}:part-{n}:done")
         return path
 
-    def finish(self, n_parts: int, extra: dict | None = None) -> dict | None:
+    def finish(self, n_parts: int, extra: dict | None = None) -> dict[str, Any] | None:
         """After every rank is done: rank 0 checks the parts and writes the manifest."""
         dist.barrier()
         result = None
@@ -209,7 +222,7 @@ class StageRun:
         return result
 
 
-def write_manifest(sdir: Path, stage: str, n_parts: int, key: str, identity: dict, extra: dict | None) -> dict:
+def write_manifest(sdir: Path, stage: str, n_parts: int, key: str, identity: dict, extra: dict | None) -> dict[str, Any]:
     by_n: dict[int, Path] = {}
     for p in list_parts(sdir):
         by_n.setdefault(part_number(p), p)
@@ -249,10 +262,8 @@ def _versions() -> dict[str, str]:
 
     out = {}
     for pkg in ("rlhf-batch", "torch", "transformers", "pyarrow", "duckdb"):
-        try:
+        with contextlib.suppress(PackageNotFoundError):
             out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            pass
     return out
 
 

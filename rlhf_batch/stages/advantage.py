@@ -63,7 +63,7 @@ from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate
 STAGE = "advantages"
 
 
-def identity(cfg: Config) -> dict:
+def identity(cfg: Config) -> dict[str, Any]:
     """The config that decides this stage's result (recorded in, and compared with, its manifest)."""
     return {"seed": cfg.seed, "advantage": dataclasses.asdict(cfg.advantage)}
 
@@ -88,6 +88,7 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     con = _connect(tmp)
     try:
         params = _prepare(con, cfg, iteration, window)
+        shards.fault_point("advantages:pool")
         counts = _counts(con, cfg, iteration)
         stage = shards.StageRun(sdir, STAGE, config, inputs, force)
         n_parts = math.ceil(counts["rows_out"] / cfg.advantage.rows_per_shard)

@@ -46,12 +46,12 @@ def row_seed(seed: int, rid: str) -> int:
     return int(hashlib.sha256(f"{seed}:{rid}".encode()).hexdigest()[:15], 16)
 
 
-def identity(cfg: Config) -> dict:
+def identity(cfg: Config) -> dict[str, Any]:
     """The config that decides this stage's result (recorded in, and compared with, its manifest)."""
     return cfg.stage_dict("generate")
 
 
-def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict:
+def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
 
     if cfg.demo:
@@ -75,6 +75,7 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     if todo:
         model = load_model(policy, "policy", device=cfg.device, dtype=cfg.dtype,
                            trust_remote_code=cfg.trust_remote_code)
+        shards.fault_point("rollouts:model-loaded")
         _check_lengths(model, prompts, g)
         schema = with_extra(ROLLOUTS, prompts.carried.schema)
         bar = _progress(len(todo) * g.prompts_per_part * g.num_generations, quiet)

@@ -57,11 +57,11 @@ from rlhf_batch.rewards import (
     weighted_sum,
 )
 from rlhf_batch.schemas import ROLLOUTS, SCORES, with_extra
-from rlhf_batch.shards import StageRun, list_parts, manifest, part_number, read_stage, stage_dir
+from rlhf_batch.shards import StageRun, fault_point, list_parts, manifest, part_number, read_stage, stage_dir
 from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_dir
 
 
-def identity(cfg: Config) -> dict:
+def identity(cfg: Config) -> dict[str, Any]:
     """The config that decides this stage's result (recorded in, and compared with, its manifest).
     The token budget changes no result (up to rounding): a resume may lower it after an OOM."""
     return {
@@ -206,6 +206,7 @@ class Scorer:
                 dtype=self.cfg.dtype,
                 trust_remote_code=self.cfg.trust_remote_code,
             )
+            fault_point("scores:model-loaded")
         return self._ref_model
 
     def score_parts(

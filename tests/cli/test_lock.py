@@ -22,9 +22,8 @@ def test_second_run_is_refused_naming_the_holder_and_a_dead_holder_is_taken_over
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
-        with pytest.raises(StageError, match=rf"holds the lock \(pid {holder.pid} on "):
-            with RunLock(tmp_path):
-                pass
+        with pytest.raises(StageError, match=rf"holds the lock \(pid {holder.pid} on "), RunLock(tmp_path):
+            pass
     finally:
         holder.kill()
         holder.wait()

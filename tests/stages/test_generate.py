@@ -165,3 +165,28 @@ def test_resume_after_a_kill_mid_write_gives_the_rows_of_an_uninterrupted_run(ma
     generate.run(clean, 0, quiet=True)
     assert rollouts(cfg).to_pylist() == rollouts(clean).to_pylist()
     assert not list(sdir.glob(".*.tmp"))  # the killed writer's temporary file was cleaned up
+
+
+def test_prompts_from_a_datasets_dir_and_from_parquet(make_config, tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    rows = {"id": ["p0", "p1"], "prompt": ["a*2=", "b*1="], "answer": ["aa", "b"]}
+    Dataset.from_dict(rows).save_to_disk(str(tmp_path / "ds"))
+    pq.write_table(pa.table(rows), tmp_path / "p.parquet")
+    tables = []
+    for i, source in enumerate((tmp_path / "ds", tmp_path / "p.parquet")):
+        _, cfg = make_config(run_dir=str(tmp_path / f"run{i}"), name=f"c{i}.toml", generate={"prompts": str(source)})
+        generate.run(cfg, 0, quiet=True)
+        tables.append(rollouts(cfg))
+    assert tables[0].column("prompt_id").to_pylist() == ["p0"] * 4 + ["p1"] * 4
+    assert tables[0].column("answer").to_pylist() == ["aa"] * 4 + ["b"] * 4
+    assert tables[0].select(["rollout_id", "response_ids"]) == tables[1].select(["rollout_id", "response_ids"])
+
+
+def test_a_tokenizer_without_a_pad_token_uses_eos(make_config, tmp_path: Path) -> None:
+    path = init_model(tmp_path / "nopad", pad="none", seed=4)
+    assert "pad_token" not in json.loads((path / "tokenizer_config.json").read_text())
+    _, cfg = make_config(policy_model=str(path))
+    m = generate.run(cfg, 0, quiet=True)
+    assert m["rows"] == 48
