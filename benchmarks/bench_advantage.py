@@ -55,7 +55,9 @@ def write_data(run_dir: Path, rows: int) -> None:
 
     con = duckdb.connect()
     for stage_name, sql, schema in (("rollouts", ROLLOUT_SQL, ROLLOUTS), ("scores", SCORE_SQL, SCORES)):
-        stage = shards.StageRun(shards.stage_dir(run_dir, 0, stage_name), stage_name, {"bench": True}, {}, True)
+        stage = shards.StageRun(
+            shards.stage_dir(run_dir, 0, stage_name), stage_name, {"bench": True}, {}, True
+        )
         n_parts = -(-rows // CHUNK)
         for n in range(n_parts):
             table = con.sql(sql, params={"lo": n * CHUNK, "hi": min(rows, (n + 1) * CHUNK)}).to_arrow_table()
@@ -108,7 +110,9 @@ def worker_baseline(spec: dict[str, Any]) -> dict[str, Any]:
     from tensordict import TensorDict
 
     files = str(Path(spec["run_dir"]) / "iter=0000" / "scores" / "*.parquet")
-    rows = duckdb.sql(f"SELECT prompt_id, reward FROM read_parquet('{files}') LIMIT {spec['rows']}").fetchall()
+    rows = duckdb.sql(
+        f"SELECT prompt_id, reward FROM read_parquet('{files}') LIMIT {spec['rows']}"
+    ).fetchall()
     tds = [(p, TensorDict({"reward": torch.tensor([[r]])}, batch_size=[1])) for p, r in rows]
     t0 = time.perf_counter()
     mc = MCAdvantageBaseline(common.GROUP)
@@ -130,7 +134,11 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
     mem = Mem()
     t0 = time.perf_counter()
     m = advantage.run(config(Path(spec["run_dir"])), 0, force=True, quiet=True)
-    return {"seconds": time.perf_counter() - t0, "rows_out": m["rows"], "peak_rss": mem.peak_above() + mem.base}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "rows_out": m["rows"],
+        "peak_rss": mem.peak_above() + mem.base,
+    }
 
 
 def worker_write(spec: dict[str, Any]) -> dict[str, Any]:
@@ -154,22 +162,45 @@ def main() -> None:
         d_small, d_big = Path(tmp) / "small", Path(tmp) / "big"
         for d, n in ((d_small, small), (d_big, big)):
             common.run_worker("bench_advantage.py", "write", {"run_dir": str(d), "rows": n, "tiny": tiny})
-        base = common.run_worker("bench_advantage.py", "baseline", {"run_dir": str(d_small), "rows": small, "tiny": tiny})
+        base = common.run_worker(
+            "bench_advantage.py", "baseline", {"run_dir": str(d_small), "rows": small, "tiny": tiny}
+        )
         ours_small = common.run_worker("bench_advantage.py", "stats", {"run_dir": str(d_small), "tiny": tiny})
         ours_big = common.run_worker("bench_advantage.py", "stats", {"run_dir": str(d_big), "tiny": tiny})
         stage = common.run_worker("bench_advantage.py", "stage", {"run_dir": str(d_big), "tiny": tiny})
     rps_b, rps_s = base["rows"] / base["seconds"], ours_small["rows"] / ours_small["seconds"]
     rps_big = ours_big["rows"] / ours_big["seconds"]
-    append_row(args.results, "advantage vs MCAdvantage", f"{small} rollouts, 8 per prompt",
-               "rows/s (group statistics -> advantages)", f"{rps_s:,.0f}", f"{rps_b:,.0f}",
-               f"{rps_s / rps_b:.0f}x", target=">= 500x", met=rps_s / rps_b >= 500)
-    append_row(args.results, "advantage group statistics", f"{big:,} rollouts, 8 per prompt",
-               "rows/s", f"{rps_big:,.0f} ({ours_big['seconds']:.1f}s)", mem=mb(ours_big["peak_above"]),
-               target=">= 5M rows/s", met=rps_big >= 5e6)
-    append_row(args.results, "advantage stage peak memory",
-               f"{big:,} rollouts -> {stage['rows_out']:,} training rows, shards written, {stage['seconds']:.0f}s",
-               "peak RSS of the whole stage process", mb(stage["peak_rss"]), mem=mb(stage["peak_rss"]),
-               target="< 2 GB", met=stage["peak_rss"] < 2 * 2**30)
+    append_row(
+        args.results,
+        "advantage vs MCAdvantage",
+        f"{small} rollouts, 8 per prompt",
+        "rows/s (group statistics -> advantages)",
+        f"{rps_s:,.0f}",
+        f"{rps_b:,.0f}",
+        f"{rps_s / rps_b:.0f}x",
+        target=">= 500x",
+        met=rps_s / rps_b >= 500,
+    )
+    append_row(
+        args.results,
+        "advantage group statistics",
+        f"{big:,} rollouts, 8 per prompt",
+        "rows/s",
+        f"{rps_big:,.0f} ({ours_big['seconds']:.1f}s)",
+        mem=mb(ours_big["peak_above"]),
+        target=">= 5M rows/s",
+        met=rps_big >= 5e6,
+    )
+    append_row(
+        args.results,
+        "advantage stage peak memory",
+        f"{big:,} rollouts -> {stage['rows_out']:,} training rows, shards written, {stage['seconds']:.0f}s",
+        "peak RSS of the whole stage process",
+        mb(stage["peak_rss"]),
+        mem=mb(stage["peak_rss"]),
+        target="< 2 GB",
+        met=stage["peak_rss"] < 2 * 2**30,
+    )
 
 
 if __name__ == "__main__":

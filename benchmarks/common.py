@@ -9,6 +9,7 @@ model): it resets the kernel's high-water mark (/proc/self/clear_refs) at the ma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -32,9 +33,21 @@ HEADER = (
 )
 
 # The workload of the issue: a Qwen2-shaped ~40M-parameter model (tied embeddings), 512 rollouts.
-FULL_MODEL = {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "intermediate": 1408, "vocab_size": 32000}
+FULL_MODEL = {
+    "hidden": 512,
+    "layers": 8,
+    "heads": 8,
+    "kv_heads": 4,
+    "intermediate": 1408,
+    "vocab_size": 32000,
+}
 TINY_MODEL = {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab_size": 0}
 GROUP = 8  # rollouts per prompt
+NOTE = (
+    "Where the machine column says 'no bf16 units' (AVX2 only), bf16 matmuls run several times slower than "
+    "float32, the stages run in float32, and MFU against the bf16 peak is not meaningful (read the figure "
+    "against the float32 peak). Figures are comparable within one run only (a shared machine drifts).\n\n"
+)
 
 
 # ---------------------------------------------------------------- machine and peaks
@@ -114,15 +127,15 @@ def response_lengths(n: int, rng: np.random.Generator, cap: int = 512) -> np.nda
     return rng.integers(lo, hi + 1)
 
 
-def make_workload(n: int, vocab: int, *, tiny: bool = False, seed: int = 0) -> Workload:
+def make_workload(n: int, vocab: int, *, tiny: bool = False, seed: int = 0, cap: int = 512) -> Workload:
     """n rollouts, GROUP per prompt; prompts uniform in 32..256 tokens (4..16 when tiny),
-    responses skewed (see response_lengths; capped at 24 when tiny). Token ids uniform in
+    responses skewed (see response_lengths; `cap` 512, 24 when tiny). Token ids uniform in
     [5, vocab) (ids 0..4 are the tokenizer's specials)."""
     rng = np.random.default_rng(seed)
     n_prompts = -(-n // GROUP)
     p_lens = rng.integers(4, 17, n_prompts) if tiny else rng.integers(32, 257, n_prompts)
     prompts = [rng.integers(5, vocab, int(k)).tolist() for k in p_lens]
-    r_lens = response_lengths(n, rng, cap=24 if tiny else 512)
+    r_lens = response_lengths(n, rng, cap=24 if tiny else cap)
     return Workload(
         [prompts[i // GROUP] for i in range(n)], [rng.integers(5, vocab, int(k)).tolist() for k in r_lens]
     )
@@ -155,7 +168,9 @@ def flop_params(model: Any) -> tuple[int, int]:
     """(decoder matmul parameters, LM-head parameters): embeddings and norms do no matmul."""
     head = model.get_output_embeddings().weight.numel()
     body = sum(
-        p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n and "lm_head" not in n
+        p.numel()
+        for n, p in model.named_parameters()
+        if p.dim() == 2 and "embed" not in n and "lm_head" not in n
     )
     return body, head
 
@@ -177,10 +192,8 @@ class Mem:
         self.base = _status("VmRSS")
 
     def mark(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-        except OSError:
-            pass
         self.base = _status("VmRSS")
 
     def peak_above(self) -> int:
@@ -242,14 +255,28 @@ def append_row(
     met: bool | None = None,
 ) -> None:
     """Print one result row and append it to the markdown table at `path`."""
-    cells = [time.strftime("%Y-%m-%d %H:%M"), machine(), bench, workload, metric, ours, baseline, ratio, mem,
-             target, "-" if met is None else ("yes" if met else "**no**")]
+    cells = [
+        time.strftime("%Y-%m-%d %H:%M"),
+        machine(),
+        bench,
+        workload,
+        metric,
+        ours,
+        baseline,
+        ratio,
+        mem,
+        target,
+        "-" if met is None else ("yes" if met else "**no**"),
+    ]
     row = "| " + " | ".join(c.replace("|", "/") for c in cells) + " |\n"
     print(row, end="", flush=True)
     new = not path.exists() or not path.read_text().strip()
     with open(path, "a") as f:
         if new:
-            f.write("# Benchmark results\n\nAppended by `make bench` (benchmarks/run_all.py); see README.md.\n\n")
+            f.write(
+                "# Benchmark results\n\nAppended by `make bench` (benchmarks/run_all.py); see README.md.\n\n"
+            )
+            f.write(NOTE)
             f.write(HEADER)
         f.write(row)
 

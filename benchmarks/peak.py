@@ -11,7 +11,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import emit, measure_peaks, parser  # noqa: E402
 
-
 WORKERS = {"peak": lambda spec: measure_peaks(512 if spec.get("tiny") else 2048)}
 
 

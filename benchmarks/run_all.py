@@ -14,7 +14,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-BENCHMARKS = ("bench_startup.py", "bench_score.py", "bench_generate.py", "bench_advantage.py", "bench_train.py")
+BENCHMARKS = (
+    "bench_startup.py",
+    "bench_score.py",
+    "bench_generate.py",
+    "bench_advantage.py",
+    "bench_train.py",
+)
 
 
 def main() -> None:
@@ -26,17 +32,30 @@ def main() -> None:
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=common.CACHE) as tmp:
         peaks = Path(tmp) / "peaks.json"
-        subprocess.run([sys.executable, str(common.HERE / "peak.py"), "--out", str(peaks), *extra], check=True)
+        subprocess.run(
+            [sys.executable, str(common.HERE / "peak.py"), "--out", str(peaks), *extra], check=True
+        )
         import json
 
         pk = json.loads(peaks.read_text())
-        common.append_row(args.results, "matmul peak", "2048 x 2048 F.linear, all threads",
-                          "GFLOP/s fp32 / bf16 (bf16 torch.mm)",
-                          f"{pk['fp32_gflops']:.0f} / {pk['bf16_gflops']:.1f} ({pk['bf16_mm_gflops']:.1f})")
+        common.append_row(
+            args.results,
+            "matmul peak",
+            "2048 x 2048 F.linear, all threads",
+            "GFLOP/s fp32 / bf16 (bf16 torch.mm)",
+            f"{pk['fp32_gflops']:.0f} / {pk['bf16_gflops']:.1f} ({pk['bf16_mm_gflops']:.1f})",
+        )
         failed = []
         for name in args.only or BENCHMARKS:
             t0 = time.perf_counter()
-            cmd = [sys.executable, str(common.HERE / name), "--peaks", str(peaks), "--results", str(args.results)]
+            cmd = [
+                sys.executable,
+                str(common.HERE / name),
+                "--peaks",
+                str(peaks),
+                "--results",
+                str(args.results),
+            ]
             if subprocess.run(cmd + extra).returncode != 0:
                 failed.append(name)
             print(f"# {name}: {time.perf_counter() - t0:.0f}s", flush=True)

@@ -37,21 +37,28 @@ def fsync_tree(path: Path) -> None:
 def save(root: Path, step: int, model: Any, optimizer: Any, state: dict[str, Any]) -> Path:
     """Write checkpoint `step` (the number of optimizer steps done) and drop older ones."""
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import save_file, save_model
+
+    from rlhf_batch.shards import write_error
 
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-    save_file(rng, str(tmp / "rng.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({**state, "next_step": step}, indent=1))
-    fsync_tree(tmp)
+    try:
+        tmp.mkdir()
+        save_model(model, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+        save_file(rng, str(tmp / "rng.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({**state, "next_step": step}, indent=1))
+        fsync_tree(tmp)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each writer reports it
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(final, e) from e
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     fsync_tree(root)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -20,10 +20,12 @@ app = typer.Typer(
 ConfigArg = Annotated[Path, typer.Argument(help="TOML config file.", show_default=False)]
 IterOpt = Annotated[int, typer.Option("--iter", "-i", help="Iteration number (0-based).")]
 SetOpt = Annotated[
-    Optional[list[str]],  # noqa: UP045 - typer needs Optional here
+    list[str] | None,
     typer.Option("--set", "-s", help="Override a config key: --set generate.temperature=0.7 (repeatable)."),
 ]
-ForceOpt = Annotated[bool, typer.Option("--force", help="Replace a complete stage written with another config.")]
+ForceOpt = Annotated[
+    bool, typer.Option("--force", help="Replace a complete stage written with another config.")
+]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", "-r", help="The run directory.")]
 
@@ -40,7 +42,9 @@ def _config(config: Path, overrides: list[str] | None):  # noqa: ANN202
     return load_config(config, overrides)
 
 
-def _stage(name: str, config: Path, iteration: int, overrides: list[str] | None, force: bool, quiet: bool) -> None:
+def _stage(
+    name: str, config: Path, iteration: int, overrides: list[str] | None, force: bool, quiet: bool
+) -> None:
     import importlib
 
     from rlhf_batch import dist
@@ -54,37 +58,63 @@ def _stage(name: str, config: Path, iteration: int, overrides: list[str] | None,
 
 
 @app.command()
-def generate(config: ConfigArg, iteration: IterOpt = 0, set_: SetOpt = None, force: ForceOpt = False,
-             quiet: QuietOpt = False) -> None:
+def generate(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
     """Sample G responses per prompt with the iteration's policy into iter=K/rollouts."""
     _stage("generate", config, iteration, set_, force, quiet)
 
 
 @app.command()
-def score(config: ConfigArg, iteration: IterOpt = 0, set_: SetOpt = None, force: ForceOpt = False,
-          quiet: QuietOpt = False) -> None:
+def score(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
     """Rewards, reference log-probs, per-token KL and KL-shaped reward into iter=K/scores."""
     _stage("score", config, iteration, set_, force, quiet)
 
 
 @app.command()
-def advantage(config: ConfigArg, iteration: IterOpt = 0, set_: SetOpt = None, force: ForceOpt = False,
-              quiet: QuietOpt = False) -> None:
+def advantage(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
     """Group advantages by prompt (DuckDB), filters, length-bucketed training shards."""
     _stage("advantage", config, iteration, set_, force, quiet)
 
 
 @app.command()
-def train(config: ConfigArg, iteration: IterOpt = 0, set_: SetOpt = None, force: ForceOpt = False,
-          quiet: QuietOpt = False) -> None:
+def train(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
     """GRPO epochs over iter=K/advantages; writes the new policy to iter=K/policy."""
     _stage("train", config, iteration, set_, force, quiet)
 
 
 @app.command()
-def run(config: ConfigArg, iterations: Annotated[Optional[int], typer.Option(help="Iterations to run (default: from config).")] = None,  # noqa: UP045
-        set_: SetOpt = None, in_process: Annotated[bool, typer.Option("--in-process", help="Run every stage in this process.")] = False,
-        quiet: QuietOpt = False) -> None:
+def run(
+    config: ConfigArg,
+    iterations: Annotated[int | None, typer.Option(help="Iterations to run (default: from config).")] = None,
+    set_: SetOpt = None,
+    in_process: Annotated[
+        bool, typer.Option("--in-process", help="Run every stage in this process.")
+    ] = False,
+    quiet: QuietOpt = False,
+) -> None:
     """All stages for iterations 0..N-1, skipping completed ones (safe to re-run, cron, Airflow)."""
     from rlhf_batch.pipeline import run_pipeline
 
@@ -97,9 +127,14 @@ def run(config: ConfigArg, iterations: Annotated[Optional[int], typer.Option(hel
 
 
 @app.command(name="import")
-def import_(file: Annotated[Path, typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows.")],
-            config: Annotated[Path, typer.Option("--config", "-c", help="TOML config (policy model, temperature).")],
-            iteration: IterOpt = 0, set_: SetOpt = None, force: ForceOpt = False, quiet: QuietOpt = False) -> None:
+def import_(
+    file: Annotated[Path, typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows.")],
+    config: Annotated[Path, typer.Option("--config", "-c", help="TOML config (policy model, temperature).")],
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
     """Turn externally produced (prompt, response) rows into iter=K/rollouts with behaviour log-probs."""
     from rlhf_batch.stages.importer import import_rollouts
 
@@ -114,10 +149,12 @@ def validate(config: ConfigArg, set_: SetOpt = None) -> None:
 
 
 @app.command()
-def sql(query: Annotated[Optional[str], typer.Argument(help="SQL; without it, an interactive prompt.")] = None,  # noqa: UP045
-        run_dir: RunDirOpt = Path("."),
-        fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json | parquet")] = "table",
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Write the result to this file.")] = None) -> None:  # noqa: UP045
+def sql(
+    query: Annotated[str | None, typer.Argument(help="SQL; without it, an interactive prompt.")] = None,
+    run_dir: RunDirOpt = Path("."),
+    fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json | parquet")] = "table",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file.")] = None,
+) -> None:
     """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics with an iter column."""
     from rlhf_batch.inspect import run_sql
 
@@ -133,9 +170,15 @@ def status(run_dir: RunDirOpt = Path(".")) -> None:
 
 
 @app.command()
-def report(run_dir: RunDirOpt = Path("."),
-           out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output dir (default RUN_DIR/report).")] = None,  # noqa: UP045
-           tensorboard: Annotated[bool, typer.Option("--tensorboard", help="Also write TensorBoard event files.")] = False) -> None:
+def report(
+    run_dir: RunDirOpt = Path("."),
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Output dir (default RUN_DIR/report).")
+    ] = None,
+    tensorboard: Annotated[
+        bool, typer.Option("--tensorboard", help="Also write TensorBoard event files.")
+    ] = False,
+) -> None:
     """PNG plots and report.html: reward, KL, length by iteration; train metrics by step."""
     from rlhf_batch.report import write_report
 
@@ -144,13 +187,21 @@ def report(run_dir: RunDirOpt = Path("."),
 
 
 @app.command("init-model")
-def init_model(out_dir: Annotated[Path, typer.Argument(help="Where to save the model and tokenizer.")],
-               arch: Annotated[str, typer.Option(help="qwen2 | llama")] = "qwen2",
-               hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
-               vocab_size: Annotated[int, typer.Option(help="Pad the vocabulary to this size (0: ~100 chars).")] = 0,
-               reward: Annotated[bool, typer.Option("--reward", help="A 1-label sequence-classification reward model.")] = False,
-               pad: Annotated[str, typer.Option(help="Pad token: separate | eos | none")] = "separate",
-               seed: int = 0) -> None:
+def init_model(
+    out_dir: Annotated[Path, typer.Argument(help="Where to save the model and tokenizer.")],
+    arch: Annotated[str, typer.Option(help="qwen2 | llama")] = "qwen2",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab_size: Annotated[int, typer.Option(help="Pad the vocabulary to this size (0: ~100 chars).")] = 0,
+    reward: Annotated[
+        bool, typer.Option("--reward", help="A 1-label sequence-classification reward model.")
+    ] = False,
+    pad: Annotated[str, typer.Option(help="Pad token: separate | eos | none")] = "separate",
+    seed: int = 0,
+) -> None:
     """Build a tiny random-initialised model and a char-level tokenizer, offline."""
     from rlhf_batch.errors import ConfigError
     from rlhf_batch.tiny import init_model as build
@@ -160,16 +211,30 @@ def init_model(out_dir: Annotated[Path, typer.Argument(help="Where to save the m
     if pad not in ("separate", "eos", "none"):
         raise ConfigError(f"--pad: must be separate, eos or none, got {pad!r}")
     try:
-        path = build(out_dir, arch=arch, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,  # type: ignore[arg-type]
-                     intermediate=intermediate, vocab_size=vocab_size, reward=reward, pad=pad, seed=seed)  # type: ignore[arg-type]
+        path = build(
+            out_dir,
+            arch=arch,
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,  # type: ignore[arg-type]
+            intermediate=intermediate,
+            vocab_size=vocab_size,
+            reward=reward,
+            pad=pad,
+            seed=seed,
+        )  # type: ignore[arg-type]
     except ValueError as e:
         raise ConfigError(f"init-model: {e}") from None
     typer.echo(f"model: {path}")
 
 
 @app.command("init-prompts")
-def init_prompts(out: Annotated[Path, typer.Argument(help="JSONL file to write the demo task's prompts to.")],
-                 n: Annotated[int, typer.Option(help="Number of prompts.")] = 256, seed: int = 0) -> None:
+def init_prompts(
+    out: Annotated[Path, typer.Argument(help="JSONL file to write the demo task's prompts to.")],
+    n: Annotated[int, typer.Option(help="Number of prompts.")] = 256,
+    seed: int = 0,
+) -> None:
     """Write the procedural demo task's prompt set (no download)."""
     from rlhf_batch.rewards.demo import write_prompts
 
@@ -195,4 +260,11 @@ def main() -> None:
         if os.environ.get("RLHF_BATCH_DEBUG"):
             raise
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:  # a full disk under a write not made through rlhf_batch.shards
+        import errno
+
+        if os.environ.get("RLHF_BATCH_DEBUG") or e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        print(f"error: {e.filename or 'write'}: {e.strerror}; free disk space and run again", file=sys.stderr)
         sys.exit(1)

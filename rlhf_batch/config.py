@@ -84,6 +84,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     tokens_per_step: int = 65536  # real tokens per optimizer step (global)
     max_tokens_per_batch: int = 16384  # token budget of one micro-batch
+    max_padding: float = 0.1  # close a micro-batch before padding exceeds this share of its tokens
     eps_low: float = 0.2
     eps_high: float = 0.0  # 0: same as eps_low
     dual_clip: float = 0.0  # 0: off; else c > 1
@@ -271,3 +272,4 @@ def _check(cfg: Config, where: str) -> None:
     need(t.dual_clip == 0 or t.dual_clip > 1, "train.dual_clip", "must be 0 (off) or > 1")
     need(t.tokens_per_step >= 1, "train.tokens_per_step", "must be >= 1")
     need(t.max_tokens_per_batch >= 1, "train.max_tokens_per_batch", "must be >= 1")
+    need(0 < t.max_padding <= 1, "train.max_padding", "must be in (0, 1]")

@@ -42,4 +42,3 @@ def barrier() -> None:
         import torch.distributed as td
 
         td.barrier()
-

@@ -42,13 +42,14 @@ def response_logprobs(
     temperature: float = 1.0,
     *,
     pad_id: int = 0,
-    chunk_size: int = 1024,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Log-probs of the response tokens of `seqs` (prompt + response token lists).
 
     Returns logp [B, T] float32, mask [B, T] bool (T = longest response; masks come from
-    lengths, never from token values) and, if asked, per-token entropy [B, T].
+    lengths, never from token values) and, if asked, per-token entropy [B, T]. `chunk_size`
+    (LM-head rows at a time) defaults to `default_chunk_size(vocab)`.
     """
     device = next(model.parameters()).device
     ids, attn = pad_right(seqs, pad_id, device)  # [B, L]
@@ -64,10 +65,156 @@ def response_logprobs(
     else:
         out = model.get_decoder()(input_ids=ids, attention_mask=attn)
         hidden, head = out.last_hidden_state[:, :-1][sel], model.get_output_embeddings()  # [N, H]
-    lp, ent = chunked_logprobs(hidden, head, targets, temperature, chunk_size, with_entropy)  # [N]
+    chunk = chunk_size or default_chunk_size(int(model.config.get_text_config().vocab_size))
+    lp, ent = chunked_logprobs(hidden, head, targets, temperature, chunk, with_entropy)  # [N]
     r_lens = seq_lens - p_lens  # [B]
     width = int(r_lens.max()) if len(seqs) else 0
     mask = torch.arange(width, device=device)[None, :] < r_lens[:, None]  # [B, T]
     logp = lp.new_zeros(mask.shape).masked_scatter(mask, lp)  # [B, T]
     entropy = lp.new_zeros(mask.shape).masked_scatter(mask, ent) if ent is not None else None
     return logp, mask, entropy
+
+
+# ---------------------------------------------------------------- shared prompts
+
+_SHARED_PREFIX_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+)  # plain causal attention, DynamicCache, RoPE from position_ids
+
+
+def can_share_prefix(model: Any) -> bool:
+    """Whether `shared_prefix_logprobs` applies: a plain-attention decoder of a known family."""
+    c = model.config
+    return (
+        c.model_type in _SHARED_PREFIX_TYPES
+        and not getattr(c, "use_sliding_window", False)
+        and not any(getattr(c, k, None) for k in _LOGIT_TRANSFORMS)
+    )
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """LM-head rows per chunk so that a chunk's float32 logits stay near 64 MB (128 rows at vocab
+    131072, 524 at 32000), and never below 64 or above 4096 rows."""
+    return max(64, min(4096, (1 << 24) // max(1, vocab_size)))
+
+
+def shared_prefix_logprobs(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    prompt_of: Sequence[int],
+    temperature: float = 1.0,
+    *,
+    pad_id: int = 0,
+    max_tokens: int = 16384,
+) -> list[torch.Tensor]:
+    """Log-probs [len(response)] float32 of `responses[i]` after `prompts[prompt_of[i]]`, each
+    prompt run through the decoder once (the G samples of a GRPO group share it).
+
+    The prompts' keys and values are kept; responses are run in batches of similar length
+    (<= `max_tokens` response tokens, <= 4 x `max_tokens` cached positions) on top of them, with
+    position ids continuing each row's prompt. Same numbers as `response_logprobs` on the full
+    sequences up to float rounding; only for `can_share_prefix` models.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    decoder, head = model.get_decoder(), model.get_output_embeddings()
+    chunk = default_chunk_size(head.weight.shape[0])
+    keys, values, last = _prefill(
+        decoder, prompts, pad_id, max_tokens, device
+    )  # [layers][kvh, sum P, d], [n, H]
+    starts = [0]
+    for p in prompts:
+        starts.append(starts[-1] + len(p))
+    out: list[torch.Tensor] = [torch.zeros(0)] * len(responses)
+    for rows in _response_batches(
+        [len(r) for r in responses], [len(prompts[j]) for j in prompt_of], max_tokens
+    ):
+        p_lens = [len(prompts[prompt_of[i]]) for i in rows]
+        r_lens = [len(responses[i]) for i in rows]
+        width = max(p_lens)
+        idx = torch.tensor(
+            [
+                [starts[prompt_of[i]] + min(t, p - 1) for t in range(width)]
+                for i, p in zip(rows, p_lens, strict=True)
+            ],
+            device=keys[0].device,
+        )  # [b, P] positions in the concatenated prompts (padding repeats a real one, masked out)
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            cache.update(k[:, idx].transpose(0, 1), v[:, idx].transpose(0, 1), layer)  # [b, kvh, P, d]
+        ids, r_attn = pad_right([responses[i] for i in rows], pad_id, device)  # [b, R]
+        p_attn = (torch.arange(width)[None, :] < torch.tensor(p_lens)[:, None]).long().to(device)  # [b, P]
+        pos = torch.tensor(p_lens, device=device)[:, None] + torch.arange(
+            ids.shape[1], device=device
+        )  # [b, R]
+        hid = decoder(
+            input_ids=ids,
+            attention_mask=torch.cat([p_attn, r_attn], 1),
+            position_ids=pos,
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state  # [b, R, H]
+        h = torch.cat(
+            [
+                torch.cat([last[prompt_of[i]][None], hid[k, : r - 1]])
+                for k, (i, r) in enumerate(zip(rows, r_lens, strict=True))
+            ]
+        )  # [N, H]
+        targets = ids[r_attn.bool()]  # [N]
+        lp, _ = chunked_logprobs(h, head, targets, temperature, chunk)  # [N]
+        for i, piece in zip(rows, lp.split(r_lens), strict=True):
+            out[i] = piece
+    return out
+
+
+def _prefill(
+    decoder: Any, prompts: Sequence[Sequence[int]], pad_id: int, max_tokens: int, device: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Each prompt once through the decoder: per layer keys and values [kvh, sum P, d] (prompts
+    concatenated in order) and the last prompt position's hidden state [n, H]."""
+    from transformers import DynamicCache
+
+    from rlhf_batch.core.batching import token_budget_batches
+
+    n_layers = decoder.config.num_hidden_layers
+    ks: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n_layers)]
+    vs: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n_layers)]
+    last: list[Any] = [None] * len(prompts)
+    for batch in token_budget_batches([len(p) for p in prompts], max_tokens):
+        ids, attn = pad_right([prompts[j] for j in batch], pad_id, device)  # [b, P] right-padded
+        cache: Any = DynamicCache()
+        hid = decoder(
+            input_ids=ids, attention_mask=attn, past_key_values=cache, use_cache=True
+        ).last_hidden_state
+        for k, j in enumerate(batch):
+            p = len(prompts[j])
+            last[j] = hid[k, p - 1]  # [H]
+            for layer in range(n_layers):
+                ks[layer].append((j, cache.layers[layer].keys[k, :, :p]))  # [kvh, p, d]
+                vs[layer].append((j, cache.layers[layer].values[k, :, :p]))
+    keys = [torch.cat([t for _, t in sorted(x, key=lambda e: e[0])], 1) for x in ks]  # [kvh, sum P, d]
+    values = [torch.cat([t for _, t in sorted(x, key=lambda e: e[0])], 1) for x in vs]
+    return keys, values, torch.stack(last)
+
+
+def _response_batches(r_lens: Sequence[int], p_lens: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Rows with a response, longest response first, cut so that rows x longest response <=
+    max_tokens and rows x (longest prompt + longest response) <= 4 x max_tokens."""
+    order = sorted((i for i in range(len(r_lens)) if r_lens[i] > 0), key=lambda i: (-r_lens[i], i))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    r_max = p_max = 0
+    for i in order:
+        r2, p2 = max(r_max, r_lens[i]), max(p_max, p_lens[i])
+        if cur and ((len(cur) + 1) * r2 > max_tokens or (len(cur) + 1) * (r2 + p2) > 4 * max_tokens):
+            batches.append(cur)
+            cur, r2, p2 = [], r_lens[i], p_lens[i]
+        cur.append(i)
+        r_max, p_max = r2, p2
+    if cur:
+        batches.append(cur)
+    return batches

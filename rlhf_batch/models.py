@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 def resolve_device(device: str) -> str:
     import torch
 
@@ -92,8 +91,15 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     return tok
 
 
-def load_model(path: str, what: str, *, kind: str = "causal", device: str = "cpu", dtype: str = "auto",
-               trust_remote_code: bool = False) -> Any:
+def load_model(
+    path: str,
+    what: str,
+    *,
+    kind: str = "causal",
+    device: str = "cpu",
+    dtype: str = "auto",
+    trust_remote_code: bool = False,
+) -> Any:
     """Load a causal LM (`kind="causal"`) or a 1-label reward model (`kind="reward"`), in eval mode."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
@@ -101,13 +107,20 @@ def load_model(path: str, what: str, *, kind: str = "causal", device: str = "cpu
     hf_logging.disable_progress_bar()
     p = check_model_dir(path, what)
     if _needs_remote_code(p) and not trust_remote_code:
-        raise ModelError(f"{what}: {p} needs remote code (config.json has auto_map); "
-                         "set trust_remote_code = true only if you trust it")
+        raise ModelError(
+            f"{what}: {p} needs remote code (config.json has auto_map); "
+            "set trust_remote_code = true only if you trust it"
+        )
     dev = resolve_device(device)
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
     try:
-        model = cls.from_pretrained(p, dtype=resolve_dtype(dtype, dev), use_safetensors=True,
-                                    trust_remote_code=trust_remote_code, local_files_only=True)
+        model = cls.from_pretrained(
+            p,
+            dtype=resolve_dtype(dtype, dev),
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+            local_files_only=True,
+        )
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{what}: cannot load {p} ({str(e).splitlines()[0]})") from None
     if kind == "reward" and model.config.num_labels != 1:

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,8 +46,10 @@ class RunLock:
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
-            raise StageError(f"{self.path.parent}: another `rlhf-batch run` holds the lock ({holder}); "
-                             "wait for it or stop it") from None
+            raise StageError(
+                f"{self.path.parent}: another `rlhf-batch run` holds the lock ({holder}); "
+                "wait for it or stop it"
+            ) from None
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
@@ -80,6 +85,10 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
         for it in range(cfg.iterations):
             for stage, folder in STAGES:
                 if stage_done(cfg, it, stage, folder):
+                    if stage == "train":  # checkpoints a kill between train's manifest and its cleanup left
+                        shutil.rmtree(
+                            shards.stage_dir(cfg.run_dir, it, "train") / "checkpoint", ignore_errors=True
+                        )
                     continue
                 _say(f"iteration {it}: {stage}", quiet)
                 if cfg.in_process:
@@ -98,10 +107,29 @@ def _run_here(cfg: Config, stage: str, it: int, quiet: bool) -> None:
 def _run_child(config_path: Path, overrides: list[str], stage: str, it: int, quiet: bool) -> None:
     cmd = [sys.executable, "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
     cmd += [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
-    code = subprocess.run(cmd).returncode
+    code = subprocess.run(cmd, preexec_fn=_die_with(os.getpid())).returncode
     if code != 0:
-        raise StageError(f"{stage} of iteration {it} failed (exit {code}); fix the cause and run again, "
-                         "completed work is kept")
+        raise StageError(
+            f"{stage} of iteration {it} failed (exit {code}); fix the cause and run again, "
+            "completed work is kept"
+        )
+
+
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """A preexec_fn: the stage process gets SIGKILL when `run` dies (Linux PR_SET_PDEATHSIG), so a
+    killed run never leaves a stage writing on after the run lock is released."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls
+
+    def child() -> None:
+        prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # `run` died before the prctl took effect
+            os._exit(1)
+
+    return child
 
 
 def reward_by_iteration(cfg: Config) -> list[dict[str, Any]]:

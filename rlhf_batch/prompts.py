@@ -92,11 +92,17 @@ def _texts(table: pa.Table, cfg: GenerateConfig, tokenizer: Any, where: str) -> 
         return texts, False
     if cfg.messages_column in table.column_names:
         if not getattr(tokenizer, "chat_template", None):
-            raise StageError(f"{where}: chat prompts ('{cfg.messages_column}') need a tokenizer with a chat template")
+            raise StageError(
+                f"{where}: chat prompts ('{cfg.messages_column}') need a tokenizer with a chat template"
+            )
         out = []
         for i, messages in enumerate(table.column(cfg.messages_column).to_pylist()):
-            if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-                raise StageError(f"{where}: row {i}: '{cfg.messages_column}' must be a list of {{role, content}}")
+            if not messages or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages
+            ):
+                raise StageError(
+                    f"{where}: row {i}: '{cfg.messages_column}' must be a list of {{role, content}}"
+                )
             out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
         return out, True
     raise StageError(

@@ -32,12 +32,18 @@ def collect(run_dir: Path) -> dict[str, Any]:
         sdir = shards.stage_dir(run_dir, it, "scores")
         if shards.manifest(sdir) is not None:
             t = shards.read_stage(sdir, SCORES, ["score", "reward", "kl_sum"])
-            row.update(score=_mean(t["score"]), score_std=_std(t["score"]), reward=_mean(t["reward"]),
-                       kl=_mean(t["kl_sum"]))
+            row.update(
+                score=_mean(t["score"]),
+                score_std=_std(t["score"]),
+                reward=_mean(t["reward"]),
+                kl=_mean(t["kl_sum"]),
+            )
             last = it
         rdir = shards.stage_dir(run_dir, it, "rollouts")
         if shards.manifest(rdir) is not None:
-            lengths = pc.list_value_length(shards.read_stage(rdir, ROLLOUTS, ["response_ids"])["response_ids"])
+            lengths = pc.list_value_length(
+                shards.read_stage(rdir, ROLLOUTS, ["response_ids"])["response_ids"]
+            )
             row["length"] = _mean(lengths)
         adv = shards.manifest(shards.stage_dir(run_dir, it, "advantages"))
         if adv is not None:
@@ -61,7 +67,9 @@ def _std(col: Any) -> float | None:
     return pc.stddev(col, ddof=1).as_py() if pc.count(col).as_py() > 1 else None
 
 
-def write_report(run_dir: Path | str, out: Path | None = None, *, tensorboard: bool = False, n_examples: int = 5) -> Path:
+def write_report(
+    run_dir: Path | str, out: Path | None = None, *, tensorboard: bool = False, n_examples: int = 5
+) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise StageError(f"{run_dir}: run directory not found")
@@ -96,9 +104,12 @@ def _plots(data: dict[str, Any], out: Path) -> list[str]:
         plt.close(fig)
         names.append(name)
 
-    for key, title, name in [("score", "mean score (band: ±1 std)", "reward.png"), ("kl", "mean KL per rollout", "kl.png"),
-                             ("length", "mean response length (tokens)", "length.png"),
-                             ("filtered", "share of groups filtered", "filtered.png")]:
+    for key, title, name in [
+        ("score", "mean score (band: ±1 std)", "reward.png"),
+        ("kl", "mean KL per rollout", "kl.png"),
+        ("length", "mean response length (tokens)", "length.png"),
+        ("filtered", "share of groups filtered", "filtered.png"),
+    ]:
         x, y = series(key)
         if not x:
             continue
@@ -106,8 +117,12 @@ def _plots(data: dict[str, Any], out: Path) -> list[str]:
         ax.plot(x, y, marker="o")
         if key == "score":
             band = [r for r in rows if r.get("score") is not None and r.get("score_std") is not None]
-            ax.fill_between([r["iter"] for r in band], [r["score"] - r["score_std"] for r in band],
-                            [r["score"] + r["score_std"] for r in band], alpha=0.2)
+            ax.fill_between(
+                [r["iter"] for r in band],
+                [r["score"] - r["score_std"] for r in band],
+                [r["score"] + r["score_std"] for r in band],
+                alpha=0.2,
+            )
             rx, ry = series("reward")
             ax.plot(rx, ry, marker=".", linestyle="--", label="reward (after KL)")
             ax.legend()
@@ -126,8 +141,9 @@ def _plots(data: dict[str, Any], out: Path) -> list[str]:
 
 def _examples(run_dir: Path, it: int, n: int) -> list[dict[str, Any]]:
     scores = shards.read_stage(shards.stage_dir(run_dir, it, "scores"), SCORES, ["rollout_id", "score"])
-    rollouts = shards.read_stage(shards.stage_dir(run_dir, it, "rollouts"), ROLLOUTS,
-                                 ["rollout_id", "prompt", "response"])
+    rollouts = shards.read_stage(
+        shards.stage_dir(run_dir, it, "rollouts"), ROLLOUTS, ["rollout_id", "prompt", "response"]
+    )
     joined = rollouts.join(scores, "rollout_id").filter(pc.is_valid(pc.field("score")))
     ordered = joined.sort_by([("score", "descending"), ("rollout_id", "ascending")]).to_pylist()
     best, worst = ordered[:n], ordered[-n:][::-1] if len(ordered) > n else []
@@ -139,19 +155,22 @@ def _html(run_dir: Path, data: dict[str, Any], plots: list[str], examples: list[
         return "" if v is None else f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
 
     keys = ["iter", "score", "reward", "kl", "length", "filtered"]
-    table = "".join("<tr>" + "".join(f"<td>{cell(r.get(k))}</td>" for k in keys) + "</tr>" for r in data["iters"])
+    table = "".join(
+        "<tr>" + "".join(f"<td>{cell(r.get(k))}</td>" for k in keys) + "</tr>" for r in data["iters"]
+    )
     ex = "".join(
         f"<tr><td>{e['kind']}</td><td>{cell(e['score'])}</td><td><pre>{html.escape(e['prompt'])}</pre></td>"
-        f"<td><pre>{html.escape(e['response'])}</pre></td></tr>" for e in examples
+        f"<td><pre>{html.escape(e['response'])}</pre></td></tr>"
+        for e in examples
     )
     imgs = "".join(f'<img src="{p}" alt="{p}">' for p in plots)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>rlhf-batch report</title>
 <style>body{{font-family:sans-serif;margin:2em}}td,th{{border:1px solid #ccc;padding:4px}}
 table{{border-collapse:collapse}}pre{{margin:0;white-space:pre-wrap}}img{{margin:4px}}</style></head><body>
 <h1>rlhf-batch report</h1><p>{html.escape(str(run_dir))}</p>
-<h2>By iteration</h2><table><tr>{''.join(f'<th>{k}</th>' for k in keys)}</tr>{table}</table>
-<h2>Plots</h2>{imgs or '<p>nothing to plot yet</p>'}
-<h2>Best and worst responses (iteration {data['last']})</h2>
+<h2>By iteration</h2><table><tr>{"".join(f"<th>{k}</th>" for k in keys)}</tr>{table}</table>
+<h2>Plots</h2>{imgs or "<p>nothing to plot yet</p>"}
+<h2>Best and worst responses (iteration {data["last"]})</h2>
 <table><tr><th></th><th>score</th><th>prompt</th><th>response</th></tr>{ex}</table></body></html>
 """
 
@@ -160,7 +179,9 @@ def _tensorboard(data: dict[str, Any], logdir: Path) -> None:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise StageError(f"--tensorboard needs the tensorboard package ({e}); pip install tensorboard") from None
+        raise StageError(
+            f"--tensorboard needs the tensorboard package ({e}); pip install tensorboard"
+        ) from None
     w = SummaryWriter(str(logdir))
     for r in data["iters"]:
         for key in ("score", "reward", "kl", "length", "filtered"):

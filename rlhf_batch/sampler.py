@@ -45,8 +45,14 @@ def sample(
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     stops = torch.as_tensor(sorted(stop_ids or set()), dtype=torch.long, device=device)  # [S]
     cache = DynamicCache()
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    logits = model(
+        input_ids=ids,
+        attention_mask=attn,
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]  # [B, V]
     next_pos = attn.sum(-1)  # [B]
     live = torch.arange(n, device=device)  # [b] original row of each running row
     budget = torch.as_tensor(
@@ -74,7 +80,12 @@ def sample(
             cache.batch_select_indices(keep)
             live, tok, attn, next_pos = live[keep], tok[keep], attn[keep], next_pos[keep]
         attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=-1)  # [b, L + step + 1]
-        logits = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]  # [b, V]
+        logits = model(
+            input_ids=tok[:, None],
+            attention_mask=attn,
+            position_ids=next_pos[:, None],
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]  # [b, V]
         next_pos = next_pos + 1
     return [(tokens[i], logps[i], reasons[i]) for i in range(n)]

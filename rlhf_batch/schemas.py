@@ -88,7 +88,6 @@ METRICS = pa.schema(
 STAGE_SCHEMAS = {"rollouts": ROLLOUTS, "scores": SCORES, "advantages": ADVANTAGES, "train": METRICS}
 
 
-
 def validate(actual: pa.Schema, expected: pa.Schema, where: str) -> None:
     """Fail naming `where` and the column unless every expected column exists with its type."""
     for f in expected:

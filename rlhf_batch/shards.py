@@ -33,7 +33,6 @@ COUNTS_KEY = b"rlhf_batch.counts"
 FAULT_ENV = "RLHF_BATCH_FAULT"
 
 
-
 def iter_dir(run_dir: str | Path, it: int) -> Path:
     return Path(run_dir) / f"iter={it:04d}"
 
@@ -58,7 +57,19 @@ def list_parts(sdir: Path) -> list[Path]:
 def write_error(path: Path, e: BaseException) -> StageError:
     """A failed write (disk full, file too large, no permission) as a one-line error naming the file."""
     reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0]
-    return StageError(f"{path}: cannot write ({reason}); free disk space and run again, finished work is kept")
+    return StageError(
+        f"{path}: cannot write ({reason}); free disk space and run again, finished work is kept"
+    )
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames in directory `path` durable: after a power cut (not only a kill) no part
+    that a later manifest lists can be missing."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -69,6 +80,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise write_error(path, e) from e
@@ -104,6 +116,7 @@ def write_parquet_atomic(
             os.fsync(f.fileno())
         fault_point(f"{fault}:tmp")
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
@@ -188,7 +201,12 @@ class StageRun:
             )
         started = sdir / STARTED
         # a run that failed before writing any part leaves nothing to protect: a new config takes over
-        if not self.complete and started.exists() and read_json(started).get("key") != self.key and list_parts(sdir):
+        if (
+            not self.complete
+            and started.exists()
+            and read_json(started).get("key") != self.key
+            and list_parts(sdir)
+        ):
             raise StageError(
                 f"{sdir}: a partial run with a different config or inputs is here; "
                 "re-run with the same config, or with --force to start over"
@@ -222,7 +240,9 @@ class StageRun:
         return result
 
 
-def write_manifest(sdir: Path, stage: str, n_parts: int, key: str, identity: dict, extra: dict | None) -> dict[str, Any]:
+def write_manifest(
+    sdir: Path, stage: str, n_parts: int, key: str, identity: dict, extra: dict | None
+) -> dict[str, Any]:
     by_n: dict[int, Path] = {}
     for p in list_parts(sdir):
         by_n.setdefault(part_number(p), p)
@@ -265,7 +285,6 @@ def _versions() -> dict[str, str]:
         with contextlib.suppress(PackageNotFoundError):
             out[pkg] = version(pkg)
     return out
-
 
 
 def policy_dir(run_dir: str | Path, it: int) -> Path:

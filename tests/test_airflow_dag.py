@@ -29,10 +29,17 @@ def test_dag_runs_two_iterations_of_the_demo(tmp_path: Path) -> None:
         "AIRFLOW_VAR_RLHF_BATCH_BIN": str(Path(sys.executable).parent / "rlhf-batch"),
     }
     subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, check=True, capture_output=True)
-    conf = {"config": str(ROOT / "pipelines" / "demo.toml"),
-            "overrides": f"--set run_dir={run_dir} --set generate.prompts_per_part=128"}
-    res = subprocess.run([str(AIRFLOW), "dags", "test", "rlhf_batch", "-c", json.dumps(conf)],
-                         env=env, capture_output=True, text=True, timeout=900)
+    conf = {
+        "config": str(ROOT / "pipelines" / "demo.toml"),
+        "overrides": f"--set run_dir={run_dir} --set generate.prompts_per_part=128",
+    }
+    res = subprocess.run(
+        [str(AIRFLOW), "dags", "test", "rlhf_batch", "-c", json.dumps(conf)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for it in (0, 1):
         for stage in ("rollouts", "scores", "advantages", "train"):

@@ -14,7 +14,9 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_tables_and_overrides(tmp_path: Path) -> None:
     p = write(tmp_path, 'run_dir = "runs/x"\nseed = 2\n[generate]\ntemperature = 0.9\n[train]\nlr = 1\n')
-    cfg = load_config(p, ["generate.temperature=0.7", "seed=3", "run_dir=/tmp/run1", "train.aggregation=token_mean"])
+    cfg = load_config(
+        p, ["generate.temperature=0.7", "seed=3", "run_dir=/tmp/run1", "train.aggregation=token_mean"]
+    )
     assert cfg.generate.temperature == 0.7
     assert cfg.seed == 3
     assert cfg.run_dir == "/tmp/run1"
@@ -46,7 +48,11 @@ def test_relative_paths_and_run_dir_placeholder(tmp_path: Path) -> None:
         ("", ["nosuch.key=1"], "unknown key 'nosuch'"),
         ("", ["generate"], "expected KEY=VALUE"),
         ("generate = 3\n", [], "'generate' must be a table"),
-        ("[score]\nreward_functions = ['a:b']\nreward_weights = [1.0, 2.0]\n", [], "'score.reward_weights' has 2"),
+        (
+            "[score]\nreward_functions = ['a:b']\nreward_weights = [1.0, 2.0]\n",
+            [],
+            "'score.reward_weights' has 2",
+        ),
         ("[train]\ndual_clip = 0.5\n", [], "'train.dual_clip' must be 0 (off) or > 1"),
         ("[generate\n", [], "not valid TOML"),
     ],

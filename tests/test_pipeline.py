@@ -67,8 +67,16 @@ def test_the_shortened_demo_learns_and_would_not_with_a_zero_learning_rate(tmp_p
     gains = {}
     for lr in ("5e-3", "0.0"):
         run_dir = tmp_path / f"lr{lr}"
-        res = run(str(ROOT / "pipelines/demo.toml"), "--quiet", "--iterations", "16",
-                  "--set", f"run_dir={run_dir}", "--set", f"train.lr={lr}")
+        res = run(
+            str(ROOT / "pipelines/demo.toml"),
+            "--quiet",
+            "--iterations",
+            "16",
+            "--set",
+            f"run_dir={run_dir}",
+            "--set",
+            f"train.lr={lr}",
+        )
         assert res.returncode == 0, res.stderr
         scores = [float(line.split()[1]) for line in res.stdout.splitlines()[1:17]]
         gains[lr] = scores[-1] - scores[0]

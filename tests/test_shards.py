@@ -14,7 +14,9 @@ SCHEMA = pa.schema([("rollout_id", pa.string()), ("x", pa.list_(pa.float32()))])
 
 def table(n: int, start: int = 0) -> pa.Table:
     ids = [f"r{i}" for i in range(start, start + n)]
-    return pa.table({"rollout_id": ids, "x": pa.array([[float(i)] for i in range(n)], pa.list_(pa.float32()))})
+    return pa.table(
+        {"rollout_id": ids, "x": pa.array([[float(i)] for i in range(n)], pa.list_(pa.float32()))}
+    )
 
 
 def test_layout_names() -> None:
@@ -80,7 +82,9 @@ def test_failed_write_leaves_no_part(tmp_path: Path) -> None:
 def test_schema_checked_reads_name_file_and_column(tmp_path: Path) -> None:
     p = tmp_path / "part-00000-00000.parquet"
     pq.write_table(pa.table({"rollout_id": ["a"], "x": [[1.0]]}), p)  # x is list<double>, not float32
-    with pytest.raises(SchemaError, match=r"part-00000-00000.parquet: column 'x' has type list<element: double>"):
+    with pytest.raises(
+        SchemaError, match=r"part-00000-00000.parquet: column 'x' has type list<element: double>"
+    ):
         shards.read_part(p, SCHEMA)
     pq.write_table(pa.table({"x": pa.array([[1.0]], pa.list_(pa.float32()))}), p)
     with pytest.raises(SchemaError, match="missing column 'rollout_id'"):

@@ -13,7 +13,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
     """[..., V] logits, [...] targets -> [...] float32 log-probs of the targets."""
     x = logits.float() / temperature  # [..., V]
     picked = x.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [...]

@@ -34,7 +34,9 @@ def _same(got: str, want: str) -> bool:
         return got.strip() == want.strip()
 
 
-def exact_answer(*, prompts: list[str], responses: list[str], answer: list[Any], **_: Any) -> list[float | None]:
+def exact_answer(
+    *, prompts: list[str], responses: list[str], answer: list[Any], **_: Any
+) -> list[float | None]:
     """1.0 when the final answer equals the `answer` column, else 0.0; None without an answer."""
     out: list[float | None] = []
     for response, want in zip(responses, answer, strict=True):

@@ -61,6 +61,7 @@ from rlhf_batch.inspect import NAN_SAFE, quote, sql_text
 from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate
 
 STAGE = "advantages"
+MEMORY_LIMIT = "1GB"  # DuckDB's own budget (default: 80% of RAM); the process adds Python + Arrow
 
 
 def identity(cfg: Config) -> dict[str, Any]:
@@ -148,6 +149,7 @@ def _connect(tmp: Path) -> Any:
     con.execute("SET enable_progress_bar = false")
     con.execute(NAN_SAFE)  # NaN rewards must count as null
     con.execute(f"SET temp_directory = {quote(str(tmp))}")  # spills of a 10M-row sort go here
+    con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")  # beyond it DuckDB spills: 10M rows stay < 2 GB RSS
     return con
 
 

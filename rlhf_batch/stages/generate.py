@@ -33,8 +33,10 @@ def policy_for(cfg: Config, iteration: int) -> str:
         return cfg.policy_model
     prev = shards.policy_dir(cfg.run_dir, iteration - 1)
     if shards.manifest(shards.stage_dir(cfg.run_dir, iteration - 1, "train")) is None or not prev.is_dir():
-        raise StageError(f"iteration {iteration}: iteration {iteration - 1} has no trained policy ({prev}); "
-                         f"run train --iter {iteration - 1} first")
+        raise StageError(
+            f"iteration {iteration}: iteration {iteration - 1} has no trained policy ({prev}); "
+            f"run train --iter {iteration - 1} first"
+        )
     return str(prev)
 
 
@@ -63,8 +65,11 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     sdir = shards.stage_dir(cfg.run_dir, iteration, "rollouts")
     if not g.prompts or not Path(g.prompts).exists():
         raise StageError(f"{g.prompts or 'generate.prompts'}: prompt file not found")
-    inputs = {"prompts": shards.file_fingerprint(g.prompts), "policy": model_fingerprint(policy, "policy"),
-              "iteration": iteration}
+    inputs = {
+        "prompts": shards.file_fingerprint(g.prompts),
+        "policy": model_fingerprint(policy, "policy"),
+        "iteration": iteration,
+    }
     stage = shards.StageRun(sdir, "rollouts", identity(cfg), inputs, force)
     if stage.complete:
         return shards.manifest(sdir) or {}
@@ -73,8 +78,9 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     n_parts = math.ceil(len(prompts.ids) / g.prompts_per_part)
     todo = stage.todo(n_parts)
     if todo:
-        model = load_model(policy, "policy", device=cfg.device, dtype=cfg.dtype,
-                           trust_remote_code=cfg.trust_remote_code)
+        model = load_model(
+            policy, "policy", device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+        )
         shards.fault_point("rollouts:model-loaded")
         _check_lengths(model, prompts, g)
         schema = with_extra(ROLLOUTS, prompts.carried.schema)
@@ -90,12 +96,15 @@ def _check_lengths(model: Any, prompts: Prompts, g: GenerateConfig) -> None:
     limit = getattr(model.config, "max_position_embeddings", None)
     longest = max(len(t) for t in prompts.tokens)
     if limit and longest + g.max_new_tokens > limit:
-        raise StageError(f"{g.prompts}: longest prompt ({longest} tokens) + generate.max_new_tokens "
-                         f"({g.max_new_tokens}) exceeds the model's {limit} positions")
+        raise StageError(
+            f"{g.prompts}: longest prompt ({longest} tokens) + generate.max_new_tokens "
+            f"({g.max_new_tokens}) exceeds the model's {limit} positions"
+        )
 
 
-def generate_part(model: Any, tok: Any, prompts: Prompts, n: int, cfg: Config, iteration: int,
-                  policy: str, bar: Any) -> pa.Table:
+def generate_part(
+    model: Any, tok: Any, prompts: Prompts, n: int, cfg: Config, iteration: int, policy: str, bar: Any
+) -> pa.Table:
     """All rollouts of the prompts in part n, in (prompt, sample) order."""
     from rlhf_batch.sampler import sample
 
@@ -109,9 +118,17 @@ def generate_part(model: Any, tok: Any, prompts: Prompts, n: int, cfg: Config, i
     for start in range(0, len(order), g.batch_size):
         batch = order[start : start + g.batch_size]
         t0 = time.perf_counter()
-        out = sample(model, [prompts.tokens[rows[r][0]] for r in batch], [row_seed(cfg.seed, rids[r]) for r in batch],
-                     max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                     stop_ids=stop_ids, pad_id=tok.pad_token_id)
+        out = sample(
+            model,
+            [prompts.tokens[rows[r][0]] for r in batch],
+            [row_seed(cfg.seed, rids[r]) for r in batch],
+            max_new_tokens=g.max_new_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+            stop_ids=stop_ids,
+            pad_id=tok.pad_token_id,
+        )
         for r, res in zip(batch, out, strict=True):
             results[r] = res
         bar.update(len(batch))

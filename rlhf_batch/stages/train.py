@@ -111,8 +111,10 @@ def _train(cfg: Config, iteration: int, start: str, stage: Any, data: Any, quiet
         tc.max_tokens_per_batch,
         tc.ppo_epochs,
         _seed(cfg, iteration),
+        tc.max_padding,
     )
     trainer, tok = _build(cfg, start, data, len(steps))
+    shards.fault_point("train:model-loaded")
     if tc.recompute_old:
         recompute_old(trainer, steps)
     ckpt = checkpoint.load_latest(
@@ -220,15 +222,21 @@ def _saved_dtype(start: str) -> Any:
 
 def _write_policy(model: Any, tok: Any, out: Path, dtype: Any, gradient_checkpointing: bool) -> None:
     """save_pretrained + tokenizer into a hidden temp dir, then rename to `out`."""
+    from safetensors import SafetensorError
+
     for stale in out.parent.glob(".policy.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = out.with_name(f".policy.tmp-{os.getpid()}")
     model.config.use_cache = True
     if gradient_checkpointing:
         _activation_checkpointing(model, False)
-    model.eval().to(dtype).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    checkpoint.fsync_tree(tmp)
+    try:
+        model.eval().to(dtype).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        checkpoint.fsync_tree(tmp)
+    except (OSError, SafetensorError) as e:  # a full disk, as each writer reports it
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise shards.write_error(out, e) from e
     shards.fault_point("train:policy:tmp")
     if out.exists():  # from a run killed after its rename but before the manifest
         shutil.rmtree(out)
@@ -271,6 +279,7 @@ def _finish(
         "world_size": trainer.world,
     }
     result = stage.finish(0, extra)
+    shards.fault_point("train:manifest:done")
     if trainer.rank == 0:
         checkpoint.remove(stage.sdir / CHECKPOINT_DIR)
     return result or shards.manifest(stage.sdir) or {}

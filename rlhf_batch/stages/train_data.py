@@ -7,7 +7,8 @@ replays exactly the same steps and the data position in a checkpoint is just a s
   are cut into contiguous optimizer steps of about `tokens_per_step` response tokens (there
   are ceil(total / tokens_per_step) steps and the cuts balance their tokens), and each step
   into micro-batches by `core.batching.token_budget_batches` over the full sequence lengths
-  (padded rows x longest row <= `max_tokens_per_batch`).
+  (padded rows x longest row <= `max_tokens_per_batch`; with `max_padding` < 1 a micro-batch
+  is also closed before its padding exceeds that share of its tokens: train.max_padding).
 * Epoch e >= 1 reuses those micro-batches in an order shuffled by a generator seeded with
   (seed, iteration, e), cut again into steps of about `tokens_per_step` tokens.
 * Ranks: micro-batch j of a step goes to rank j % world. A rank with fewer micro-batches than
@@ -94,14 +95,21 @@ def load_shards(sdir: Path) -> Shards:
     if resp.sum() == 0:
         raise StageError(f"{sdir}: no row has a response token; nothing to train on")
     chunk = {name: table.column(name).chunk(0) for name in COLUMNS[1:]}
+    old, ref = _flat(chunk["behavior_logprobs"], np.float32), _flat(chunk["ref_logprobs"], np.float32)
+    resp_off = _offsets(resp)
+    for name, flat in (("behavior_logprobs", old), ("ref_logprobs", ref)):
+        bad = np.flatnonzero(~np.isfinite(flat))  # token positions; a NaN would poison the loss
+        if bad.size:
+            row = int(np.searchsorted(resp_off, bad[0], side="right")) - 1
+            raise StageError(f"{sdir}: rollout {rids[row]}: column '{name}' has a NaN or inf log-prob")
     return Shards(
         rollout_ids=rids,
         ids=_flat(chunk["input_ids"], np.int64),
         ids_off=_offsets(seq),
         prompt_lens=plen,
-        old=_flat(chunk["behavior_logprobs"], np.float32),
-        ref=_flat(chunk["ref_logprobs"], np.float32),
-        resp_off=_offsets(resp),
+        old=old,
+        ref=ref,
+        resp_off=resp_off,
         adv=adv,
     )
 
@@ -161,11 +169,12 @@ def plan_steps(
     max_tokens_per_batch: int,
     epochs: int,
     seed: tuple[int, ...],
+    max_padding: float = 1.0,
 ) -> list[Step]:
     """Every optimizer step of the stage, in order (see the module docstring)."""
     first: list[list[tuple[int, ...]]] = []
     for rows in cut_balanced(resp_lens.tolist(), tokens_per_step):
-        batches = token_budget_batches([int(seq_lens[i]) for i in rows], max_tokens_per_batch)
+        batches = token_budget_batches([int(seq_lens[i]) for i in rows], max_tokens_per_batch, max_padding)
         first.append([tuple(rows[k] for k in b) for b in batches])
     steps = [_step(i, 0, micro, resp_lens) for i, micro in enumerate(first)]
     micro_all = [mb for micro in first for mb in micro]

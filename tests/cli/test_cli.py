@@ -17,15 +17,32 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 def test_help_lists_every_command_and_imports_nothing_heavy() -> None:
     t0 = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, "-c", "import sys; from rlhf_batch.cli import app; "
-         "print(sorted(m for m in ('torch', 'transformers', 'duckdb', 'pyarrow') if m in sys.modules))"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from rlhf_batch.cli import app; "
+            "print(sorted(m for m in ('torch', 'transformers', 'duckdb', 'pyarrow') if m in sys.modules))",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert out.stdout.strip() == "[]"
     res = cli("--help")
     assert res.returncode == 0
-    for cmd in ("generate", "score", "advantage", "train", "run", "sql", "status", "report", "init-model",
-                "init-prompts", "import", "validate"):
+    for cmd in (
+        "generate",
+        "score",
+        "advantage",
+        "train",
+        "run",
+        "sql",
+        "status",
+        "report",
+        "init-model",
+        "init-prompts",
+        "import",
+        "validate",
+    ):
         assert cmd in res.stdout
     assert time.perf_counter() - t0 < 10  # generous: CI machines vary; the benchmark measures it properly
 
@@ -34,16 +51,33 @@ def test_init_model_builds_loadable_models_for_both_architectures(tmp_path: Path
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     for arch in ("qwen2", "llama"):
-        res = runner.invoke(app, ["init-model", str(tmp_path / arch), "--arch", arch, "--hidden", "32", "--heads", "2",
-                                  "--kv-heads", "1", "--layers", "1"])
+        res = runner.invoke(
+            app,
+            [
+                "init-model",
+                str(tmp_path / arch),
+                "--arch",
+                arch,
+                "--hidden",
+                "32",
+                "--heads",
+                "2",
+                "--kv-heads",
+                "1",
+                "--layers",
+                "1",
+            ],
+        )
         assert res.exit_code == 0, res.output
         model = AutoModelForCausalLM.from_pretrained(tmp_path / arch)
         assert model.config.model_type == arch and model.config.num_hidden_layers == 1
         tok = AutoTokenizer.from_pretrained(tmp_path / arch)
-        text = "Any printable ASCII: ~!@#$%^&*()_+{}|:\"<>? 0123456789\n\tabcXYZ"
+        text = 'Any printable ASCII: ~!@#$%^&*()_+{}|:"<>? 0123456789\n\tabcXYZ'
         ids = tok(text, add_special_tokens=False).input_ids
         assert len(ids) == len(text) and tok.decode(ids) == text  # one token per character, lossless
-        chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        chat = tok.apply_chat_template(
+            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        )
         assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     res = runner.invoke(app, ["init-model", str(tmp_path / "rm"), "--reward"])
     assert res.exit_code == 0
@@ -66,7 +100,10 @@ def test_validate_and_one_line_errors(tmp_path: Path) -> None:
     bad.write_text("[generate]\ntemprature = 0.5\n")
     res = cli("validate", str(bad))
     assert res.returncode == 1
-    assert res.stderr.strip() == f"error: {bad}: unknown key 'generate.temprature' (did you mean 'generate.temperature'?)"
+    assert (
+        res.stderr.strip()
+        == f"error: {bad}: unknown key 'generate.temprature' (did you mean 'generate.temperature'?)"
+    )
     assert "Traceback" not in res.stderr
     res = cli("--debug", "validate", str(bad))
     assert res.returncode != 0 and "Traceback" in res.stderr

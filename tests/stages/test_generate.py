@@ -33,7 +33,9 @@ def test_rollouts_table_ids_and_carried_columns(make_config) -> None:
     for row in t.to_pylist():
         assert len(row["behavior_logprobs"]) == len(row["response_ids"]) <= 6
         assert row["finish_reason"] in ("stop", "length")
-        assert (row["finish_reason"] == "length") == (len(row["response_ids"]) == 6 and row["response_ids"][-1] != 0)
+        assert (row["finish_reason"] == "length") == (
+            len(row["response_ids"]) == 6 and row["response_ids"][-1] != 0
+        )
         assert row["policy"] == cfg.policy_model
 
 
@@ -43,8 +45,13 @@ def test_behaviour_logprobs_match_a_plain_forward_pass(make_config) -> None:
     t = rollouts(cfg).to_pylist()
     model = load_model(cfg.policy_model, "policy", dtype="float32")
     with torch.no_grad():
-        logp, mask, _ = response_logprobs(model, [r["prompt_ids"] + r["response_ids"] for r in t],
-                                          [len(r["prompt_ids"]) for r in t], cfg.generate.temperature, pad_id=1)
+        logp, mask, _ = response_logprobs(
+            model,
+            [r["prompt_ids"] + r["response_ids"] for r in t],
+            [len(r["prompt_ids"]) for r in t],
+            cfg.generate.temperature,
+            pad_id=1,
+        )
     stored = torch.zeros_like(logp)
     for i, r in enumerate(t):
         stored[i, : len(r["behavior_logprobs"])] = torch.tensor(r["behavior_logprobs"])
@@ -52,7 +59,9 @@ def test_behaviour_logprobs_match_a_plain_forward_pass(make_config) -> None:
     assert (logp - stored)[mask].abs().max() < 1e-5
 
 
-def test_same_config_and_seed_give_identical_files_whatever_the_batch_size(make_config, tmp_path: Path) -> None:
+def test_same_config_and_seed_give_identical_files_whatever_the_batch_size(
+    make_config, tmp_path: Path
+) -> None:
     _, a = make_config(run_dir=str(tmp_path / "a"))
     _, b = make_config(run_dir=str(tmp_path / "b"), name="b.toml", generate={"batch_size": 3})
     _, c = make_config(run_dir=str(tmp_path / "c"), name="c.toml")
@@ -83,8 +92,12 @@ def test_pad_equal_to_eos_keeps_the_eos_token_and_its_logprob(make_config, tmp_p
     for r in stopped:
         assert r["response_ids"][-1] == 0 and len(r["behavior_logprobs"]) == len(r["response_ids"])
     with torch.no_grad():
-        logp, mask, _ = response_logprobs(model, [r["prompt_ids"] + r["response_ids"] for r in stopped],
-                                          [len(r["prompt_ids"]) for r in stopped], pad_id=0)
+        logp, mask, _ = response_logprobs(
+            model,
+            [r["prompt_ids"] + r["response_ids"] for r in stopped],
+            [len(r["prompt_ids"]) for r in stopped],
+            pad_id=0,
+        )
     for i, r in enumerate(stopped):  # the EOS position (pad id == eos id) is part of the mask
         n = len(r["response_ids"])
         assert mask[i].sum() == n
@@ -93,7 +106,10 @@ def test_pad_equal_to_eos_keeps_the_eos_token_and_its_logprob(make_config, tmp_p
 
 def test_chat_prompts_use_the_chat_template(make_config, tmp_path: Path) -> None:
     data = tmp_path / "chat.jsonl"
-    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": f"say {i}"}], "answer": str(i)} for i in range(3)]
+    rows = [
+        {"id": f"q{i}", "messages": [{"role": "user", "content": f"say {i}"}], "answer": str(i)}
+        for i in range(3)
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _, cfg = make_config(generate={"prompts": str(data)}, score={"reward_functions": []})
     generate.run(cfg, 0, quiet=True)
@@ -106,13 +122,18 @@ def test_overlong_prompts_error_skip_or_truncate(make_config, tmp_path: Path) ->
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "a*1="}\n{"prompt": "a very long prompt"}\n')
     _, cfg = make_config(generate={"prompts": str(data), "max_prompt_tokens": 8})
-    with pytest.raises(StageError, match=r"row 1 \(prompt_id \w+\) has 18 tokens > generate.max_prompt_tokens = 8"):
+    with pytest.raises(
+        StageError, match=r"row 1 \(prompt_id \w+\) has 18 tokens > generate.max_prompt_tokens = 8"
+    ):
         generate.run(cfg, 0, quiet=True)
-    _, cfg = make_config(name="s.toml", generate={"prompts": str(data), "max_prompt_tokens": 8, "overlong": "skip"})
+    _, cfg = make_config(
+        name="s.toml", generate={"prompts": str(data), "max_prompt_tokens": 8, "overlong": "skip"}
+    )
     m = generate.run(cfg, 0, quiet=True, force=True)
     assert m["rows"] == 4 and m["prompt_counts"]["prompts_skipped_overlong"] == 1
-    _, cfg = make_config(name="t.toml", generate={"prompts": str(data), "max_prompt_tokens": 8,
-                                                   "overlong": "truncate_left"})
+    _, cfg = make_config(
+        name="t.toml", generate={"prompts": str(data), "max_prompt_tokens": 8, "overlong": "truncate_left"}
+    )
     generate.run(cfg, 0, quiet=True, force=True)
     long_ids = rollouts(cfg).column("prompt_ids").to_pylist()[-1]
     assert len(long_ids) == 8  # the last 8 characters, "g prompt"
@@ -149,9 +170,14 @@ def test_iteration_that_skips_one_is_refused(make_config) -> None:
         generate.run(cfg, 1, quiet=True)
 
 
-def test_resume_after_a_kill_mid_write_gives_the_rows_of_an_uninterrupted_run(make_config, tmp_path: Path) -> None:
+def test_resume_after_a_kill_mid_write_gives_the_rows_of_an_uninterrupted_run(
+    make_config, tmp_path: Path
+) -> None:
     path, cfg = make_config()
-    env = {**os.environ, shards.FAULT_ENV: "rollouts:part-1:tmp"}  # SIGKILL between writing and renaming part 1
+    env = {
+        **os.environ,
+        shards.FAULT_ENV: "rollouts:part-1:tmp",
+    }  # SIGKILL between writing and renaming part 1
     cmd = [sys.executable, "-m", "rlhf_batch", "generate", str(path), "--quiet"]
     killed = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert killed.returncode == -9
@@ -176,12 +202,16 @@ def test_prompts_from_a_datasets_dir_and_from_parquet(make_config, tmp_path: Pat
     pq.write_table(pa.table(rows), tmp_path / "p.parquet")
     tables = []
     for i, source in enumerate((tmp_path / "ds", tmp_path / "p.parquet")):
-        _, cfg = make_config(run_dir=str(tmp_path / f"run{i}"), name=f"c{i}.toml", generate={"prompts": str(source)})
+        _, cfg = make_config(
+            run_dir=str(tmp_path / f"run{i}"), name=f"c{i}.toml", generate={"prompts": str(source)}
+        )
         generate.run(cfg, 0, quiet=True)
         tables.append(rollouts(cfg))
     assert tables[0].column("prompt_id").to_pylist() == ["p0"] * 4 + ["p1"] * 4
     assert tables[0].column("answer").to_pylist() == ["aa"] * 4 + ["b"] * 4
-    assert tables[0].select(["rollout_id", "response_ids"]) == tables[1].select(["rollout_id", "response_ids"])
+    assert tables[0].select(["rollout_id", "response_ids"]) == tables[1].select(
+        ["rollout_id", "response_ids"]
+    )
 
 
 def test_a_tokenizer_without_a_pad_token_uses_eos(make_config, tmp_path: Path) -> None:

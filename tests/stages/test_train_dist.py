@@ -34,6 +34,7 @@ def test_two_ranks_match_one_rank(make_config, tiny_model: Path, tmp_path: Path)
         lr=1e-4,
         tokens_per_step=12,
         max_tokens_per_batch=20,
+        max_padding=1.0,  # micro-batches by the token budget only: the plan asserted below
         ppo_epochs=2,
         recompute_old=True,
         gradient_checkpointing=True,

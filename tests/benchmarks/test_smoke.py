@@ -1,0 +1,58 @@
+"""Every benchmark runs on the tiny model and workload, so that none of them rots.
+
+The figures of a tiny run mean nothing; what is checked is that each benchmark finishes and
+appends its rows (date, machine, workload, ours, baseline, ratio, memory, target) to the table.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+ROWS = {  # benchmark script -> the rows it must append
+    "bench_startup.py": ["cli --help", "stage start-up"],
+    "bench_score.py": ["score tokens/s", "score MFU", "score scaling", "score memory @ vocab 128k"],
+    "bench_generate.py": ["generate tokens/s"],
+    "bench_advantage.py": [
+        "advantage vs MCAdvantage",
+        "advantage group statistics",
+        "advantage stage peak memory",
+    ],
+    "bench_train.py": ["train tokens/s", "train MFU", "train padding"],
+}
+
+
+@pytest.fixture(scope="module")
+def peaks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("bench") / "peaks.json"
+    subprocess.run(
+        [sys.executable, str(BENCH / "peak.py"), "--tiny", "--out", str(out)], check=True, cwd=ROOT
+    )
+    return out
+
+
+@pytest.mark.parametrize("script", list(ROWS))
+def test_benchmark_runs_on_the_tiny_workload(script: str, peaks: Path, tmp_path: Path) -> None:
+    results = tmp_path / "results.md"
+    env = {**os.environ, "RLHF_BATCH_BENCH_CACHE": str(tmp_path.parent / "bench-cache")}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--tiny", "--peaks", str(peaks), "--results", str(results)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = results.read_text()
+    assert table.count("| date | machine |") == 1  # one header, then the rows
+    for name in ROWS[script]:
+        row = next((line for line in table.splitlines() if f"| {name} |" in line), None)
+        assert row is not None, f"{script} wrote no '{name}' row:\n{table}"
+        assert len(row.split(" | ")) == 11, row  # every column filled (with '-' where it has no value)

@@ -1,0 +1,37 @@
+"""Session fixtures of the reliability suite: shared assets and ONE uninterrupted reference run
+that every kill, disk-full and determinism test compares with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.harness import KILLS, Assets, run_to_completion
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
+    from rlhf_batch.rewards.demo import write_prompts
+    from rlhf_batch.tiny import init_model
+
+    root = tmp_path_factory.mktemp("assets")
+    return Assets(
+        prompts=write_prompts(root / "prompts.jsonl", 48, seed=0), policy=init_model(root / "policy", seed=0)
+    )
+
+
+@pytest.fixture(scope="session")
+def reference(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shortened demo (2 iterations), run once without interruption."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    run_to_completion(assets, run_dir)
+    return run_dir
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+    if KILLS["named"] or KILLS["timed"]:
+        terminalreporter.write_line(
+            f"reliability: {KILLS['named'] + KILLS['timed']} SIGKILLs survived "
+            f"({KILLS['named']} at named fault points, {KILLS['timed']} at random moments)"
+        )

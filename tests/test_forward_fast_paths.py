@@ -1,0 +1,123 @@
+"""The fast paths added for speed keep the numbers of the plain ones: shared prompts in score,
+per-row budgets in the sampler, the LM-head chunk size. Real tiny models, no mocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlhf_batch.forward import (
+    _response_batches,
+    can_share_prefix,
+    default_chunk_size,
+    response_logprobs,
+    shared_prefix_logprobs,
+)
+from rlhf_batch.models import load_model
+from rlhf_batch.sampler import sample
+from rlhf_batch.stages.score import _prompt_chunks, batched_logprobs
+from rlhf_batch.tiny import init_model
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+# 7 rows over the 3 prompts, responses of 1..9 tokens (one empty)
+ROWS = [
+    (0, [20, 21]),
+    (1, [22]),
+    (0, [23, 24, 25, 26, 27, 28, 29, 30, 31]),
+    (2, [32, 33, 34]),
+    (1, []),
+    (1, [35, 36, 37, 38]),
+    (0, [39, 40, 41, 42, 43]),
+]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = init_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param, seed=3)
+    return load_model(str(path), "policy", dtype="float32")
+
+
+def plain(model, rows, temperature: float) -> list[torch.Tensor]:
+    seqs = [PROMPTS[j] + r for j, r in rows]
+    logp, mask, _ = response_logprobs(model, seqs, [len(PROMPTS[j]) for j, _ in rows], temperature, pad_id=1)
+    return [logp[i][mask[i]] for i in range(len(rows))]
+
+
+@pytest.mark.parametrize("max_tokens", [4, 16, 1000])
+def test_shared_prompts_give_the_log_probs_of_full_sequences(model, max_tokens: int) -> None:
+    assert can_share_prefix(model)
+    with torch.inference_mode():
+        got = shared_prefix_logprobs(
+            model, PROMPTS, [r for _, r in ROWS], [j for j, _ in ROWS], 0.7, pad_id=1, max_tokens=max_tokens
+        )
+        want = plain(model, ROWS, 0.7)
+    for g, w, (_, r) in zip(got, want, ROWS, strict=True):
+        assert g.shape == (len(r),)
+        assert torch.allclose(g, w, atol=1e-5, rtol=0)
+
+
+def test_score_batched_logprobs_same_with_and_without_shared_prompts(model) -> None:
+    prompt_ids = [PROMPTS[j] for j, _ in ROWS]
+    responses = [r for _, r in ROWS]
+    shared = batched_logprobs(model, prompt_ids, responses, 1.0, pad_id=1, max_tokens=64)
+    distinct = [[90 + j] + p for j, p in enumerate(prompt_ids)]  # no two rows share a prompt now
+    alone = [plain_one(model, p, r) for p, r in zip(prompt_ids, responses, strict=True)]
+    assert batched_logprobs(model, distinct, responses, 1.0, pad_id=1, max_tokens=64)[4].shape == (0,)
+    for s, a in zip(shared, alone, strict=True):
+        assert s.shape == a.shape and (abs(s - a) < 1e-5).all()
+
+
+def plain_one(model, p: list[int], r: list[int]):
+    if not r:
+        return torch.zeros(0).numpy()
+    with torch.inference_mode():
+        logp, _, _ = response_logprobs(model, [p + r], [len(p)], 1.0, pad_id=1)
+    return logp[0].numpy()
+
+
+def test_response_batches_respect_both_budgets() -> None:
+    # r = [5, 1, 3, 0, 4], p = [2, 9, 2, 2, 2]; longest response first: rows 0 (5), 4 (4), 2 (3), 1 (1).
+    # budget 10: [0] alone would allow 2 rows x 5 = 10 <= 10, then row 4: 2 x max(5, 4) = 10 ok;
+    # row 2: 3 x 5 = 15 > 10 -> new batch [2], then row 1: 2 x 3 = 6 <= 10 but 2 x (3 + 9) = 24 <= 40 ok.
+    assert _response_batches([5, 1, 3, 0, 4], [2, 9, 2, 2, 2], 10) == [[0, 4], [2, 1]]
+    # budget 3: every row alone except the cache bound 4 x 3 = 12 >= (1 + 9) for row 1 alone
+    assert _response_batches([5, 1, 3, 0, 4], [2, 9, 2, 2, 2], 3) == [[0], [4], [2], [1]]
+
+
+def test_prompt_chunks_keep_groups_whole() -> None:
+    # prompts 0, 1, 2 of 3, 6, 1 tokens; at most 7 prompt tokens per chunk: {0} (3) + {1} (6) = 9 > 7
+    # -> [rows of 0], then {1} + {2} = 7 -> [rows of 1 and 2]
+    assert _prompt_chunks([0, 1, 0, 2, 1, 1, 0], [3, 6, 1], 7) == [[0, 2, 6], [1, 4, 5, 3]]
+
+
+def test_default_chunk_size_bounds_the_logits_of_a_chunk() -> None:
+    # 2^24 float32 logits = 64 MB: 2^24 / 131072 = 128 rows, 2^24 / 32000 = 524 rows
+    assert default_chunk_size(131072) == 128
+    assert default_chunk_size(32000) == 524
+    assert default_chunk_size(105) == 4096  # capped
+    assert default_chunk_size(10**6) == 64  # floored
+
+
+def test_sampler_per_row_budgets(tiny_model: Path) -> None:
+    model = load_model(str(tiny_model), "policy", dtype="float32")
+    out = sample(
+        model, [[5, 6], [7, 8, 9], [10]], [1, 2, 3], max_new_tokens=[3, 1, 5], stop_ids=set(), pad_id=1
+    )
+    assert [len(t) for t, _, _ in out] == [3, 1, 5]
+    assert [reason for _, _, reason in out] == ["length"] * 3
+    # the same seeds with one shared budget give the same first tokens: a row's draws are its own
+    same = sample(model, [[5, 6], [7, 8, 9], [10]], [1, 2, 3], max_new_tokens=5, stop_ids=set(), pad_id=1)
+    for (a, la, _), (b, lb, _) in zip(out, same, strict=True):
+        assert a == b[: len(a)]
+        assert la == pytest.approx(lb[: len(la)], abs=1e-5)
+
+
+def test_token_budget_batches_bound_the_padding() -> None:
+    from rlhf_batch.core.batching import token_budget_batches
+
+    # longest first: 10, 9 -> padded 2 x 10 = 20, real 19 >= 0.9 x 20; + 5 -> 3 x 10 = 30, real 24 < 27:
+    # a new batch 5, 5 (10 >= 0.9 x 10), + 4 -> 3 x 5 = 15, real 14 >= 13.5
+    assert token_budget_batches([10, 9, 5, 5, 4], 100, max_padding=0.1) == [[0, 1], [2, 3, 4]]
+    assert token_budget_batches([10, 9, 5, 5, 4], 100) == [[0, 1, 2, 3, 4]]  # 5 x 10 = 50 <= 100
