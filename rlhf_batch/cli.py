@@ -213,17 +213,17 @@ def init_model(
     try:
         path = build(
             out_dir,
-            arch=arch,
+            arch=arch,  # type: ignore[arg-type]
             hidden=hidden,
             layers=layers,
             heads=heads,
-            kv_heads=kv_heads,  # type: ignore[arg-type]
+            kv_heads=kv_heads,
             intermediate=intermediate,
             vocab_size=vocab_size,
             reward=reward,
-            pad=pad,
+            pad=pad,  # type: ignore[arg-type]
             seed=seed,
-        )  # type: ignore[arg-type]
+        )
     except ValueError as e:
         raise ConfigError(f"init-model: {e}") from None
     typer.echo(f"model: {path}")
