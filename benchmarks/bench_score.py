@@ -169,17 +169,6 @@ def worker_fn(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def mfu(r: dict[str, Any], body: int, head: int, gflops: float) -> float:
-    """The issue's MFU: 2 x matmul params x real tokens per second over the peak."""
-    return 2 * (body + head) * r["tokens"] / r["seconds"] / (gflops * 1e9)
-
-
-def executed(r: dict[str, Any], body: int, head: int, gflops: float) -> float:
-    """Matmul FLOPs actually executed: decoder once per distinct prompt token and per response
-    token, LM head per response token."""
-    return (2 * body * r["executed_tokens"] + 2 * head * r["response_tokens"]) / r["seconds"] / (gflops * 1e9)
-
-
 WORKERS = {"stage": worker_stage, "fn": worker_fn}
 
 
@@ -218,19 +207,18 @@ def main() -> None:
         target=">= 10x",
         met=ratio >= 10,
     )
-    fp32, bf16 = peaks["fp32_gflops"], peaks["bf16_gflops"]
-    m32, m16 = mfu(ours, body, head, fp32), mfu(ours, body, head, bf16)
-    e32, e16 = executed(ours, body, head, fp32), executed(ours, body, head, bf16)
-    append_row(
+    common.append_mfu_row(
         args.results,
         "score MFU",
         f"as above; ours in {mine['dtype']}; executed = FLOPs actually run "
         "(a shared prompt once per group, LM head at response positions only)",
-        "MFU = 2 x params x real tokens / s / peak: vs fp32 peak / vs bf16 peak [executed FLOPs: fp32 / bf16]",
-        f"{m32:.0%} / {m16:.0%} [{e32:.0%} / {e16:.0%}]",
-        f"{mfu(naive, body, head, fp32):.0%} / {mfu(naive, body, head, bf16):.0%}",
-        target=">= 50% (vs bf16 peak: not meaningful here, no bf16 units)",
-        met=m32 >= 0.5,
+        2,
+        ours,
+        naive,
+        (body, head),
+        peaks,
+        mine["dtype"],
+        0.5,
     )
     times = ", ".join(f"{r['seconds']:.1f}s" for r in runs)
     expo = (

@@ -177,16 +177,6 @@ def worker_naive(spec: dict[str, Any]) -> dict[str, Any]:
 WORKERS = {"stage": worker_stage, "naive": worker_naive}
 
 
-def mfu(r: dict[str, Any], body: int, head: int, gflops: float) -> float:
-    """The issue's MFU: 6 x matmul params x real tokens per second over the peak."""
-    return 6 * (body + head) * r["tokens"] / r["seconds"] / (gflops * 1e9)
-
-
-def executed(r: dict[str, Any], body: int, head: int, gflops: float) -> float:
-    """Matmul FLOPs actually needed: decoder at every real token, LM head at response positions."""
-    return (6 * body * r["tokens"] + 6 * head * r["response_tokens"]) / r["seconds"] / (gflops * 1e9)
-
-
 def main() -> None:
     args = common.parser(__doc__ or "").parse_args()
     if args.worker:
@@ -213,18 +203,21 @@ def main() -> None:
         f"{tps / tps_n:.1f}x",
         mem=f"{mb(ours['peak_rss'])} (whole process) / {mb(naive['peak_above'])} (above model)",
     )
-    fp32, bf16 = peaks["fp32_gflops"], peaks["bf16_gflops"]
-    m32, m16 = mfu(ours, body, head, fp32), mfu(ours, body, head, bf16)
-    e32, e16 = executed(ours, body, head, fp32), executed(ours, body, head, bf16)
-    append_row(
+    from rlhf_batch.models import resolve_dtype
+
+    dtype = str(resolve_dtype("auto", "cpu"))
+    common.append_mfu_row(
         args.results,
         "train MFU",
-        "as above, float32 (no bf16 units: autocast off); executed = LM head at response positions only",
-        "MFU = 6 x params x real tokens / s / peak: vs fp32 peak / vs bf16 peak [executed FLOPs: fp32 / bf16]",
-        f"{m32:.0%} / {m16:.0%} [{e32:.0%} / {e16:.0%}]",
-        f"{mfu(naive, body, head, fp32):.0%} / {mfu(naive, body, head, bf16):.0%}",
-        target=">= 35% (vs bf16 peak: not meaningful here, no bf16 units)",
-        met=m32 >= 0.35,
+        f"as above, compute in {dtype} (float32 master weights, bf16 autocast where dtype auto is bf16); "
+        "executed = LM head at response positions only",
+        6,
+        {**ours, "executed_tokens": ours["tokens"]},
+        naive,
+        (body, head),
+        peaks,
+        dtype,
+        0.35,
     )
     append_row(
         args.results,

@@ -68,6 +68,47 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {isa}, {bf16}"
 
 
+def append_mfu_row(
+    path: Path,
+    bench: str,
+    workload: str,
+    factor: int,
+    ours: dict[str, Any],
+    naive: dict[str, Any],
+    flop_params: tuple[int, int],
+    peaks: dict[str, float],
+    dtype: str,
+    target: float,
+) -> None:
+    """The MFU row: `factor` x matmul params x real tokens / s over the matmul peak, against the
+    float32 and the bf16 peak; in brackets the utilisation of the FLOPs actually executed (the
+    decoder at `executed_tokens`, the LM head at `response_tokens`). Whether the target is met is
+    read against the peak of `dtype`, the dtype the stage ran in."""
+    body, head = flop_params
+
+    def issue(r: dict[str, Any], peak: float) -> float:
+        return factor * (body + head) * r["tokens"] / r["seconds"] / (peak * 1e9)
+
+    def executed(r: dict[str, Any], peak: float) -> float:
+        flops = factor * (body * r["executed_tokens"] + head * r["response_tokens"])
+        return flops / r["seconds"] / (peak * 1e9)
+
+    fp32, bf16 = peaks["fp32_gflops"], peaks["bf16_gflops"]
+    used = ("bf16", bf16) if "bfloat16" in dtype else ("fp32", fp32)
+    units = " (bf16 peak not meaningful here: no bf16 units)" if machine().endswith("no bf16 units") else ""
+    append_row(
+        path,
+        bench,
+        workload,
+        f"MFU = {factor} x params x real tokens / s / peak: vs fp32 peak / vs bf16 peak "
+        "[executed FLOPs: fp32 / bf16]",
+        f"{issue(ours, fp32):.0%} / {issue(ours, bf16):.0%} [{executed(ours, fp32):.0%} / {executed(ours, bf16):.0%}]",
+        f"{issue(naive, fp32):.0%} / {issue(naive, bf16):.0%}",
+        target=f">= {target:.0%} of the {used[0]} peak{units}",
+        met=issue(ours, used[1]) >= target,
+    )
+
+
 def _gflops(fn: Any, flops: float, seconds: float = 1.0) -> float:
     fn()
     best, t_end = 0.0, time.perf_counter() + seconds

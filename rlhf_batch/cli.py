@@ -57,52 +57,30 @@ def _stage(
     module.run(cfg, iteration, force=force, quiet=quiet)
 
 
-@app.command()
-def generate(
-    config: ConfigArg,
-    iteration: IterOpt = 0,
-    set_: SetOpt = None,
-    force: ForceOpt = False,
-    quiet: QuietOpt = False,
-) -> None:
-    """Sample G responses per prompt with the iteration's policy into iter=K/rollouts."""
-    _stage("generate", config, iteration, set_, force, quiet)
+STAGE_COMMANDS = {
+    "generate": "Sample G responses per prompt with the iteration's policy into iter=K/rollouts.",
+    "score": "Rewards, reference log-probs, per-token KL and KL-shaped reward into iter=K/scores.",
+    "advantage": "Group advantages by prompt (DuckDB), filters, length-bucketed training shards.",
+    "train": "GRPO epochs over iter=K/advantages; writes the new policy to iter=K/policy.",
+}
 
 
-@app.command()
-def score(
-    config: ConfigArg,
-    iteration: IterOpt = 0,
-    set_: SetOpt = None,
-    force: ForceOpt = False,
-    quiet: QuietOpt = False,
-) -> None:
-    """Rewards, reference log-probs, per-token KL and KL-shaped reward into iter=K/scores."""
-    _stage("score", config, iteration, set_, force, quiet)
+def _stage_command(name: str, doc: str) -> None:
+    def command(
+        config: ConfigArg,
+        iteration: IterOpt = 0,
+        set_: SetOpt = None,
+        force: ForceOpt = False,
+        quiet: QuietOpt = False,
+    ) -> None:
+        _stage(name, config, iteration, set_, force, quiet)
+
+    command.__doc__ = doc
+    app.command(name)(command)
 
 
-@app.command()
-def advantage(
-    config: ConfigArg,
-    iteration: IterOpt = 0,
-    set_: SetOpt = None,
-    force: ForceOpt = False,
-    quiet: QuietOpt = False,
-) -> None:
-    """Group advantages by prompt (DuckDB), filters, length-bucketed training shards."""
-    _stage("advantage", config, iteration, set_, force, quiet)
-
-
-@app.command()
-def train(
-    config: ConfigArg,
-    iteration: IterOpt = 0,
-    set_: SetOpt = None,
-    force: ForceOpt = False,
-    quiet: QuietOpt = False,
-) -> None:
-    """GRPO epochs over iter=K/advantages; writes the new policy to iter=K/policy."""
-    _stage("train", config, iteration, set_, force, quiet)
+for _name, _doc in STAGE_COMMANDS.items():
+    _stage_command(_name, _doc)
 
 
 @app.command()
