@@ -6,12 +6,14 @@ through Python lists) of N rollouts, 8 per prompt, rewards in [0, 1), 5% truncat
 the group statistics never read the token lists).
 
 Ours: (a) "group statistics" = the advantage stage's pool + integrity check + groups + counts
-queries (rlhf_batch/sql/advantage_{pool,check,groups,counts}.sql), reading the Parquet parts;
+(rlhf_batch/sql/advantage_{pool,aligned,groups,counts}.sql and the duplicate-id check; the exact
+path, advantage_{pool_joined,check}.sql, runs only on bad or reordered input), reading the Parquet parts;
 (b) the whole stage (`advantage.run`) including sorting and writing the training shards, for
 its time and peak RSS. Baseline (THE BASELINE below, what TorchRL's MCAdvantage does): rows
 arrive one by one as TensorDicts (built before the clock starts); each goes into a deque per
 prompt; when a prompt's deque holds G rows they are concatenated and get (r - mean) / std
-(torch, std clamped at 1e-6). Both run on the same first 100k rows.
+(torch, std clamped at 1e-6). Both run on the same first 100k rows. Imports (duckdb and the
+stage module; torch and tensordict for the baseline) happen before either clock starts.
 """
 
 from __future__ import annotations
@@ -122,6 +124,10 @@ def worker_baseline(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_stats(spec: dict[str, Any]) -> dict[str, Any]:
+    import duckdb  # noqa: F401  (imported before the clock, like the baseline's torch and tensordict)
+
+    from rlhf_batch.stages import advantage  # noqa: F401
+
     mem = Mem()
     t0 = time.perf_counter()
     counts = group_stats(Path(spec["run_dir"]))

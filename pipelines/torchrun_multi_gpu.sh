@@ -2,8 +2,9 @@
 # bash pipelines/torchrun_multi_gpu.sh pipelines/gpu_qwen_math.toml 4 [ITERATIONS]
 #
 # One iteration at a time on N GPUs of one machine: generate, score and train run under torchrun
-# (ranks write disjoint parts; train uses DistributedDataParallel); advantage is one DuckDB
-# process. Every command skips completed work, so the script can simply be run again.
+# (ranks write disjoint parts; train uses DistributedDataParallel, or FSDP2 with
+# train.fsdp = true); advantage is one DuckDB process. Every command skips completed work, so
+# the script can simply be run again.
 set -euo pipefail
 config=${1:?config file}; gpus=${2:-4}; iterations=${3:-1}
 for ((it = 0; it < iterations; it++)); do

@@ -10,6 +10,10 @@ then are older ones removed, so a kill at any moment leaves at least one whole c
 none, before the first). Readers take the highest `step-N`; temporary directories are ignored.
 The learning-rate schedule is a pure function of the step, so `next_step` is its state, and
 the training data plan is a pure function of the data and seed, so it is the data position too.
+
+Under FSDP (train.fsdp) the weights and optimizer state are sharded over the ranks: every rank
+takes part in `gather`, rank 0 writes the full state dicts it returns (the optimizer's keyed by
+parameter name), and on resume every rank reads the files and keeps its own shard.
 """
 
 from __future__ import annotations
@@ -34,8 +38,30 @@ def fsync_tree(path: Path) -> None:
             os.close(fd)
 
 
-def save(root: Path, step: int, model: Any, optimizer: Any, state: dict[str, Any]) -> Path:
-    """Write checkpoint `step` (the number of optimizer steps done) and drop older ones."""
+def gather(model: Any, optimizer: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Collective, on every rank of a sharded model: its full model and optimizer state dicts on
+    rank 0's CPU (empty dicts on the other ranks)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=opts)
+    return weights, get_optimizer_state_dict(model, optimizer, options=opts) if optimizer else {}
+
+
+def save(
+    root: Path,
+    step: int,
+    model: Any,
+    optimizer: Any,
+    state: dict[str, Any],
+    full: tuple[dict[str, Any], dict[str, Any]] | None = None,
+) -> Path:
+    """Write checkpoint `step` (the number of optimizer steps done) and drop older ones; `full`:
+    the state dicts `gather` returned on rank 0, written instead of `model` and `optimizer`."""
     import torch
     from safetensors import SafetensorError
     from safetensors.torch import save_file, save_model
@@ -48,8 +74,11 @@ def save(root: Path, step: int, model: Any, optimizer: Any, state: dict[str, Any
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        save_model(model, str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if full is None:
+            save_model(model, str(tmp / "model.safetensors"))
+        else:
+            save_file(full[0], str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict() if full is None else full[1], tmp / "optimizer.pt")
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -73,8 +102,11 @@ def latest(root: Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def load_latest(root: Path, model: Any, optimizer: Any, key: str, device: Any) -> dict[str, Any] | None:
-    """Restore the newest checkpoint into `model` and `optimizer`; returns its state or None."""
+def load_latest(
+    root: Path, model: Any, optimizer: Any, key: str, device: Any, sharded: bool = False
+) -> dict[str, Any] | None:
+    """Restore the newest checkpoint into `model` and `optimizer`; returns its state or None.
+    `sharded`: they are FSDP-sharded and the files hold full state dicts (written from `gather`)."""
     import torch
     from safetensors.torch import load_file, load_model
 
@@ -89,8 +121,21 @@ def load_latest(root: Path, model: Any, optimizer: Any, key: str, device: Any) -
         ) from None
     if state.get("key") != key:
         raise StageError(f"{path}: checkpoint of another config or input; re-run with --force to start over")
-    load_model(model, str(path / "model.safetensors"), device=str(device))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True)  # each rank keeps its shard of the full tensors
+        weights: dict[str, Any] = load_file(str(path / "model.safetensors"))
+        set_model_state_dict(model, weights, options=full)
+        optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+        set_optimizer_state_dict(model, optimizer, optim, options=full)
+    else:
+        load_model(model, str(path / "model.safetensors"), device=str(device))
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
     cuda = [rng[f"cuda{i}"] for i in range(len(rng) - 1) if f"cuda{i}" in rng]

@@ -15,6 +15,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 ConfigArg = Annotated[Path, typer.Argument(help="TOML config file.", show_default=False)]
@@ -24,7 +25,11 @@ SetOpt = Annotated[
     typer.Option("--set", "-s", help="Override a config key: --set generate.temperature=0.7 (repeatable)."),
 ]
 ForceOpt = Annotated[
-    bool, typer.Option("--force", help="Replace a complete stage written with another config.")
+    bool,
+    typer.Option(
+        "--force",
+        help="Delete this stage's output (complete, or partial from another config) and redo it.",
+    ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 RunDirOpt = Annotated[Path, typer.Option("--run-dir", "-r", help="The run directory.")]
@@ -108,6 +113,9 @@ def run(
 def import_(
     file: Annotated[Path, typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows.")],
     config: Annotated[Path, typer.Option("--config", "-c", help="TOML config (policy model, temperature).")],
+    run_dir: Annotated[
+        Path | None, typer.Option("--run-dir", "-r", help="The run directory (default: the config's).")
+    ] = None,
     iteration: IterOpt = 0,
     set_: SetOpt = None,
     force: ForceOpt = False,
@@ -116,7 +124,8 @@ def import_(
     """Turn externally produced (prompt, response) rows into iter=K/rollouts with behaviour log-probs."""
     from rlhf_batch.stages.importer import import_rollouts
 
-    import_rollouts(_config(config, set_), file, iteration, force=force, quiet=quiet)
+    overrides = [*(set_ or []), *([f"run_dir={run_dir}"] if run_dir is not None else [])]
+    import_rollouts(_config(config, overrides), file, iteration, force=force, quiet=quiet)
 
 
 @app.command()
@@ -168,17 +177,17 @@ def report(
 def init_model(
     out_dir: Annotated[Path, typer.Argument(help="Where to save the model and tokenizer.")],
     arch: Annotated[str, typer.Option(help="qwen2 | llama")] = "qwen2",
-    hidden: int = 64,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    intermediate: int = 128,
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 64,
+    layers: Annotated[int, typer.Option(help="Decoder layers.")] = 2,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads (grouped-query attention).")] = 2,
+    intermediate: Annotated[int, typer.Option(help="MLP intermediate size.")] = 128,
     vocab_size: Annotated[int, typer.Option(help="Pad the vocabulary to this size (0: ~100 chars).")] = 0,
     reward: Annotated[
         bool, typer.Option("--reward", help="A 1-label sequence-classification reward model.")
     ] = False,
     pad: Annotated[str, typer.Option(help="Pad token: separate | eos | none")] = "separate",
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
 ) -> None:
     """Build a tiny random-initialised model and a char-level tokenizer, offline."""
     from rlhf_batch.errors import ConfigError
@@ -211,7 +220,7 @@ def init_model(
 def init_prompts(
     out: Annotated[Path, typer.Argument(help="JSONL file to write the demo task's prompts to.")],
     n: Annotated[int, typer.Option(help="Number of prompts.")] = 256,
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the prompt set.")] = 0,
 ) -> None:
     """Write the procedural demo task's prompt set (no download)."""
     from rlhf_batch.rewards.demo import write_prompts
@@ -220,20 +229,20 @@ def init_prompts(
 
 
 def main() -> None:
-    """Entry point: user errors become one line on stderr and exit code 1."""
-    import click
-
+    """Entry point: user errors become one line on stderr and exit code 1 (usage errors: 2)."""
     from rlhf_batch.errors import UserError
 
     try:
-        app(standalone_mode=False)
-    except click.exceptions.Exit as e:
+        app(standalone_mode=False, prog_name="rlhf-batch")
+    except typer.Exit as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except typer.Abort:
         sys.exit(130)
+    except typer.TyperException as e:  # a missing argument, an unknown option or command, a bad value
+        ctx = getattr(e, "ctx", None)
+        where = f"{ctx.command_path}: " if ctx is not None else ""
+        print(f"error: {where}{e.format_message()} (see --help)", file=sys.stderr)
+        sys.exit(2)
     except UserError as e:
         if os.environ.get("RLHF_BATCH_DEBUG"):
             raise

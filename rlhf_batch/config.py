@@ -97,6 +97,7 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     autocast_bf16: bool = True  # bf16 autocast when dtype resolves to bfloat16; master weights float32
     checkpoint_every: int = 0  # optimizer steps; 0: only at the end
+    fsdp: bool = False  # under torchrun: shard weights, gradients and AdamW state (FSDP2); 1 process: no-op
 
 
 @dataclass

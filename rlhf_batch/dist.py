@@ -1,7 +1,8 @@
 """torch.distributed, as torchrun sets it up: rank and world size, barriers, device per rank.
 
 Every stage works unchanged on one process; under `torchrun --nproc-per-node N -m rlhf_batch
-STAGE ...` the CLI calls `init()` and the stages split their parts by rank.
+STAGE ...` the CLI calls `init()` and the stages split their parts by rank. Every stage that
+loads a model puts it on `stage_device(cfg.device)`: GPU LOCAL_RANK of its node under torchrun.
 """
 
 from __future__ import annotations
@@ -42,3 +43,20 @@ def barrier() -> None:
         import torch.distributed as td
 
         td.barrier()
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """A resolved device ("cpu", "cuda") -> the one rank `local_rank` of a node uses."""
+    return f"cuda:{local_rank}" if device == "cuda" else device
+
+
+def stage_device(device: str) -> str:
+    """The config's device (auto/cpu/cuda) -> this rank's device, made CUDA's current device."""
+    from rlhf_batch.models import resolve_device
+
+    dev = rank_device(resolve_device(device), local_rank())
+    if dev.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(dev)
+    return dev

@@ -14,8 +14,32 @@ import torch
 
 from rlhf_batch.core.logprobs import chunked_logprobs
 
-# Models whose logits are not plain `lm_head(hidden)`: for them the full forward is used.
+# Config keys of models whose logits are not plain `lm_head(hidden)` (Gemma 2/3, Cohere, Granite).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def output_head(model: Any) -> Any:
+    """hidden [N, H] -> logits [N, V] as the model's own forward computes them: the LM head, then
+    the family's logit transform (tanh soft-capping, a scale or a divisor), so that the head can
+    be applied in chunks."""
+    head, c = model.get_output_embeddings(), model.config
+    cap = getattr(c, "final_logit_softcapping", None)
+    scale = getattr(c, "logit_scale", None)
+    divisor = getattr(c, "logits_scaling", None)
+    if not (cap or scale or divisor):
+        return head
+
+    def transformed(h: torch.Tensor) -> torch.Tensor:
+        logits = head(h)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        if scale:
+            logits = logits * scale
+        if divisor:
+            logits = logits / divisor
+        return logits
+
+    return transformed
 
 
 def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,12 +83,8 @@ def response_logprobs(
         raise ValueError("every sequence needs at least one prompt token")
     sel = response_mask(seq_lens, p_lens, ids.shape[1] - 1)  # [B, L-1]
     targets = ids[:, 1:][sel]  # [N]
-    if any(getattr(model.config, k, None) for k in _LOGIT_TRANSFORMS):
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1][sel]  # [N, V]
-        hidden, head = logits, (lambda x: x)
-    else:
-        out = model.get_decoder()(input_ids=ids, attention_mask=attn)
-        hidden, head = out.last_hidden_state[:, :-1][sel], model.get_output_embeddings()  # [N, H]
+    out = model.get_decoder()(input_ids=ids, attention_mask=attn)
+    hidden, head = out.last_hidden_state[:, :-1][sel], output_head(model)  # [N, H]
     chunk = chunk_size or default_chunk_size(int(model.config.get_text_config().vocab_size))
     lp, ent = chunked_logprobs(hidden, head, targets, temperature, chunk, with_entropy)  # [N]
     r_lens = seq_lens - p_lens  # [B]

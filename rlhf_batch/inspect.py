@@ -1,12 +1,13 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with four views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with five views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet
     scores      RUN_DIR/iter=*/scores/part-*.parquet
     advantages  RUN_DIR/iter=*/advantages/part-*.parquet
     metrics     RUN_DIR/iter=*/train/metrics.parquet
+    stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
 
 A view whose files do not exist yet is an empty table with the stage's schema. The connection
 is read-only with respect to the run, in two layers: DuckDB may only touch files below RUN_DIR
@@ -36,6 +37,19 @@ VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.schemas)
     "advantages": ("iter=*/advantages/part-*.parquet", "ADVANTAGES"),
     "metrics": ("iter=*/train/metrics.parquet", "METRICS"),
 }
+# The stage manifests are the record of each stage's run: `numbers` holds every number at the
+# manifest's top level and in its `counts` and `prompt_counts` objects (counts win on a clash),
+# e.g. numbers['unscored'], numbers['kl_coef'], numbers['groups_total'], numbers['prompts_truncated'].
+STAGES_GLOB = "iter=*/*/_manifest.json"
+STAGES_VIEW = """
+SELECT iter, regexp_extract(filename, '([^/]+)/_manifest\\.json$', 1) AS stage,
+       (json->>'rows')::BIGINT AS rows,
+       map_from_entries([{'k': k, 'v': (flat->>k)::DOUBLE} FOR k IN json_keys(flat)
+                         IF json_type(flat->k) IN ('UBIGINT', 'BIGINT', 'DOUBLE')]) AS numbers,
+       try_strptime(json->>'created', '%Y-%m-%dT%H:%M:%S%z') AS finished, json AS manifest
+FROM (SELECT *, json_merge_patch(json, coalesce(json->'prompt_counts', '{}'), coalesce(json->'counts', '{}'))
+      AS flat FROM {source})
+"""
 FORMATS = ("table", "csv", "json", "parquet")
 SUFFIXES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 # DuckDB folds isnan(x) to false from Parquet min/max statistics, which leave NaN out, so a NaN
@@ -87,6 +101,14 @@ def connect(run_dir: str | Path) -> Any:
             con.register("_empty", empty)
             con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter FROM _empty")
             con.unregister("_empty")
+    source = "(SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json WHERE false)"
+    if any(root.glob(STAGES_GLOB)):
+        source = (
+            f"read_json_objects({quote(str(root / STAGES_GLOB))}, filename = true, "
+            "hive_partitioning = true, hive_types = {'iter': INTEGER})"
+        )
+    con.execute("CREATE VIEW stages AS " + STAGES_VIEW.replace("{source}", source))
+    con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
@@ -169,7 +191,10 @@ def _write_text(reader: Any, kind: str, f: Any) -> int:
         for row in batch.to_pylist():
             if writer is not None:
                 writer.writerow(
-                    [json.dumps(_clean(v)) if isinstance(v, list | dict) else v for v in row.values()]
+                    [
+                        json.dumps(_clean(v), default=str) if isinstance(v, list | dict) else v
+                        for v in row.values()
+                    ]
                 )
             else:
                 f.write(json.dumps(_clean(row), default=str) + "\n")
@@ -191,7 +216,8 @@ def _repl(con: Any) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         print(
-            f"views: {', '.join(VIEWS)} (column iter). End a query with ';'. .quit to leave.", file=sys.stderr
+            f"views: {', '.join([*VIEWS, 'stages'])} (column iter). End a query with ';'. .quit to leave.",
+            file=sys.stderr,
         )
     buf: list[str] = []
     try:

@@ -77,7 +77,7 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any) -> Prompts:
         if ROLLOUTS.get_field_index(name) >= 0:
             raise StageError(f"{where}: column '{name}' clashes with a rollouts column; rename it")
     tokens = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
-    return _limit(Prompts(ids, texts, tokens, carried), cfg, where)
+    return _limit(Prompts(ids, texts, tokens, carried), cfg, tokenizer, where)
 
 
 def _texts(table: pa.Table, cfg: GenerateConfig, tokenizer: Any, where: str) -> tuple[list[str], bool]:
@@ -127,8 +127,9 @@ def _ids(table: pa.Table, texts: list[str], id_column: str, where: str) -> list[
     return ids  # type: ignore[return-value]
 
 
-def _limit(p: Prompts, cfg: GenerateConfig, where: str) -> Prompts:
-    """Apply max_prompt_tokens: error (default), truncate_left, or skip (counted)."""
+def _limit(p: Prompts, cfg: GenerateConfig, tokenizer: Any, where: str) -> Prompts:
+    """Apply max_prompt_tokens: error (default), truncate_left (the text becomes that of the kept
+    tokens, so `prompt` and `prompt_ids` agree), or skip (counted)."""
     limit, keep, truncated = cfg.max_prompt_tokens, [], 0
     for i, toks in enumerate(p.tokens):
         if len(toks) <= limit:
@@ -140,6 +141,7 @@ def _limit(p: Prompts, cfg: GenerateConfig, where: str) -> Prompts:
             )
         elif cfg.overlong == "truncate_left":
             p.tokens[i] = toks[-limit:]
+            p.texts[i] = tokenizer.decode(p.tokens[i])
             truncated += 1
             keep.append(i)
     skipped = len(p.tokens) - len(keep)

@@ -14,6 +14,7 @@ import pyarrow as pa
 from rlhf_batch.errors import SchemaError
 
 SCHEMA_VERSION = 1
+VERSION_KEY = b"rlhf_batch.schema_version"  # in every part's Parquet metadata
 
 TOKENS = pa.list_(pa.int32())
 LOGPROBS = pa.list_(pa.float32())
@@ -71,6 +72,7 @@ METRICS = pa.schema(
         ("loss", pa.float64()),
         ("loss_objective", pa.float64()),
         ("loss_kl_to_ref", pa.float64()),
+        ("loss_kl_to_inference", pa.float64()),
         ("loss_entropy", pa.float64()),
         ("clip_fraction", pa.float64()),
         ("kl_approx", pa.float64()),
@@ -89,7 +91,15 @@ STAGE_SCHEMAS = {"rollouts": ROLLOUTS, "scores": SCORES, "advantages": ADVANTAGE
 
 
 def validate(actual: pa.Schema, expected: pa.Schema, where: str) -> None:
-    """Fail naming `where` and the column unless every expected column exists with its type."""
+    """Fail naming `where` and the column unless every expected column exists with its type, and
+    naming the version when the file was written with another SCHEMA_VERSION (a file without the
+    key, written by another tool, is read by its columns alone)."""
+    version = (actual.metadata or {}).get(VERSION_KEY)
+    if version is not None and version != str(SCHEMA_VERSION).encode():
+        raise SchemaError(
+            f"{where}: written with table schema version {version.decode(errors='replace')}; "
+            f"this rlhf-batch reads version {SCHEMA_VERSION}"
+        )
     for f in expected:
         idx = actual.get_field_index(f.name)
         if idx < 0:

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from rlhf_batch import dist
 from rlhf_batch.errors import SchemaError, StageError
-from rlhf_batch.schemas import SCHEMA_VERSION, validate
+from rlhf_batch.schemas import SCHEMA_VERSION, VERSION_KEY, validate
 
 MANIFEST = "_manifest.json"
 STARTED = "_started.json"
@@ -104,7 +104,7 @@ def write_parquet_atomic(
     path: Path, table: pa.Table, schema: pa.Schema, counts: dict | None = None, fault: str = ""
 ) -> None:
     """Write `table` cast to `schema` (zstd) under a temporary name, fsync, rename."""
-    meta = dict(schema.metadata or {})
+    meta = {**(schema.metadata or {}), VERSION_KEY: str(SCHEMA_VERSION).encode()}
     if counts:
         meta[COUNTS_KEY] = json.dumps(counts).encode()
     table = table.select(schema.names).cast(schema).replace_schema_metadata(meta)
@@ -178,13 +178,23 @@ def read_stage(sdir: Path, schema: pa.Schema, columns: list[str] | None = None) 
 class StageRun:
     """One stage of one iteration: skip if complete, resume if partial, manifest at the end.
 
-    `config` is the resolved stage config and `inputs` the fingerprints of what it reads; a
-    complete or partial stage written with other values is refused unless `force` is set,
-    in which case its files are removed first (explicitly asked for, never silently).
+    `config` is the part of the config that decides the stage's result and `inputs` the
+    fingerprints of what it reads; a complete or partial stage written with other values is
+    refused unless `force` is set, in which case its files are removed first (explicitly asked
+    for, never silently). `resolved`, the whole resolved config, is recorded in the manifest
+    as `resolved_config` (for the record: it is not compared).
     """
 
-    def __init__(self, sdir: Path, stage: str, config: dict, inputs: dict, force: bool = False):
-        self.sdir, self.stage = sdir, stage
+    def __init__(
+        self,
+        sdir: Path,
+        stage: str,
+        config: dict,
+        inputs: dict,
+        force: bool = False,
+        resolved: dict | None = None,
+    ):
+        self.sdir, self.stage, self.resolved = sdir, stage, resolved
         self.rank, self.world = dist.rank_world()
         self.identity = {"config": config, "inputs": inputs, "schema_version": SCHEMA_VERSION}
         self.key = fingerprint(self.identity)
@@ -235,7 +245,10 @@ class StageRun:
         result = None
         if self.rank == 0:
             fault_point(f"{self.stage}:manifest")
-            result = write_manifest(self.sdir, self.stage, n_parts, self.key, self.identity, extra)
+            record = {"resolved_config": self.resolved} if self.resolved is not None else {}
+            result = write_manifest(
+                self.sdir, self.stage, n_parts, self.key, self.identity, {**record, **(extra or {})}
+            )
         dist.barrier()
         return result
 

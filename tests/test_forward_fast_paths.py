@@ -121,3 +121,46 @@ def test_token_budget_batches_bound_the_padding() -> None:
     # a new batch 5, 5 (10 >= 0.9 x 10), + 4 -> 3 x 5 = 15, real 14 >= 13.5
     assert token_budget_batches([10, 9, 5, 5, 4], 100, max_padding=0.1) == [[0, 1], [2, 3, 4]]
     assert token_budget_batches([10, 9, 5, 5, 4], 100) == [[0, 1, 2, 3, 4]]  # 5 x 10 = 50 <= 100
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra"),
+    [
+        ("gemma2", {"final_logit_softcapping": 0.5, "head_dim": 8, "query_pre_attn_scalar": 8}),
+        ("cohere", {"logit_scale": 0.25}),
+        ("granite", {"logits_scaling": 3.0}),
+    ],
+)
+def test_models_with_a_logit_transform_are_scored_in_chunks_like_their_own_forward(
+    arch: str, extra: dict
+) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    seqs, p_lens = [[3, 4, 5, 6, 7], [8, 9, 10]], [2, 1]
+    with torch.inference_mode():
+        logp, mask, _ = response_logprobs(model, seqs, p_lens, 0.7, pad_id=0, chunk_size=2)
+        # the reference: the model's own forward (its transform applied), one sequence at a time
+        for i, (s, p) in enumerate(zip(seqs, p_lens, strict=True)):
+            logits = model(input_ids=torch.tensor([s])).logits[0, :-1].float() / 0.7  # [L-1, V]
+            want = logits.log_softmax(-1)[torch.arange(p - 1, len(s) - 1), torch.tensor(s[p:])]
+            assert torch.allclose(logp[i][mask[i]], want, atol=1e-5, rtol=0), arch
+            # and the transform matters here: the bare LM head gives other numbers
+            bare = model.get_output_embeddings()(
+                model.get_decoder()(input_ids=torch.tensor([s])).last_hidden_state
+            )
+            bare_lp = (bare[0, :-1] / 0.7).log_softmax(-1)[
+                torch.arange(p - 1, len(s) - 1), torch.tensor(s[p:])
+            ]
+            assert (bare_lp - want).abs().max() > 1e-3, arch

@@ -1,5 +1,6 @@
 """`rlhf-batch run`: the whole loop, skipping completed work; the report; the demo learns."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,55 @@ def test_report_on_a_partial_run(make_config, tmp_path: Path) -> None:
     assert list((tmp_path / "out" / "tensorboard").glob("events.out.tfevents.*"))
     rows = reward_by_iteration(cfg)
     assert len(rows) == 1 and 0.0 <= rows[0]["score"] <= 1.0
+
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def spread(*, responses: list[str], **_: object) -> list[float]:
+    """A reward for the report test that tells almost any two responses apart (the untrained
+    model scores ~0 on the demo task): the sum of the code points mod 101, / 100."""
+    return [sum(map(ord, r)) % 101 / 100 for r in responses]
+
+
+def test_report_on_a_complete_run(make_config, tmp_path: Path) -> None:
+    """Two in-process iterations; every plot, and the best / worst table of iteration 1 recomputed
+    from its Parquet files: by score (descending), ties by rollout_id, five of each."""
+    import html
+
+    import pyarrow.parquet as pq
+
+    from rlhf_batch.pipeline import run_pipeline
+
+    score = {"reward_functions": ["tests.test_pipeline:spread"]}
+    # no `threads`: in-process it would set torch's thread count for the rest of the pytest process
+    path, cfg = make_config(iterations=2, in_process=True, train={"lr": 1e-2}, score=score)
+    run_pipeline(path, [], quiet=True)
+    page = write_report(cfg.run_dir, tmp_path / "out")
+    sizes = {"train.png": (1260, 288)}  # 14 x 3.2 in at 90 dpi; the others 5 x 3.2 in
+    for name in ("reward.png", "kl.png", "length.png", "filtered.png", "train.png"):
+        data = (tmp_path / "out" / name).read_bytes()
+        # PNG signature, IHDR width x height, and the IEND chunk last (not truncated); a figure
+        # with axes but no data is ~10 kB, a blank or broken file far less
+        assert data[:8] == PNG_MAGIC and data[-8:-4] == b"IEND" and len(data) > 5000, name
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        assert (width, height) == sizes.get(name, (450, 288)), name
+        assert f'<img src="{name}"' in page.read_text()
+    it1 = Path(cfg.run_dir) / "iter=0001"
+    scores = {r["rollout_id"]: r["score"] for r in pq.read_table(it1 / "scores").to_pylist()}
+    responses = {r["rollout_id"]: r["response"] for r in pq.read_table(it1 / "rollouts").to_pylist()}
+    ranked = sorted((-s, rid) for rid, s in scores.items() if s is not None)  # best first
+    assert len(ranked) == 48  # 12 prompts x 4, all scored: more than 5 + 5
+    expected = [("best", rid) for _, rid in ranked[:5]] + [("worst", rid) for _, rid in ranked[::-1][:5]]
+    text = page.read_bytes().decode()  # not read_text: responses may hold a \r
+    assert "Best and worst responses (iteration 1)" in text
+    table = text.split("Best and worst responses")[1]
+    rows = re.findall(
+        r"<tr><td>(best|worst)</td><td>([^<]*)</td><td><pre>.*?</pre></td><td><pre>(.*?)</pre>", table, re.S
+    )
+    assert [(k, float(s), html.unescape(r)) for k, s, r in rows] == [
+        (k, pytest.approx(scores[rid], rel=1e-3), responses[rid]) for k, rid in expected
+    ]
 
 
 @pytest.mark.slow

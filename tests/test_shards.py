@@ -27,7 +27,7 @@ def test_layout_names() -> None:
 
 def test_stage_run_writes_parts_then_manifest_and_skips_when_complete(tmp_path: Path) -> None:
     sdir = tmp_path / "iter=0000" / "rollouts"
-    st = shards.StageRun(sdir, "rollouts", {"a": 1}, {"in": "x"})
+    st = shards.StageRun(sdir, "rollouts", {"a": 1}, {"in": "x"}, resolved={"a": 1, "run_dir": "/r"})
     assert not st.complete and st.todo(3) == [0, 1, 2]
     for n in range(3):
         st.write(n, table(2, 2 * n), SCHEMA, {"rows": 2})
@@ -36,7 +36,8 @@ def test_stage_run_writes_parts_then_manifest_and_skips_when_complete(tmp_path: 
     assert m is not None and m["rows"] == 6 and m["counts"] == {"rows": 6}
     assert [p["file"] for p in m["parts"]] == [shards.part_name(0, n) for n in range(3)]
     assert m["config"] == {"a": 1} and "versions" in m
-    again = shards.StageRun(sdir, "rollouts", {"a": 1}, {"in": "x"})
+    assert m["resolved_config"] == {"a": 1, "run_dir": "/r"}  # recorded, not compared:
+    again = shards.StageRun(sdir, "rollouts", {"a": 1}, {"in": "x"}, resolved={"a": 1, "run_dir": "/s"})
     assert again.complete
     assert shards.read_stage(sdir, SCHEMA).column("rollout_id").to_pylist() == [f"r{i}" for i in range(6)]
 
@@ -92,6 +93,19 @@ def test_schema_checked_reads_name_file_and_column(tmp_path: Path) -> None:
     p.write_bytes(b"PAR1 truncated")
     with pytest.raises(SchemaError, match="not a readable Parquet file"):
         shards.read_part(p, SCHEMA)
+
+
+def test_parts_carry_the_schema_version_and_readers_check_it(tmp_path: Path) -> None:
+    p = tmp_path / "part-00000-00000.parquet"
+    shards.write_parquet_atomic(p, table(2), SCHEMA)
+    assert pq.read_schema(p).metadata[b"rlhf_batch.schema_version"] == b"1"
+    assert shards.read_part(p, SCHEMA).num_rows == 2
+    future = table(2).replace_schema_metadata({b"rlhf_batch.schema_version": b"2"})
+    pq.write_table(future, p)
+    with pytest.raises(SchemaError, match=r"part-00000-00000.parquet: written with table schema version 2; "):
+        shards.read_part(p, SCHEMA)
+    pq.write_table(table(2), p)  # no version key: a file from another tool, read by its columns
+    assert shards.read_part(p, SCHEMA).num_rows == 2
 
 
 def test_extra_columns_are_allowed(tmp_path: Path) -> None:

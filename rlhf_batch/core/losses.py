@@ -27,13 +27,12 @@ from __future__ import annotations
 import math
 
 import torch
-from tensordict import tensorclass
+from tensordict import TensorClass
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
-@tensorclass
-class GRPOLossOutput:
+class GRPOLossOutput(TensorClass):
     """Scalar results (``batch_size`` is ``[]``, the default when none is given).
 
     ``loss*`` fields keep the autograd graph; metrics are detached.

@@ -2,8 +2,8 @@
 
 A reward function is called once per batch of rollouts with keyword lists (TRL-like)::
 
-    fn(*, prompts: list[str], responses: list[str], response_ids: list[list[int]], **columns)
-        -> list[float | None]
+    fn(*, prompts: list[str], responses: list[str], prompt_ids: list[list[int]],
+       response_ids: list[list[int]], **columns) -> list[float | None]
 
 where ``columns`` are the prompt dataset's columns carried along in the rollouts table (every
 column not in ``schemas.ROLLOUTS``, e.g. ``answer``), each a list; functions should accept
@@ -90,12 +90,19 @@ def call_reward_function(
     *,
     prompts: list[str],
     responses: list[str],
+    prompt_ids: list[list[int]],
     response_ids: list[list[int]],
     columns: dict[str, list[Any]],
 ) -> list[float | None]:
     """Call `rf` on a batch; RewardError naming the function and the rollout when it raises,
     returns the wrong number of values, a non-number, NaN or inf."""
-    kwargs = {**columns, "prompts": prompts, "responses": responses, "response_ids": response_ids}
+    kwargs = {
+        **columns,
+        "prompts": prompts,
+        "responses": responses,
+        "prompt_ids": prompt_ids,
+        "response_ids": response_ids,
+    }
     try:
         values = rf.fn(**kwargs)
     except Exception as e:  # noqa: BLE001 - a user function: report it with the rollout

@@ -1,5 +1,6 @@
--- advantage, step 2: integrity of the pooled rows. One row; each problem with a count and an
--- example (iteration, rollout_id) so the error message can name it.
+-- advantage, step 2, exact path: integrity of the pool of advantage_pool_joined.sql. One row;
+-- each problem with a count and an example (iteration, rollout_id) so the error message can
+-- name it.
 SELECT
     count(*) FILTER (WHERE dup > 1) AS duplicate,
     arg_min(iter, rollout_id) FILTER (WHERE dup > 1) AS duplicate_iter,

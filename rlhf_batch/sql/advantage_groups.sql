@@ -10,15 +10,18 @@
 -- uninterrupted one. (3x faster than avg(reward ORDER BY reward) on 10M rows, same values.)
 -- `dropped` is the first filter that removes the group: 'small' (n < min_group_size), then
 -- 'zero_variance' (max = min, when drop_zero_variance); NULL: kept.
+-- `n_current` (rows of $iter among the n) and `n_current_truncated` (of those, truncated) give
+-- the manifest's row counts per filter (advantage_counts.sql) without another pass over `pool`.
 CREATE OR REPLACE TEMP TABLE groups AS
 WITH g AS (
     SELECT
         prompt_id,
         count(*) AS n,
+        count(*) FILTER (WHERE iter = $iter) AS n_current,
+        count(*) FILTER (WHERE iter = $iter AND truncated) AS n_current_truncated,
         min(reward) AS lo,
         max(reward) AS hi,
-        list_sort(list(reward)) AS sorted_rewards,
-        bool_or(iter = $iter) AS current
+        list_sort(list(reward)) AS sorted_rewards
     FROM pool
     WHERE used
     GROUP BY prompt_id
@@ -26,7 +29,9 @@ WITH g AS (
 SELECT
     prompt_id,
     n,
-    current,
+    n_current,
+    n_current_truncated,
+    n_current > 0 AS current,
     lo = hi AS constant,
     CASE WHEN lo = hi THEN lo ELSE list_avg(sorted_rewards) END AS mean,
     CASE

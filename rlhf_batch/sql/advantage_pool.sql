@@ -1,28 +1,30 @@
--- advantage, step 1: one row per pooled rollout (every iteration of the window), scalar
--- columns only, so 10M rollouts cost a few hundred MB here and never touch Python.
---   $rollout_files, $score_files: the parts listed in the window's manifests (hive paths, iter=K)
---   $drop_truncated: advantage.truncated = 'drop'
--- A FULL JOIN keeps rollouts without a score and scores without a rollout, so the integrity
--- check (advantage_check.sql) can name them. NaN rewards count as null (no reward).
-CREATE OR REPLACE TEMP TABLE pool AS
-WITH r AS (
-    SELECT iter, rollout_id, prompt_id, coalesce(finish_reason = 'length', false) AS truncated
-    FROM read_parquet($rollout_files, hive_partitioning = true, hive_types = {'iter': INTEGER},
-                      union_by_name = true)
-), s AS (
-    SELECT iter, rollout_id, prompt_id, CASE WHEN isnan(reward) THEN NULL ELSE reward END AS reward
-    FROM read_parquet($score_files, hive_partitioning = true, hive_types = {'iter': INTEGER},
-                      union_by_name = true)
-)
+-- advantage, step 1: one row per pooled rollout, scalar columns only, so 10M rollouts cost a few
+-- hundred MB here and never touch Python. The score stage writes one row per rollout in rollouts
+-- order, so a chunk of rollouts parts and the scores parts that hold the same rows line up by
+-- position: a POSITIONAL JOIN (no hash join on the string rollout_id); the stage runs one such
+-- chunk per thread (UNION ALL of aligned_pool(...) calls, chunks cut by core.batching.aligned_chunks).
+--   rollout_files, score_files: the parts of one chunk of iteration `it`
+--   drop_truncated: advantage.truncated = 'drop'
+-- `aligned`: the row's rollout_id and prompt_id are the same on both sides (false where one side
+-- is shorter, POSITIONAL JOIN pads it with nulls); `h`: a hash of (iter, rollout_id) for the
+-- duplicate check. Only when every row is aligned, no reward is +/-inf and no two h are equal
+-- is this pool used; otherwise advantage_pool_joined.sql rebuilds it by rollout_id and
+-- advantage_check.sql names the problem. NaN rewards count as null (no reward).
+CREATE OR REPLACE TEMP MACRO aligned_pool(rollout_files, score_files, it, drop_truncated) AS TABLE
 SELECT
-    coalesce(r.iter, s.iter) AS iter,
-    coalesce(r.rollout_id, s.rollout_id) AS rollout_id,
+    it AS iter,
     r.prompt_id,
-    r.rollout_id IS NOT NULL AS in_rollouts,
-    s.rollout_id IS NOT NULL AS in_scores,
-    s.prompt_id IS DISTINCT FROM r.prompt_id AS prompt_mismatch,
     s.reward,
     coalesce(r.truncated, false) AS truncated,
     -- rows that enter the group statistics
-    s.reward IS NOT NULL AND NOT (coalesce(r.truncated, false) AND $drop_truncated) AS used
-FROM r FULL JOIN s ON r.iter = s.iter AND r.rollout_id = s.rollout_id;
+    s.reward IS NOT NULL AND NOT (coalesce(r.truncated, false) AND drop_truncated) AS used,
+    coalesce(r.rollout_id = s.rollout_id AND r.prompt_id = s.prompt_id, false) AS aligned,
+    hash(it, r.rollout_id) AS h
+FROM (
+    SELECT rollout_id, prompt_id, finish_reason = 'length' AS truncated
+    FROM read_parquet(rollout_files, union_by_name = true)
+) AS r
+POSITIONAL JOIN (
+    SELECT rollout_id, prompt_id, CASE WHEN isnan(reward) THEN NULL ELSE reward END AS reward
+    FROM read_parquet(score_files, union_by_name = true)
+) AS s;

@@ -1,7 +1,10 @@
 -- advantage, step 6: the training rows of the current iteration ($iter), in shard order.
 --   $rollout_files, $score_files: the current iteration's parts only
 --   $estimator ('grpo' | 'drgrpo' | 'rloo'), $scale ('group' | 'batch' | 'none'), $eps,
---   $batch_std, $zero_truncated (advantage.truncated = 'zero'), $bucket_tokens, $seed
+--   $batch_std, $zero_truncated (advantage.truncated = 'zero'), $drop_truncated
+--   (advantage.truncated = 'drop'), $bucket_tokens, $seed
+-- Rows: the current iteration's rollouts with a reward that enter the statistics (`used` of
+-- advantage_pool.sql, recomputed here: NaN is no reward) and whose group is kept.
 -- Advantages (float64, stored as float32), with mean/std/n from `groups`:
 --   constant group -> 0 exactly; truncated row with truncated = 'zero' -> 0;
 --   rloo   -> n / (n - 1) * (r - mean)    (= r minus the mean of the others)
@@ -11,11 +14,13 @@
 -- md5_number('{seed}:{iter}:bucket:{b}') (a seeded shuffle), rows within a bucket by
 -- md5_number('{seed}:{iter}:row:{rollout_id}'); b and rollout_id break ties (total order).
 WITH r AS (
-    SELECT rollout_id, prompt_id, prompt_ids, response_ids, behavior_logprobs
+    SELECT rollout_id, prompt_id, prompt_ids, response_ids, behavior_logprobs,
+           coalesce(finish_reason = 'length', false) AS truncated
     FROM read_parquet($rollout_files, union_by_name = true)
 ), s AS (
-    SELECT rollout_id, ref_logprobs
+    SELECT rollout_id, ref_logprobs, reward
     FROM read_parquet($score_files, union_by_name = true)
+    WHERE reward IS NOT NULL AND NOT isnan(reward)
 ), rows AS (
     SELECT
         r.rollout_id,
@@ -26,22 +31,21 @@ WITH r AS (
         s.ref_logprobs,
         CAST(CASE
             WHEN g.constant THEN 0.0
-            WHEN p.truncated AND $zero_truncated THEN 0.0
-            WHEN $estimator = 'rloo' THEN (p.reward - g.mean) * g.n / (g.n - 1)
-            WHEN $estimator = 'drgrpo' OR $scale = 'none' THEN p.reward - g.mean
-            WHEN $scale = 'batch' THEN (p.reward - g.mean) / ($batch_std + $eps)
-            ELSE (p.reward - g.mean) / (g.std + $eps)
+            WHEN r.truncated AND $zero_truncated THEN 0.0
+            WHEN $estimator = 'rloo' THEN (s.reward - g.mean) * g.n / (g.n - 1)
+            WHEN $estimator = 'drgrpo' OR $scale = 'none' THEN s.reward - g.mean
+            WHEN $scale = 'batch' THEN (s.reward - g.mean) / ($batch_std + $eps)
+            ELSE (s.reward - g.mean) / (g.std + $eps)
         END AS FLOAT) AS advantage,
-        p.reward,
+        s.reward,
         g.n::INTEGER AS group_size,
         g.mean AS group_mean,
         g.std AS group_std,
         (len(r.prompt_ids) + len(r.response_ids)) // $bucket_tokens AS bucket
     FROM r
     JOIN s USING (rollout_id)
-    JOIN pool AS p ON p.iter = $iter AND p.rollout_id = r.rollout_id
     JOIN groups AS g ON g.prompt_id = r.prompt_id
-    WHERE p.used AND g.dropped IS NULL
+    WHERE NOT (r.truncated AND $drop_truncated) AND g.dropped IS NULL
 )
 SELECT * EXCLUDE (bucket)
 FROM rows

@@ -38,6 +38,14 @@ Semantics (config [advantage]):
   or every group filtered, is a StageError saying which filter and how to relax it, raised
   before anything is written. Identity: config = seed + [advantage]; inputs = content hashes of
   the pooled rollouts/scores manifests (a re-scored iteration invalidates its advantages).
+* Integrity (checked before anything is written): every rollout has exactly one score row with
+  its prompt_id, no rollout_id repeats, no reward is +/-inf. The score stage writes its rows in
+  rollouts order, so the pool is first built by position (advantage_pool.sql: one POSITIONAL
+  JOIN per chunk of parts, chunks in parallel) with a per-row rollout_id/prompt_id equality
+  and a duplicate check on 64-bit hashes of the ids; when any of that fails (or two hashes
+  collide) it is rebuilt by a FULL JOIN on rollout_id (advantage_pool_joined.sql) and
+  advantage_check.sql names the problem, or finds none (scores in another order) and the stage
+  goes on with the joined pool. Both pools give the same statistics.
 * md5 is used for the order, so it does not change with the DuckDB version; rows with the same
   (iter, md5, ...) cannot tie because rollout_id is the last key and is unique (checked).
 * One process (rank 0) sorts and writes; other ranks under torchrun only wait.
@@ -51,11 +59,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_batch import shards
 from rlhf_batch.config import Config
+from rlhf_batch.core.batching import aligned_chunks
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.inspect import NAN_SAFE, quote, sql_text
 from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate
@@ -127,18 +137,19 @@ def _where(cfg: Config, iteration: int) -> str:
     return f"iteration {iteration} ({shards.iter_dir(cfg.run_dir, iteration)})"
 
 
-def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema) -> list[str]:
-    """The parts a complete stage's manifest lists, schema-checked (errors name file and column)."""
+def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema) -> list[tuple[str, int]]:
+    """(path, rows) of the parts a complete stage's manifest lists, schema-checked (errors name
+    file and column); rows from the file's footer."""
     sdir = shards.stage_dir(run_dir, it, stage)
     out = []
     for p in (shards.manifest(sdir) or {}).get("parts", []):
         path = sdir / p["file"]
         try:
-            actual = pq.read_schema(path)
+            meta = pq.ParquetFile(path).metadata
         except (OSError, pa.ArrowInvalid) as e:
             raise SchemaError(f"{path}: not a readable Parquet file ({e})") from None
-        validate(actual, schema, str(path))
-        out.append(str(path.resolve()))
+        validate(meta.schema.to_arrow_schema(), schema, str(path))
+        out.append((str(path.resolve()), meta.num_rows))
     return out
 
 
@@ -150,6 +161,7 @@ def _connect(tmp: Path) -> Any:
     con.execute(NAN_SAFE)  # NaN rewards must count as null
     con.execute(f"SET temp_directory = {quote(str(tmp))}")  # spills of a 10M-row sort go here
     con.execute(f"SET memory_limit = '{MEMORY_LIMIT}'")  # beyond it DuckDB spills: 10M rows stay < 2 GB RSS
+    con.execute("SET preserve_insertion_order = false")  # temp tables in any order: parallel writes
     return con
 
 
@@ -163,13 +175,16 @@ def _prepare(con: Any, cfg: Config, iteration: int, window: list[int]) -> dict[s
             raise StageError(
                 f"{_where(cfg, iteration)}: {stage} are empty (0 rows); nothing to compute advantages from"
             )
-    all_r = [f for it in window for f in rollouts[it]]
-    all_s = [f for it in window for f in scores[it]]
-    con.execute(
-        sql_text("advantage_pool"),
-        {"rollout_files": all_r, "score_files": all_s, "drop_truncated": a.truncated == "drop"},
-    )
-    _check(con, cfg.run_dir)
+    if not _aligned_pool(con, rollouts, scores, a.truncated == "drop"):
+        con.execute(
+            sql_text("advantage_pool_joined"),
+            {
+                "rollout_files": [f for it in window for f, _ in rollouts[it]],
+                "score_files": [f for it in window for f, _ in scores[it]],
+                "drop_truncated": a.truncated == "drop",
+            },
+        )
+        _check(con, cfg.run_dir)
     con.execute(
         sql_text("advantage_groups"),
         {
@@ -184,7 +199,37 @@ def _prepare(con: Any, cfg: Config, iteration: int, window: list[int]) -> dict[s
         batch_std = float(
             con.execute(sql_text("advantage_batch_std"), {"ddof": a.ddof}).fetchall()[0][0] or 0.0
         )
-    return {"rollout_files": rollouts[iteration], "score_files": scores[iteration], "batch_std": batch_std}
+    return {
+        "rollout_files": [f for f, _ in rollouts[iteration]],
+        "score_files": [f for f, _ in scores[iteration]],
+        "batch_std": batch_std,
+    }
+
+
+def _aligned_pool(
+    con: Any, rollouts: dict[int, list[tuple[str, int]]], scores: dict[int, list[tuple[str, int]]], drop: bool
+) -> bool:
+    """The pool of advantage_pool.sql: rollouts and scores lined up by position, in chunks cut
+    where both have a part boundary (one positional join per chunk, chunks in parallel). True
+    when it is good (every row aligned, no +/-inf reward, no duplicate id); False: the caller
+    rebuilds it by rollout_id, which names the problem."""
+    con.execute(sql_text("advantage_pool"))
+    threads = int(con.execute("SELECT current_setting('threads')").fetchall()[0][0])
+    calls: list[str] = []
+    params: dict[str, Any] = {"drop": drop}
+    for it in rollouts:
+        r, s = rollouts[it], scores[it]
+        for ri, si in aligned_chunks([n for _, n in r], [n for _, n in s], 2 * threads):
+            if not ri or not si:  # rows on one side only: not aligned
+                return False
+            k = len(calls)
+            calls.append(f"FROM aligned_pool($r{k}, $s{k}, {it:d}, $drop)")
+            params |= {f"r{k}": [r[i][0] for i in ri], f"s{k}": [s[j][0] for j in si]}
+    con.execute("CREATE OR REPLACE TEMP TABLE pool AS " + " UNION ALL ".join(calls), params)
+    if con.execute(sql_text("advantage_aligned")).fetchall()[0][0]:
+        return False
+    ids = np.sort(con.sql("SELECT h FROM pool").fetchnumpy()["h"])  # [rows] uint64
+    return not bool((ids[1:] == ids[:-1]).any())  # equal hashes: a duplicate (or a collision)
 
 
 _PROBLEMS = {  # advantage_check.sql column -> what is wrong, which stage to re-run
@@ -268,6 +313,7 @@ def _write_shards(
         "eps": a.eps,
         "batch_std": params["batch_std"] or 0.0,
         "zero_truncated": a.truncated == "zero",
+        "drop_truncated": a.truncated == "drop",
         "bucket_tokens": a.bucket_tokens,
         "seed": cfg.seed,
     }

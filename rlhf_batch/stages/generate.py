@@ -18,7 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlhf_batch import shards
+from rlhf_batch import dist, shards
 from rlhf_batch.config import Config, GenerateConfig
 from rlhf_batch.errors import StageError
 from rlhf_batch.prompts import Prompts, load_prompts
@@ -79,7 +79,11 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     todo = stage.todo(n_parts)
     if todo:
         model = load_model(
-            policy, "policy", device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+            policy,
+            "policy",
+            device=dist.stage_device(cfg.device),
+            dtype=cfg.dtype,
+            trust_remote_code=cfg.trust_remote_code,
         )
         shards.fault_point("rollouts:model-loaded")
         _check_lengths(model, prompts, g)

@@ -33,13 +33,14 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from rlhf_batch import dist
 from rlhf_batch.config import Config
 from rlhf_batch.errors import ConfigError, SchemaError, StageError
 from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
 from rlhf_batch.schemas import LOGPROBS, ROLLOUTS, TOKENS, with_extra
 from rlhf_batch.shards import StageRun, file_fingerprint, manifest, stage_dir
 from rlhf_batch.stages.generate import policy_for
-from rlhf_batch.stages.score import batched_logprobs, stage_device
+from rlhf_batch.stages.score import batched_logprobs
 
 COMPUTED = set(ROLLOUTS.names) - {"prompt", "response", "prompt_id", "finish_reason"}
 
@@ -74,7 +75,7 @@ def import_rollouts(
         model = load_model(
             policy,
             f"policy of iteration {iteration}",
-            device=stage_device(cfg.device),
+            device=dist.stage_device(cfg.device),
             dtype=cfg.dtype,
             trust_remote_code=cfg.trust_remote_code,
         )

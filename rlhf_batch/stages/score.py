@@ -47,7 +47,7 @@ from rlhf_batch.core.batching import token_budget_batches
 from rlhf_batch.core.kl import KLController, controller_from_state, kl_estimate, make_controller
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.forward import can_share_prefix, response_logprobs, shared_prefix_logprobs
-from rlhf_batch.models import load_model, model_fingerprint, resolve_device
+from rlhf_batch.models import load_model, model_fingerprint
 from rlhf_batch.rewards import (
     RM_COLUMN,
     RewardFunction,
@@ -109,11 +109,6 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     dist.barrier()
     extra = {**controller_extra(sdir, n_parts, ctl, kl_coef), "max_tokens_per_batch": s.max_tokens_per_batch}
     return stage.finish(n_parts, extra) or manifest(sdir) or {}
-
-
-def stage_device(device: str) -> str:
-    dev = resolve_device(device)
-    return f"cuda:{dist.local_rank()}" if dev == "cuda" else dev
 
 
 def kl_controller_for(cfg: Config, iteration: int) -> KLController:
@@ -226,7 +221,7 @@ class Scorer:
 
     def __init__(self, cfg: Config, policies: list[str], fns: list[RewardFunction], kl_coef: float):
         self.cfg, self.fns, self.kl_coef = cfg, fns, kl_coef
-        self.device = stage_device(cfg.device)
+        self.device = dist.stage_device(cfg.device)
         self.ref_tok = check_tokenizers(cfg, policies)
         self.vocab_size = config_vocab_size(cfg.ref)
         self._ref_model: Any = None
@@ -276,7 +271,7 @@ class Scorer:
         rid, prompt_ids, response_ids = (
             t[c].to_pylist() for c in ("rollout_id", "prompt_ids", "response_ids")
         )
-        values = self.rewards(t, rid, response_ids)
+        values = self.rewards(t, rid, prompt_ids, response_ids)
         if self.rm is not None:
             seqs = [p + r for p, r in zip(prompt_ids, response_ids, strict=True)]
             values[RM_COLUMN] = self.rm.scores(seqs, self.cfg.score.max_tokens_per_batch, progress).tolist()
@@ -315,13 +310,19 @@ class Scorer:
         return table, counts
 
     def rewards(
-        self, t: pa.Table, rid: list[str], response_ids: list[list[int]]
+        self, t: pa.Table, rid: list[str], prompt_ids: list[list[int]], response_ids: list[list[int]]
     ) -> dict[str, list[float | None]]:
         columns = {c: t[c].to_pylist() for c in t.column_names if c not in ROLLOUTS.names}
         prompts, responses = t["prompt"].to_pylist(), t["response"].to_pylist()
         return {
             rf.column: call_reward_function(
-                rf, rid, prompts=prompts, responses=responses, response_ids=response_ids, columns=columns
+                rf,
+                rid,
+                prompts=prompts,
+                responses=responses,
+                prompt_ids=prompt_ids,
+                response_ids=response_ids,
+                columns=columns,
             )
             for rf in self.fns
         }

@@ -13,17 +13,20 @@ bfloat16 (models.resolve_dtype: a GPU or a CPU with bf16 units). The policy is s
 dtype of the starting checkpoint. Killed at any point, a re-run resumes from the last
 checkpoint and ends with the weights of an uninterrupted run (CPU float32: bit for bit).
 
-Distributed: `torchrun --nproc-per-node N -m rlhf_batch train CONFIG --iter K`. The ranks
-split each step's micro-batches (the global batch per step is the same as on one rank) and
-DistributedDataParallel averages the gradients; rank 0 writes checkpoints, the policy and the
-manifest. The run dir must be on a filesystem every rank sees. DDP keeps a full copy of the
-model, gradients and AdamW state on every rank: a model that does not fit needs FSDP
-(torch.distributed.fsdp.fully_shard on the decoder layers, a sharded optimizer state and a
-full state dict gathered on rank 0 for save_pretrained), which this stage does not do yet.
+Distributed: `torchrun --nproc-per-node N -m rlhf_batch train CONFIG --iter K`. Every rank
+reads the whole advantages table and the ranks split each step's micro-batches (the global
+batch per step is the same as on one rank; train_data). DistributedDataParallel averages the
+gradients; rank 0 writes checkpoints, the policy and the manifest. The run dir must be on a
+filesystem every rank sees. DDP keeps a full copy of the model, gradients and AdamW state on
+every rank. With `train.fsdp` (and N > 1; on one process it is a no-op) FSDP2 shards them
+instead (`_shard`): each rank still loads the full float32 model first (and runs
+`recompute_old` on it), then keeps 1/N of it; checkpoints and the policy are full state dicts
+gathered on rank 0's CPU (checkpoint.gather), the policy saved through a CPU copy of the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -117,12 +120,16 @@ def _train(cfg: Config, iteration: int, start: str, stage: Any, data: Any, quiet
     shards.fault_point("train:model-loaded")
     if tc.recompute_old:
         recompute_old(trainer, steps)
+    sharded = tc.fsdp and trainer.world > 1
+    if sharded:
+        _shard(trainer, tc)
     ckpt = checkpoint.load_latest(
-        stage.sdir / CHECKPOINT_DIR, trainer.model, trainer.optimizer, stage.key, trainer.device
+        stage.sdir / CHECKPOINT_DIR, trainer.model, trainer.optimizer, stage.key, trainer.device, sharded
     )
     rows: list[dict[str, Any]] = ckpt["metrics"] if ckpt else []
     first = ckpt["next_step"] if ckpt else 0
-    _wrap_ddp(trainer)
+    if not sharded:
+        _wrap_ddp(trainer)
     bar = tqdm(
         total=len(steps),
         initial=first,
@@ -144,27 +151,27 @@ def _train(cfg: Config, iteration: int, start: str, stage: Any, data: Any, quiet
         )
         done = step.index + 1
         if tc.checkpoint_every and done % tc.checkpoint_every == 0 and done < len(steps):
+            full = checkpoint.gather(trainer.model, trainer.optimizer) if sharded else None
             if trainer.rank == 0:
                 state = {"key": stage.key, "epoch": step.epoch, "world": trainer.world, "metrics": rows}
-                checkpoint.save(stage.sdir / CHECKPOINT_DIR, done, trainer.model, trainer.optimizer, state)
+                checkpoint.save(
+                    stage.sdir / CHECKPOINT_DIR, done, trainer.model, trainer.optimizer, state, full
+                )
                 shards.fault_point(f"train:checkpoint-{done}")
             dist.barrier()
     bar.close()
-    return _finish(cfg, iteration, stage, trainer, tok, start, rows, data)
+    return _finish(cfg, iteration, stage, trainer, tok, start, rows, data, sharded)
 
 
 def _build(cfg: Config, start: str, data: Any, total_steps: int) -> tuple[Any, Any]:
     """Load the starting policy (float32, train mode, no dropout) and its AdamW optimizer."""
     import torch
 
-    from rlhf_batch.models import load_model, load_tokenizer, resolve_device, resolve_dtype
+    from rlhf_batch.models import load_model, load_tokenizer, resolve_dtype
     from rlhf_batch.stages.train_step import LogProbs, Trainer
 
     tc, rank, world = cfg.train, *dist.rank_world()
-    device = resolve_device(cfg.device)
-    if device == "cuda":
-        torch.cuda.set_device(dist.local_rank())
-        device = f"cuda:{dist.local_rank()}"
+    device = dist.stage_device(cfg.device)
     model = load_model(
         start, "policy", device=device, dtype="float32", trust_remote_code=cfg.trust_remote_code
     )
@@ -212,6 +219,41 @@ def _wrap_ddp(trainer: Any) -> None:
         trainer.net = DistributedDataParallel(trainer.net, device_ids=ids, broadcast_buffers=False)
 
 
+def _shard(trainer: Any, tc: Any) -> None:
+    """FSDP2 over all ranks: each decoder layer (the model's `_no_split_modules` classes) is one
+    unit; the root unit, holding the embeddings, final norm and LM head, is the LogProbs module,
+    whose forward runs the decoder and the chunked LM head. AdamW is rebuilt over the sharded
+    parameters (the one `_build` made has no state yet)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = trainer.model
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise StageError(f"train.fsdp: {type(model).__name__} names no decoder layer class to shard")
+    mesh = init_device_mesh(torch.device(trainer.device).type, (trainer.world,))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(trainer.net, mesh=mesh)
+    # gradients are reduce-scattered after every micro-batch: keeping them unsharded until the
+    # step's last one, as DDP's no_sync does, would hold full gradients on every rank
+    trainer.net.no_sync = contextlib.nullcontext
+    trainer.optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+
+
+def _unsharded(cfg: Config, start: str, weights: dict[str, Any]) -> Any:
+    """Rank 0: a CPU copy of the policy holding the gathered full weights, for save_pretrained."""
+    from rlhf_batch.models import load_model
+
+    model = load_model(
+        start, "policy", device="cpu", dtype="float32", trust_remote_code=cfg.trust_remote_code
+    )
+    model.load_state_dict(weights)
+    return model
+
+
 def _saved_dtype(start: str) -> Any:
     import torch
 
@@ -252,6 +294,7 @@ def _finish(
     start: str,
     rows: list[dict[str, Any]],
     data: Any,
+    sharded: bool,
 ) -> dict[str, Any]:
     """Rank 0: the policy, then metrics.parquet, then the manifest (last); drop the checkpoints."""
     import pyarrow as pa
@@ -259,9 +302,12 @@ def _finish(
     from rlhf_batch.schemas import METRICS
 
     dist.barrier()
+    weights = checkpoint.gather(trainer.model)[0] if sharded else None
     if trainer.rank == 0:
         out = shards.policy_dir(cfg.run_dir, iteration)
-        _write_policy(trainer.model, tok, out, _saved_dtype(start), cfg.train.gradient_checkpointing)
+        model = trainer.model if weights is None else _unsharded(cfg, start, weights)
+        checkpointing = cfg.train.gradient_checkpointing and weights is None
+        _write_policy(model, tok, out, _saved_dtype(start), checkpointing)
         table = pa.Table.from_pylist([{k: r[k] for k in METRICS.names} for r in rows], schema=METRICS)
         shards.write_parquet_atomic(stage.sdir / METRICS_FILE, table, METRICS)
     counts = {

@@ -27,7 +27,7 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.forward import response_logprobs
 from rlhf_batch.stages.train_data import Shards, Step, lr_factor, micro_batch, sequences
 
-LOSSES = ("loss", "loss_objective", "loss_kl_to_ref", "loss_entropy")
+LOSSES = ("loss", "loss_objective", "loss_kl_to_ref", "loss_kl_to_inference", "loss_entropy")
 TOKEN_MEANS = ("clip_fraction", "kl_approx", "kl_to_ref", "entropy", "ratio_mean")
 
 

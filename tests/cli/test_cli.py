@@ -114,3 +114,17 @@ def test_bad_option_values_are_named(tmp_path: Path) -> None:
     assert res.returncode == 1 and "--arch" in res.stderr and "Traceback" not in res.stderr
     res = cli("generate", str(tmp_path / "none.toml"))
     assert res.returncode == 1 and "config file not found" in res.stderr
+
+
+def test_usage_errors_are_one_line_without_traceback() -> None:
+    cases = {
+        ("generate",): "rlhf-batch generate: Missing argument 'config'.",
+        ("generate", "c.toml", "--bogus"): "rlhf-batch generate: No such option: --bogus",
+        ("score", "c.toml", "--iter", "x"): "rlhf-batch score: Invalid value for '--iter'",
+        ("nosuchcmd",): "rlhf-batch: No such command 'nosuchcmd'.",
+    }
+    for args, expected in cases.items():
+        res = cli(*args)
+        lines = res.stderr.strip().splitlines()
+        assert res.returncode == 2, (args, res.stderr)
+        assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), (args, res.stderr)

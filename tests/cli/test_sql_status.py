@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,63 @@ def test_views_over_all_iterations_with_iter_column(run: Path) -> None:
     assert csv_rows(res.stdout) == [["iter", "step", "loss"], ["0", "0", "1.0"], ["0", "1", "0.5"]]
 
 
+def test_stages_view_has_one_row_per_complete_stage(run: Path) -> None:
+    # iteration 1's rollouts have no manifest (interrupted): not a row of `stages`
+    query = "SELECT iter, stage, rows, numbers['groups_total'] AS g, numbers['groups_out'] AS k FROM stages"
+    res = sql(run, query + " ORDER BY ALL", "-f", "csv")
+    assert res.exit_code == 0, res.output
+    # advantages: p = {0, 1} kept (2 rows), q = {0.5, 0.5} dropped: 1 of 2 groups; the fixture's
+    # train manifest lists no parts, so 0 rows (the real train stage records its steps: next test)
+    assert csv_rows(res.stdout) == [
+        ["iter", "stage", "rows", "g", "k"],
+        ["0", "advantages", "2", "2.0", "1.0"],
+        ["0", "rollouts", "4", "", ""],
+        ["0", "scores", "4", "", ""],
+        ["0", "train", "0", "", ""],
+    ]
+
+
+def test_stages_view_over_a_real_run_matches_the_data(make_config) -> None:
+    """generate, score, advantage and train of one iteration, then each stage's numbers in
+    `stages` against the same numbers counted from its Parquet output with pyarrow."""
+    import pyarrow.compute as pc
+
+    from rlhf_batch.pipeline import run_pipeline
+
+    # no `threads`: in-process it would set torch's thread count for the rest of the pytest process
+    path, cfg = make_config(iterations=1, in_process=True)
+    run_pipeline(path, [], quiet=True)
+    root = Path(cfg.run_dir)
+    data = {s: pq.read_table(root / "iter=0000" / s) for s in ("rollouts", "scores", "advantages")}
+    query = """SELECT stage, rows, numbers['prompts'] AS prompts, numbers['prompts_truncated'] AS truncated,
+        numbers['unscored'] AS unscored, numbers['kl_coef'] AS kl_coef, numbers['groups_total'] AS groups,
+        numbers['groups_out'] AS kept, numbers['tokens'] AS tokens, finished, manifest->>'key' AS key
+        FROM stages WHERE iter = 0"""
+    res = sql(root, query, "-f", "json")
+    assert res.exit_code == 0, res.output
+    got = {r["stage"]: r for r in map(json.loads, res.stdout.splitlines())}
+    assert sorted(got) == ["advantages", "rollouts", "scores", "train"]
+    for stage, row in got.items():
+        m = shards.manifest(shards.stage_dir(root, 0, stage))
+        assert m is not None and row["key"] == m["key"]
+        assert datetime.fromisoformat(row["finished"]) == datetime.strptime(
+            m["created"], "%Y-%m-%dT%H:%M:%S%z"
+        )
+    rollouts, scores, advantages = data["rollouts"], data["scores"], data["advantages"]
+    n_prompts = len(pc.unique(rollouts["prompt_id"]))  # 12 demo prompts x 4 generations = 48 rows
+    assert (got["rollouts"]["rows"], got["rollouts"]["prompts"]) == (rollouts.num_rows, n_prompts) == (48, 12)
+    assert got["rollouts"]["truncated"] == 0
+    assert got["scores"]["rows"] == scores.num_rows
+    assert got["scores"]["unscored"] == scores["score"].null_count
+    assert got["scores"]["kl_coef"] == pc.unique(scores["kl_coef"]).to_pylist()[0]
+    assert got["advantages"]["rows"] == advantages.num_rows
+    assert got["advantages"]["groups"] == len(pc.unique(scores["prompt_id"]))
+    assert got["advantages"]["kept"] == len(pc.unique(advantages["prompt_id"]))
+    metrics = pq.read_table(root / "iter=0000/train/metrics.parquet")
+    assert got["train"]["rows"] == metrics.num_rows
+    assert got["train"]["tokens"] == pc.sum(metrics["tokens"]).as_py()
+
+
 def test_table_format_and_nested_values(run: Path) -> None:
     res = sql(run, "SELECT rollout_id, prompt_len, input_ids FROM advantages ORDER BY rollout_id")
     assert res.exit_code == 0, res.output
@@ -134,6 +192,14 @@ def test_out_files_written_by_python(run: Path, tmp_path: Path, suffix: str) -> 
         ids = [json.loads(line)["rollout_id"] for line in out.read_text().splitlines()]
     assert ids == ["0000-p-0", "0000-p-1"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]  # no temporary left behind
+
+
+def test_csv_nested_values_of_any_type(run: Path) -> None:
+    query = "SELECT [1.5, 2.5] AS d, {'a': DATE '2020-01-02'} AS s"
+    res = sql(run, query, "-f", "csv")
+    assert res.exit_code == 0, res.output
+    # decimals and dates inside nested values are written as their text, as in JSON output
+    assert csv_rows(res.stdout) == [["d", "s"], ['["1.5", "2.5"]', '{"a": "2020-01-02"}']]
 
 
 def test_bad_format_and_parquet_to_stdout(run: Path) -> None:
@@ -190,6 +256,8 @@ def test_duckdb_layer_alone_blocks_outside_access_and_is_locked(run: Path, tmp_p
             con.execute("SET enable_external_access = true")
         with pytest.raises(duckdb.Error, match="locked"):
             con.execute("RESET allowed_directories")
+        # the run alone: not DuckDB's default temp directory (./.tmp) beside it
+        assert con.execute("SELECT current_setting('allowed_directories')").fetchone() == ([f"{run}/"],)
     finally:
         con.close()
     assert list(tmp_path.iterdir()) == []

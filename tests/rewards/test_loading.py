@@ -47,6 +47,7 @@ def call(path: str, responses=("a", "b", "c")):
         IDS,
         prompts=["p"] * 3,
         responses=list(responses),
+        prompt_ids=[[7], [7], [7]],
         response_ids=[[1], [2], [3]],
         columns={"answer": ["x", "y", "z"]},
     )

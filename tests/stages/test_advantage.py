@@ -418,6 +418,51 @@ def test_scores_that_do_not_belong_to_the_rollouts(make_config: Any, lm: Any) ->
         advantage.run(cfg, 0, quiet=True)
 
 
+def test_duplicate_and_mismatched_ids_are_named(make_config: Any, lm: Any) -> None:
+    # rows line up by position, but a rollout_id appears twice (on both sides): the exact path names it
+    _, cfg = make_config()
+    roll, score = tables(lm, 0, rewards("a", [0.0, 1.0, 2.0]))
+    dup = pa.concat_tables([roll, roll.slice(1, 1)]), pa.concat_tables([score, score.slice(1, 1)])
+    write_stage(cfg.run_dir, 0, "rollouts", dup[0], with_extra(ROLLOUTS, EXTRA), parts=1)
+    write_stage(cfg.run_dir, 0, "scores", dup[1], SCORES, parts=1)
+    # 2 rollouts x 2 score rows of 0000-a-1 joined on rollout_id: 4 rows
+    with pytest.raises(
+        StageError, match=r"4 rows share their rollout_id .*'0000-a-1'.*re-run generate and score"
+    ):
+        advantage.run(cfg, 0, quiet=True)
+    # the score row of 0000-a-2 says prompt "b"
+    _, cfg2 = make_config(run_dir=str(Path(cfg.run_dir).parent / "mismatch"), name="m.toml")
+    other = score.set_column(1, "prompt_id", pa.array(["a", "a", "b"]))
+    write_stage(cfg2.run_dir, 0, "rollouts", roll, with_extra(ROLLOUTS, EXTRA), parts=1)
+    write_stage(cfg2.run_dir, 0, "scores", other, SCORES, parts=1)
+    with pytest.raises(StageError, match=r"1 score rows have another prompt_id .*'0000-a-2'"):
+        advantage.run(cfg2, 0, quiet=True)
+
+
+def test_same_result_whatever_the_order_and_parts_of_the_scores(
+    make_config: Any, lm: Any, tmp_path: Path
+) -> None:
+    # rollouts and scores in the same order (cut into 3 and 2 parts: chunks by common boundaries),
+    # and scores in reverse order (no positional alignment: the pool is joined on rollout_id)
+    rows = [R(f"p{i % 4}", float(i % 3)) for i in range(12)]
+    roll, score = tables(lm, 0, rows)
+    results = []
+    for name, scores, parts in (
+        ("same", score, 2),
+        ("cut", score, 3),
+        ("reversed", score.take(list(range(11, -1, -1))), 2),
+    ):
+        _, cfg = make_config(run_dir=str(tmp_path / name), name=f"{name}.toml")
+        write_stage(cfg.run_dir, 0, "rollouts", roll, with_extra(ROLLOUTS, EXTRA), parts=2)
+        write_stage(cfg.run_dir, 0, "scores", scores, SCORES, parts=parts)
+        m = advantage.run(cfg, 0, quiet=True)
+        results.append(
+            (shards.read_stage(shards.stage_dir(cfg.run_dir, 0, "advantages"), ADVANTAGES), m["counts"])
+        )
+    assert results[0][0].num_rows == 12
+    assert all(t.equals(results[0][0]) and c == results[0][1] for t, c in results[1:])
+
+
 # ---------------------------------------------------------------- window pooling
 
 

@@ -11,7 +11,7 @@ import torch
 from rlhf_batch import shards
 from rlhf_batch.errors import StageError
 from rlhf_batch.forward import response_logprobs
-from rlhf_batch.models import load_model
+from rlhf_batch.models import load_model, load_tokenizer
 from rlhf_batch.schemas import ROLLOUTS
 from rlhf_batch.stages import generate
 from rlhf_batch.tiny import init_model
@@ -134,10 +134,15 @@ def test_overlong_prompts_error_skip_or_truncate(make_config, tmp_path: Path) ->
     _, cfg = make_config(
         name="t.toml", generate={"prompts": str(data), "max_prompt_tokens": 8, "overlong": "truncate_left"}
     )
-    generate.run(cfg, 0, quiet=True, force=True)
-    long_ids = rollouts(cfg).column("prompt_ids").to_pylist()[-1]
-    assert len(long_ids) == 8  # the last 8 characters, "g prompt"
-    assert long_ids == rollouts(cfg).column("prompt_ids").to_pylist()[-1]
+    m = generate.run(cfg, 0, quiet=True, force=True)
+    assert (
+        m["prompt_counts"]["prompts_truncated"] == 1 and m["prompt_counts"]["prompts_skipped_overlong"] == 0
+    )
+    t = rollouts(cfg)
+    long_ids, long_text = t.column("prompt_ids").to_pylist()[-1], t.column("prompt").to_pylist()[-1]
+    # the char-level tokenizer has one token per character: the last 8 characters are kept
+    assert len(long_ids) == 8 and long_text == "g prompt"
+    assert long_ids == load_tokenizer(cfg.policy_model)("g prompt", add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.parametrize(
@@ -220,3 +225,58 @@ def test_a_tokenizer_without_a_pad_token_uses_eos(make_config, tmp_path: Path) -
     _, cfg = make_config(policy_model=str(path))
     m = generate.run(cfg, 0, quiet=True)
     assert m["rows"] == 48
+
+
+def test_configured_prompt_id_and_messages_column_names(make_config, tmp_path: Path) -> None:
+    data = tmp_path / "q.jsonl"
+    data.write_text('{"question": "a*1=", "uid": "first"}\n{"question": "b*2=", "uid": "second"}\n')
+    _, cfg = make_config(
+        generate={"prompts": str(data), "prompt_column": "question", "id_column": "uid"},
+        score={"reward_functions": []},
+    )
+    generate.run(cfg, 0, quiet=True)
+    t = rollouts(cfg)
+    assert t.column("prompt_id").to_pylist() == ["first"] * 4 + ["second"] * 4
+    assert t.column("prompt").to_pylist()[::4] == ["a*1=", "b*2="]
+    assert "question" not in t.column_names and "uid" not in t.column_names  # used, not carried
+    chat = tmp_path / "c.jsonl"
+    chat.write_text(json.dumps({"uid": "c0", "conv": [{"role": "user", "content": "hi"}]}) + "\n")
+    _, cfg = make_config(
+        name="c.toml",
+        generate={"prompts": str(chat), "messages_column": "conv", "id_column": "uid"},
+        score={"reward_functions": []},
+    )
+    generate.run(cfg, 0, quiet=True, force=True)
+    t = rollouts(cfg)
+    assert t.column("prompt").to_pylist()[0] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert t.column("prompt_id").to_pylist() == ["c0"] * 4
+
+
+def test_progress_bar_shows_rollouts_and_tokens_per_second_unless_quiet(make_config, capsys) -> None:
+    _, cfg = make_config()
+    generate.run(cfg, 0, quiet=False)
+    err = capsys.readouterr().err
+    assert "generate" in err and "rollout/s" in err and "tok_s=" in err
+    generate.run(cfg, 0, quiet=True, force=True)
+    assert capsys.readouterr().err == ""
+
+
+def test_iteration_k_samples_from_the_policy_trained_in_iteration_k_minus_1(make_config) -> None:
+    _, cfg = make_config()
+    prev = shards.policy_dir(cfg.run_dir, 0)
+    init_model(prev, seed=7)  # another real model in train's output place (same tokenizer)
+    done = shards.StageRun(shards.stage_dir(cfg.run_dir, 0, "train"), "train", {"test": True}, {})
+    done.finish(0)  # iteration 0's train stage is complete
+    generate.run(cfg, 1, quiet=True)
+    t = rollouts(cfg, 1).to_pylist()
+    assert t and all(r["policy"] == str(prev) and r["rollout_id"].startswith("0001-") for r in t)
+    new, old = (load_model(p, "policy", dtype="float32") for p in (str(prev), cfg.policy_model))
+    rows = [r for r in t if r["response_ids"]][:4]
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in rows]
+    p_lens = [len(r["prompt_ids"]) for r in rows]
+    with torch.no_grad():
+        lp_new, mask, _ = response_logprobs(new, seqs, p_lens, cfg.generate.temperature, pad_id=1)
+        lp_old, _, _ = response_logprobs(old, seqs, p_lens, cfg.generate.temperature, pad_id=1)
+    beh = [torch.tensor(r["behavior_logprobs"]) for r in rows]
+    assert all(torch.allclose(lp_new[i][mask[i]], b, atol=1e-5) for i, b in enumerate(beh))
+    assert not all(torch.allclose(lp_old[i][mask[i]], b, atol=1e-3) for i, b in enumerate(beh))

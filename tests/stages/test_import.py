@@ -171,3 +171,9 @@ def test_cli_import(make_config, tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["import", str(path), "--config", str(cfg_path), "--iter", "0", "--quiet"])
     assert res.exit_code == 0, res.output
     assert shards.manifest(shards.stage_dir(cfg.run_dir, 0, "rollouts"))["rows"] == 5
+    other = tmp_path / "other-run"  # --run-dir wins over the config's run_dir
+    args = ["import", str(path), "-c", str(cfg_path), "--run-dir", str(other), "--quiet"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert shards.manifest(shards.stage_dir(str(other), 0, "rollouts"))["rows"] == 5
+    assert sorted(p.name for p in Path(cfg.run_dir).iterdir()) == ["iter=0000"]  # untouched besides

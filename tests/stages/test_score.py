@@ -37,6 +37,10 @@ def length_reward(*, responses: list[str], **_: object) -> list[float]:
     return [float(len(r)) for r in responses]
 
 
+def token_reward(*, prompt_ids: list[list[int]], response_ids: list[list[int]], **_: object) -> list[float]:
+    return [float(sum(p) + 1000 * len(r)) for p, r in zip(prompt_ids, response_ids, strict=True)]
+
+
 def none_for_b(*, prompts: list[str], **_: object) -> list[float | None]:
     return [None if p.startswith("b") else 1.0 for p in prompts]
 
@@ -111,6 +115,16 @@ def policy_copy(tiny_model: Path, tmp_path: Path) -> str:
 
 
 # --- rewards ---------------------------------------------------------------------------------
+
+
+def test_reward_functions_receive_each_rollouts_token_ids(make_config) -> None:
+    _, cfg = make_config(score={"reward_functions": [f"{HERE}:token_reward"], "rows_per_part": 5})
+    rows = write_rollouts(cfg)
+    score.run(cfg, 0, quiet=True)
+    got = by_id(scores(cfg))
+    for r in rows:  # the ids as written to the rollouts table, row by row
+        expected = sum(r["prompt_ids"]) + 1000 * len(r["response_ids"])
+        assert got[r["rollout_id"]]["reward_token_reward"] == expected
 
 
 def test_reward_functions_by_import_path_with_weights(make_config) -> None:

@@ -312,6 +312,58 @@ def test_kl_to_ref_and_entropy_in_the_loss(make_config, tiny_model: Path) -> Non
     assert row["loss"] == pytest.approx(row["loss_kl_to_ref"] + row["loss_entropy"], abs=1e-6)
 
 
+def test_kl_to_the_behaviour_policy_is_a_metric(make_config, tiny_model: Path) -> None:
+    # behaviour log-probs stored 0.5 below the model's: old - logp = -0.5 on every token;
+    # k3 = e^-0.5 - (-0.5) - 1 = 0.606531 + 0.5 - 1 = 0.106531 ; loss term 0.2 * that = 0.021306
+    # (the other direction, r - 1 - log r = e^0.5 - 1.5 = 0.148721, is kl_approx: not this term)
+    table = make_table(tiny_model, *random_lengths(8), advantages=[0.0] * 8, old_shift=-0.5)
+    _, cfg = make_config(train_toml(lr=0.0, kl_to_inference_coef=0.2, tokens_per_step=12))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    rows = metrics(cfg.run_dir).to_pylist()
+    assert len(rows) > 1  # lr = 0: every step sees the same policy, so the same numbers
+    for row in rows:
+        assert row["loss_kl_to_inference"] == pytest.approx(0.021306, abs=1e-5)
+        assert row["kl_approx"] == pytest.approx(0.148721, abs=1e-5)
+        # A = 0 and no other coefficient: the KL term is the whole loss
+        assert row["loss"] == pytest.approx(row["loss_kl_to_inference"], abs=1e-7)
+    # off by default: the column is there and 0
+    _, off = make_config(train_toml(lr=0.0), name="off.toml", run_dir=str(Path(cfg.run_dir).parent / "off"))
+    write_advantages(off.run_dir, table)
+    train.run(off, 0, quiet=True)
+    assert set(metrics(off.run_dir).column("loss_kl_to_inference").to_pylist()) == {0.0}
+
+
+def test_bf16_autocast_step_on_cpu(make_config, tiny_model: Path) -> None:
+    """dtype = bfloat16 switches autocast on (train._build: autocast_bf16 and the dtype resolves to
+    bfloat16, which it does on any CPU when asked by name). One step against the float32 step."""
+    from rlhf_batch.stages.train_data import load_shards
+
+    _, cfg = make_config(train_toml(lr=1e-3))
+    data = load_shards(write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8))))
+    steps = plan_steps(data.resp_lens, data.seq_lens, 10**6, 10**6, 1, (0, 0))  # one step, one micro-batch
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        _, cfg = make_config(train_toml(lr=1e-3), name=f"{dtype}.toml", dtype=dtype)
+        trainer, _ = train._build(cfg, str(tiny_model), data, len(steps))
+        row = trainer.step(steps[0])
+        params = list(trainer.model.parameters())
+        out[dtype] = (trainer.bf16, row, {p.dtype for p in params}, {p.grad.dtype for p in params})
+    (on32, f32, _, _), (on16, bf, weights16, grads16) = out["float32"], out["bfloat16"]
+    assert (on32, on16) == (False, True)
+    assert weights16 == grads16 == {torch.float32}  # master weights and their gradients stay float32
+    assert math.isfinite(bf["loss"]) and math.isfinite(bf["grad_norm"])
+    assert bf["loss"] != f32["loss"]  # the bf16 path did run: its log-probs are rounded
+    # bf16 rounds the matmul inputs to 8 significant bits (relative 2^-8 = 0.004); this untrained
+    # model's logits are small, so its log-probs move by ~1e-3 (measured: max 9.6e-4, mean 4.9e-4 over
+    # the 25 tokens), the ratios exp(logp - old) by ~0.1%, and the loss, a mean of -ratio * A with
+    # |A| <= 1.01 here, by at most ~1e-3 (measured: 4e-5). 5e-3 is 5x that bound and 57x below the
+    # loss itself (0.287). The gradient norm moved by 7e-5 relative; 1% allows the same margin.
+    assert bf["loss"] == pytest.approx(f32["loss"], abs=5e-3)
+    assert bf["ratio_mean"] == pytest.approx(f32["ratio_mean"], abs=2e-3)
+    assert bf["grad_norm"] == pytest.approx(f32["grad_norm"], rel=1e-2)
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_micro_batching_does_not_change_a_step(
     make_config, tiny_model: Path, tmp_path: Path, aggregation: str

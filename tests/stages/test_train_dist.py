@@ -1,4 +1,5 @@
-"""Two real ranks (torchrun, gloo on CPU) train the same policy as one rank on the same data."""
+"""Two real ranks (torchrun, gloo on CPU) train the same policy as one rank on the same data:
+with DistributedDataParallel, and with FSDP2 (train.fsdp) killed at a checkpoint and resumed."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from rlhf_batch import shards
+from rlhf_batch import checkpoint, shards
 from rlhf_batch.stages import train
 from rlhf_batch.stages.train_data import plan_steps
 from tests.stages.test_train import (
@@ -24,56 +26,46 @@ from tests.stages.test_train import (
 )
 
 REPO = Path(__file__).parents[2]
+# small lr: AdamW turns float noise in near-zero gradient elements into changes of order lr
+KEYS = dict(
+    lr=1e-4,
+    tokens_per_step=12,
+    max_tokens_per_batch=20,
+    max_padding=1.0,  # micro-batches by the token budget only: the plan asserted below
+    ppo_epochs=2,
+    recompute_old=True,
+    gradient_checkpointing=True,
+    kl_coef=0.1,
+    entropy_coef=0.01,
+)
 
 
-def test_two_ranks_match_one_rank(make_config, tiny_model: Path, tmp_path: Path) -> None:
+def torchrun_train(config: Path, **env: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
+    cmd += ["-m", "rlhf_batch", "train", str(config), "--iter", "0", "-q"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def two_and_one_rank(make_config, tiny_model: Path, tmp_path: Path, **keys: object):
+    """(config path, Config) of a 2-rank run and a 1-rank Config, with the same advantages."""
     prompt_lens, resp_lens = random_lengths(10, seed=3)
     table = make_table(tiny_model, prompt_lens, resp_lens)
-    # small lr: AdamW turns float noise in near-zero gradient elements into changes of order lr
-    keys = dict(
-        lr=1e-4,
-        tokens_per_step=12,
-        max_tokens_per_batch=20,
-        max_padding=1.0,  # micro-batches by the token budget only: the plan asserted below
-        ppo_epochs=2,
-        recompute_old=True,
-        gradient_checkpointing=True,
-        kl_coef=0.1,
-        entropy_coef=0.01,
-    )
     # steps of 1, 2 and 3 micro-batches: with 2 ranks, rank 1 sometimes runs only a zero-weight
     # filler row (1), both ranks run real rows (2), rank 1 adds a filler to match rank 0 (3)
     seq_lens = np.array(prompt_lens) + np.array(resp_lens)
     plan = plan_steps(np.array(resp_lens), seq_lens, 12, 20, 2, (0, 0))
     assert {1, 2, 3} <= {len(s.micro) for s in plan}
-
-    path, two = make_config(train_toml(**keys), run_dir=str(tmp_path / "two"))
+    path, two = make_config(train_toml(**KEYS, **keys), run_dir=str(tmp_path / "two"))
+    _, one = make_config(train_toml(**KEYS, **keys), name="one.toml", run_dir=str(tmp_path / "one"))
     write_advantages(two.run_dir, table)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--standalone",
-        "-m",
-        "rlhf_batch",
-        "train",
-        str(path),
-        "--iter",
-        "0",
-        "-q",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-
-    _, one = make_config(train_toml(**keys), name="one.toml", run_dir=str(tmp_path / "one"))
     write_advantages(one.run_dir, table)
-    train.run(one, 0, quiet=True)
+    return path, two, one, len(plan)
 
+
+def assert_same_training(two, one, n_steps: int, tiny_model: Path) -> None:
     rows_two, rows_one = metrics(two.run_dir).to_pylist(), metrics(one.run_dir).to_pylist()
-    assert len(rows_two) == len(rows_one) == len(plan)
+    assert len(rows_two) == len(rows_one) == n_steps
     for a, b in zip(rows_two, rows_one, strict=True):
         assert (a["tokens"], a["sequences"]) == (b["tokens"], b["sequences"])
         for k in ("loss", "ratio_mean", "clip_fraction", "kl_to_ref", "entropy", "ess"):
@@ -82,3 +74,34 @@ def test_two_ranks_match_one_rank(make_config, tiny_model: Path, tmp_path: Path)
     assert shards.manifest(shards.stage_dir(two.run_dir, 0, "train"))["world_size"] == 2
     w_two, w_one = weights(shards.policy_dir(two.run_dir, 0)), weights(shards.policy_dir(one.run_dir, 0))
     assert max_diff(w_two, w_one) < 1e-5 < 1e-4 < max_diff(w_one, weights(tiny_model))
+
+
+def test_two_ranks_match_one_rank(make_config, tiny_model: Path, tmp_path: Path) -> None:
+    path, two, one, n_steps = two_and_one_rank(make_config, tiny_model, tmp_path)
+    done = torchrun_train(path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    train.run(one, 0, quiet=True)
+    assert_same_training(two, one, n_steps, tiny_model)
+
+
+@pytest.mark.slow
+def test_fsdp_two_ranks_killed_and_resumed_match_one_rank(
+    make_config, tiny_model: Path, tmp_path: Path
+) -> None:
+    # fsdp is a no-op on one process: the 1-rank run is plain training with the same config
+    path, two, one, n_steps = two_and_one_rank(
+        make_config, tiny_model, tmp_path, fsdp=True, checkpoint_every=2
+    )
+    killed = torchrun_train(path, RLHF_BATCH_FAULT="train:checkpoint-4")  # rank 0, once written
+    assert killed.returncode != 0
+    ckpt = checkpoint.latest(shards.stage_dir(two.run_dir, 0, "train") / train.CHECKPOINT_DIR)
+    assert ckpt is not None and ckpt.name == "step-00000004" and n_steps > 4
+    # written from the gathered full state dicts: AdamW state keyed by parameter name
+    state = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
+    assert "model.layers.0.mlp.up_proj.weight" in state
+    done = torchrun_train(path)  # resumes from the gathered full state dicts of step 4
+    assert done.returncode == 0, done.stderr[-4000:]
+    train.run(one, 0, quiet=True)
+    assert_same_training(two, one, n_steps, tiny_model)
+    # the policy is a plain Hugging Face model dir, written whole by rank 0
+    assert weights(shards.policy_dir(two.run_dir, 0)).keys() == weights(tiny_model).keys()
