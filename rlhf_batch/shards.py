@@ -206,19 +206,15 @@ class StageRun:
         self.complete = done is not None
         if done is not None and done.get("key") != self.key:
             raise StageError(
-                f"{sdir}: stage is complete with a different config or inputs; "
+                f"{sdir}: stage is complete with a different config or inputs ({differences(done, self.identity)}); "
                 "re-run it with --force to replace it"
             )
         started = sdir / STARTED
         # a run that failed before writing any part leaves nothing to protect: a new config takes over
-        if (
-            not self.complete
-            and started.exists()
-            and read_json(started).get("key") != self.key
-            and list_parts(sdir)
-        ):
+        before = read_json(started) if not self.complete and started.exists() else None
+        if before is not None and before.get("key") != self.key and list_parts(sdir):
             raise StageError(
-                f"{sdir}: a partial run with a different config or inputs is here; "
+                f"{sdir}: a partial run with a different config or inputs is here ({differences(before, self.identity)}); "
                 "re-run with the same config, or with --force to start over"
             )
         if not self.complete and self.rank == 0:
@@ -251,6 +247,30 @@ class StageRun:
             )
         dist.barrier()
         return result
+
+
+def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str:
+    """Which dotted keys of the identity (config, inputs, schema_version) differ between what is
+    on disk (`old`) and this run (`new`): the first `limit`, with their values when short (not for
+    inputs, whose values are content hashes)."""
+
+    def flat(d: Any, prefix: str) -> dict[str, str]:
+        if isinstance(d, dict):
+            return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}.{key}").items()}
+        return {prefix: json.dumps(d, sort_keys=True, default=str)}
+
+    a, b = (
+        {k: v for key in ("config", "inputs", "schema_version") for k, v in flat(x.get(key), key).items()}
+        for x in (old, new)
+    )
+    diff = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    shown = []
+    for k in diff[:limit]:
+        was, now = a.get(k, "missing"), b.get(k, "missing")
+        short = max(len(was), len(now)) <= 40 and not k.startswith("inputs.")  # inputs: content hashes
+        shown.append(f"{k}: {was} on disk, {now} now" if short else f"{k} changed")
+    more = f" and {len(diff) - limit} more" if len(diff) > limit else ""
+    return "; ".join(shown) + more if shown else "written by another version"
 
 
 def write_manifest(

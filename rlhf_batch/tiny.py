@@ -71,7 +71,9 @@ def init_model(
     """Build a random-initialised causal LM (or a 1-label reward model) and its tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a one-file model
     if hidden % heads or heads % kv_heads:
         raise ValueError("hidden must be a multiple of heads, and heads a multiple of kv_heads")
     tok = build_tokenizer(pad, vocab_size)

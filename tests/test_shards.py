@@ -47,8 +47,9 @@ def test_complete_stage_with_other_config_is_refused_unless_forced(tmp_path: Pat
     st = shards.StageRun(sdir, "scores", {"a": 1}, {})
     st.write(0, table(1), SCHEMA)
     st.finish(1)
-    with pytest.raises(StageError, match="different config"):
+    with pytest.raises(StageError, match="different config") as refused:
         shards.StageRun(sdir, "scores", {"a": 2}, {})
+    assert "(config.a: 1 on disk, 2 now)" in str(refused.value)  # names what changed
     forced = shards.StageRun(sdir, "scores", {"a": 2}, {}, force=True)
     assert not forced.complete and forced.todo(1) == [0]
 
@@ -60,10 +61,28 @@ def test_partial_stage_resumes_only_missing_parts_and_refuses_a_changed_config(t
     (sdir / ".part-00000-00000.parquet.123.tmp").write_bytes(b"half a file")  # a killed writer's leftover
     resumed = shards.StageRun(sdir, "rollouts", {"a": 1}, {})
     assert resumed.todo(3) == [0, 2]
-    with pytest.raises(StageError, match="partial run with a different config"):
+    with pytest.raises(
+        StageError, match=r"partial run with a different config .*\(config.a: 1 on disk, 9 now\)"
+    ):
         shards.StageRun(sdir, "rollouts", {"a": 9}, {})
     with pytest.raises(StageError, match=r"parts \[0, 2\] are missing"):
         resumed.finish(3)
+
+
+def test_differences_name_the_changed_keys_first_three_only() -> None:
+    old = {"config": {"s": {"lr": 0.1, "kl": 1}, "path": "m"}, "inputs": {"iter=0000/scores": "ab12"}}
+    new = {
+        "config": {"s": {"lr": 0.2, "kl": 1}, "path": "x" * 50, "extra": True},
+        "inputs": {"iter=0000/scores": "cd34"},
+    }
+    # sorted keys: config.extra (new), config.path (long value), config.s.lr, inputs... (4th: cut off)
+    assert shards.differences(old, new) == (
+        "config.extra: missing on disk, true now; config.path changed; "
+        "config.s.lr: 0.1 on disk, 0.2 now and 1 more"
+    )
+    assert shards.differences(old, {**old, "inputs": {"iter=0000/scores": "cd34"}}) == (
+        "inputs.iter=0000/scores changed"  # content hashes are not shown
+    )
 
 
 def test_temporary_files_are_never_read(tmp_path: Path) -> None:

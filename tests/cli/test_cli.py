@@ -1,8 +1,10 @@
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import typer.main
 from typer.testing import CliRunner
 
 from rlhf_batch.cli import app
@@ -45,6 +47,19 @@ def test_help_lists_every_command_and_imports_nothing_heavy() -> None:
     ):
         assert cmd in res.stdout
     assert time.perf_counter() - t0 < 10  # generous: CI machines vary; the benchmark measures it properly
+
+
+def test_readme_cli_table_lists_every_command_and_only_real_options() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("\n## CLI\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([a-z-]+)([^`]*)` \|", section, flags=re.M)  # | `generate CONFIG [--iter K]` |
+    table = {name: re.findall(r"--[a-z-]+", usage) for name, usage in rows}
+    assert sorted(table) == sorted(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    for name, options in table.items():
+        res = runner.invoke(app, [name, "--help"], terminal_width=200)
+        assert res.exit_code == 0, res.output
+        for opt in options:
+            assert opt in res.output, f"README names {opt} for {name}; its --help does not"
 
 
 def test_init_model_builds_loadable_models_for_both_architectures(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from datetime import datetime
@@ -339,3 +340,15 @@ def test_status_of_an_empty_and_a_missing_run_dir(tmp_path: Path) -> None:
     assert res.exit_code == 0 and "no iterations yet" in res.stdout
     res = runner.invoke(app, ["status", "--run-dir", str(tmp_path / "nope")])
     assert res.exit_code == 1 and "run directory not found" in str(res.exception)
+
+
+def test_every_readme_sql_example_runs(run: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("```sql\n", 1)[1].split("```", 1)[0]
+    queries = [q.strip() for q in re.sub(r"^--.*$", "", block, flags=re.M).split(";") if q.strip()]
+    assert len(queries) == 6  # reward, worst, zero variance, length, training, stage records
+    for q in queries:
+        res = sql(run, q, "-f", "csv")
+        assert res.exit_code == 0, f"{q}\n{res.output}"
+        # the fixture's iteration 0 has rows for each: a header line, then at least one row
+        assert len(res.stdout.strip().splitlines()) >= 2, f"{q}\n{res.output}"

@@ -625,6 +625,7 @@ def complete_stage_with_another_config(ctx: Ctx):  # noqa: ANN201
     return ["score", ctx.config(), "--set", "score.kl_coef=0.5", "--quiet"], [
         str(shards.stage_dir(ctx.run, 0, "scores")),
         "complete with a different config",
+        "config.score.kl_coef: 0.05 on disk, 0.5 now",
         "--force",
     ]
 
