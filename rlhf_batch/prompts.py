@@ -29,13 +29,17 @@ class Prompts:
     counts: dict[str, int] = field(default_factory=dict)  # skipped / truncated prompts
 
 
-def read_table(path: str) -> pa.Table:
-    """The prompt file as an Arrow table; errors name the file."""
-    p = Path(path)
+def check_path(path: str) -> Path:
     if not path:
         raise StageError("generate.prompts: no prompt file configured")
-    if not p.exists():
-        raise StageError(f"{p}: prompt file not found")
+    if not Path(path).exists():
+        raise StageError(f"{path}: prompt file not found")
+    return Path(path)
+
+
+def read_table(path: str) -> pa.Table:
+    """The prompt file as an Arrow table; errors name the file."""
+    p = check_path(path)
     try:
         if p.is_dir():
             return _read_datasets_dir(p)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -21,7 +20,7 @@ import pyarrow as pa
 from rlhf_batch import dist, shards
 from rlhf_batch.config import Config, GenerateConfig
 from rlhf_batch.errors import StageError
-from rlhf_batch.prompts import Prompts, load_prompts
+from rlhf_batch.prompts import Prompts, check_path, load_prompts
 from rlhf_batch.schemas import ROLLOUTS, with_extra
 
 
@@ -30,7 +29,9 @@ def policy_for(cfg: Config, iteration: int) -> str:
     if iteration < 0:
         raise StageError(f"--iter must be >= 0, got {iteration}")
     if iteration == 0:
-        return cfg.policy_model
+        from rlhf_batch.models import check_model_dir
+
+        return str(check_model_dir(cfg.policy_model, "policy_model"))
     prev = shards.policy_dir(cfg.run_dir, iteration - 1)
     if shards.manifest(shards.stage_dir(cfg.run_dir, iteration - 1, "train")) is None or not prev.is_dir():
         raise StageError(
@@ -63,10 +64,8 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     policy = policy_for(cfg, iteration)
     g = cfg.generate
     sdir = shards.stage_dir(cfg.run_dir, iteration, "rollouts")
-    if not g.prompts or not Path(g.prompts).exists():
-        raise StageError(f"{g.prompts or 'generate.prompts'}: prompt file not found")
     inputs = {
-        "prompts": shards.file_fingerprint(g.prompts),
+        "prompts": shards.file_fingerprint(check_path(g.prompts)),
         "policy": model_fingerprint(policy, "policy"),
         "iteration": iteration,
     }

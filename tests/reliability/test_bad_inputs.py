@@ -75,6 +75,7 @@ class Ctx:
                 raw[key].update(value)
             else:
                 raw[key] = value
+        raw = {k: _drop_none(v) for k, v in raw.items() if v is not None}  # None: the key left out
         path = self.tmp / "config.toml"
         path.write_text(tomli_w.dumps(raw))
         return str(path)
@@ -103,6 +104,10 @@ class Ctx:
         """A reward-function module importable by name (the case's directory is on sys.path)."""
         (self.tmp / f"{name}.py").write_text(source)
         return name
+
+
+def _drop_none(value: object) -> object:
+    return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
 
 
 def set_row(table: pa.Table, column: str, row: int, value: object) -> pa.Table:
@@ -244,6 +249,16 @@ def set_misspelt_key(ctx: Ctx):  # noqa: ANN201
 @case
 def set_without_value(ctx: Ctx):  # noqa: ANN201
     return ["generate", ctx.config(), "--set", "seed"], ["--set 'seed'", "expected KEY=VALUE"]
+
+
+@case
+def config_without_policy_model(ctx: Ctx):  # noqa: ANN201
+    return _generate(ctx, policy_model=None), ["policy_model: no model directory configured"]
+
+
+@case
+def config_without_prompts(ctx: Ctx):  # noqa: ANN201
+    return _generate(ctx, generate={"prompts": None}), ["generate.prompts: no prompt file configured"]
 
 
 @case

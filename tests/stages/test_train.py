@@ -178,12 +178,15 @@ def test_checkpoint_roundtrip_keeps_only_the_newest(tmp_path: Path) -> None:
     checkpoint.save(root, 1, model, opt, {"key": "k", "metrics": []})
     checkpoint.save(root, 2, model, opt, {"key": "k", "metrics": [{"a": 1.5}]})
     assert sorted(p.name for p in root.iterdir()) == ["step-00000002"]
+    after_save = torch.rand(4)  # what a run that was not stopped draws next
+    torch.manual_seed(123)  # a resumed process starts from another random state
 
     fresh = torch.nn.Linear(3, 2)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     state = checkpoint.load_latest(root, fresh, fresh_opt, "k", "cpu")
     assert state is not None and state["next_step"] == 2 and state["metrics"] == [{"a": 1.5}]
     assert torch.equal(fresh.weight, model.weight)
+    assert torch.equal(torch.rand(4), after_save)  # the random state is restored too
     exp_avg = fresh_opt.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(exp_avg, opt.state_dict()["state"][0]["exp_avg"])
     with pytest.raises(StageError, match="another config"):
@@ -250,6 +253,20 @@ def test_lr_zero_leaves_the_weights_unchanged(make_config, tiny_model: Path) -> 
     assert all(g > 0 for g in metrics(cfg.run_dir).column("grad_norm").to_pylist())  # gradients were there
 
 
+def test_progress_bar_shows_steps_loss_clip_kl_and_tokens_per_second(
+    make_config, tiny_model: Path, capsys
+) -> None:
+    # 8 rows x 4 response tokens, 16 per step: 2 steps; the bar ends on the last step's numbers
+    _, cfg = make_config(train_toml(lr=1e-2, tokens_per_step=16, ppo_epochs=1))
+    write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8))
+    train.run(cfg, 0, quiet=False)
+    last = capsys.readouterr().err.split("\r")[-1]
+    row = metrics(cfg.run_dir).to_pylist()[-1]
+    assert "train iter=0" in last and "2/2" in last
+    assert f"loss={row['loss']:.4g}" in last and f"clip={row['clip_fraction']:.3f}" in last
+    assert f"kl={row['kl_approx']:.2e}" in last and "tok_s=" in last
+
+
 def test_lr_schedule_and_grad_norm_in_the_metrics(make_config, tiny_model: Path) -> None:
     # 12 rows x 4 tokens, 8 per step: 6 steps; warmup 2 then cosine over 4 (see test_lr_factor):
     # 0.01 x [0.5, 1, 1, 0.853553, 0.5, 0.146447]
@@ -262,6 +279,26 @@ def test_lr_schedule_and_grad_norm_in_the_metrics(make_config, tiny_model: Path)
     assert table.column("lr").to_pylist() == pytest.approx(expected, abs=1e-8)
     # the norm is logged before clipping to 1e-6
     assert min(table.column("grad_norm").to_pylist()) > 1e-3
+
+
+def test_grad_clipping_shrinks_the_update(make_config, tiny_model: Path, tmp_path: Path) -> None:
+    # One AdamW step (weight decay 0) moves each weight by lr * g / (|g| + eps), eps = 1e-8
+    # (first step: the bias-corrected moments are g and g^2). Unclipped, some |g| >> 1e-8, so the
+    # largest move is ~lr = 0.01. Clipped to a total norm of 1e-9, every |g| <= 1e-9, so no weight
+    # moves more than lr * 1e-9 / (1e-9 + 1e-8) = lr / 11 = 0.00091.
+    table = make_table(tiny_model, *random_lengths(8))
+    moved = {}
+    for max_norm in (0.0, 1e-9):  # 0: no clipping
+        keys = dict(lr=0.01, weight_decay=0.0, ppo_epochs=1, max_grad_norm=max_norm)
+        _, cfg = make_config(
+            train_toml(**keys), name=f"{max_norm}.toml", run_dir=str(tmp_path / str(max_norm))
+        )
+        write_advantages(cfg.run_dir, table)
+        train.run(cfg, 0, quiet=True)
+        assert metrics(cfg.run_dir).num_rows == 1
+        moved[max_norm] = max_diff(weights(shards.policy_dir(cfg.run_dir, 0)), weights(tiny_model))
+    assert moved[0.0] > 0.009
+    assert moved[1e-9] < 0.01 / 11 + 1e-6
 
 
 def test_old_logprobs_stored_or_recomputed(make_config, tiny_model: Path) -> None:
