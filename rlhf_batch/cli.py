@@ -41,7 +41,7 @@ def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks o
         os.environ["RLHF_BATCH_DEBUG"] = "1"
 
 
-def _config(config: Path, overrides: list[str] | None):  # noqa: ANN202
+def _config(config: Path | None, overrides: list[str] | None):  # noqa: ANN202
     from rlhf_batch.config import load_config
 
     return load_config(config, overrides)
@@ -112,7 +112,12 @@ def run(
 @app.command(name="import")
 def import_(
     file: Annotated[Path, typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows.")],
-    config: Annotated[Path, typer.Option("--config", "-c", help="TOML config (policy model, temperature).")],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", "-c", help="TOML config (policy_model, temperature); without it, defaults and --set."
+        ),
+    ] = None,
     run_dir: Annotated[
         Path | None, typer.Option("--run-dir", "-r", help="The run directory (default: the config's).")
     ] = None,

@@ -29,7 +29,9 @@ def test_run_in_subprocesses_then_again_does_nothing_and_more_iterations_extend(
     assert first.returncode == 0, first.stderr
     for it in (0, 1):
         for stage in ("rollouts", "scores", "advantages", "train"):
-            assert shards.manifest(shards.stage_dir(cfg.run_dir, it, stage)) is not None
+            m = shards.manifest(shards.stage_dir(cfg.run_dir, it, stage))
+            assert m is not None
+            assert m["resolved_config"] == cfg.to_dict()  # the whole config, paths resolved, each stage
     assert "iter  mean score  mean reward" in first.stdout and "report: " in first.stdout
     before = created(cfg.run_dir)
     again = run(str(path), "--quiet")

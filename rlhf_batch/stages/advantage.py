@@ -101,7 +101,7 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
         params = _prepare(con, cfg, iteration, window)
         shards.fault_point("advantages:pool")
         counts = _counts(con, cfg, iteration)
-        stage = shards.StageRun(sdir, STAGE, config, inputs, force)
+        stage = shards.StageRun(sdir, STAGE, config, inputs, force, cfg.to_dict())
         n_parts = math.ceil(counts["rows_out"] / cfg.advantage.rows_per_shard)
         if stage.rank == 0:  # one process sorts and writes every shard
             _write_shards(con, stage, cfg, iteration, params, n_parts, quiet)

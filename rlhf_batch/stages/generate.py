@@ -69,7 +69,7 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
         "policy": model_fingerprint(policy, "policy"),
         "iteration": iteration,
     }
-    stage = shards.StageRun(sdir, "rollouts", identity(cfg), inputs, force)
+    stage = shards.StageRun(sdir, "rollouts", identity(cfg), inputs, force, cfg.to_dict())
     if stage.complete:
         return shards.manifest(sdir) or {}
     tok = load_tokenizer(policy, cfg.trust_remote_code)

@@ -65,7 +65,7 @@ def import_rollouts(
         "file": file_fingerprint(path),
         "policy": model_fingerprint(policy, f"policy of iteration {iteration}"),
     }
-    stage = StageRun(sdir, "rollouts", config, inputs, force)
+    stage = StageRun(sdir, "rollouts", config, inputs, force, cfg.to_dict())
     if stage.complete:
         return manifest(sdir) or {}
     n_parts = math.ceil(rows.num_rows / per_part)

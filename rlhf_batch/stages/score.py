@@ -97,7 +97,7 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
         "kl_controller": ctl.state_dict(),
         "kl_coef": kl_coef,
     }
-    stage = StageRun(sdir, "scores", identity(cfg), inputs, force)
+    stage = StageRun(sdir, "scores", identity(cfg), inputs, force, cfg.to_dict())
     if stage.complete:
         return manifest(sdir) or {}
     n_parts = math.ceil(rollouts_manifest["rows"] / s.rows_per_part)

@@ -51,7 +51,7 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     start, inputs = _inputs(cfg, iteration, adv_dir)
     # read (and check) the shards first: bad input fails before the stage is marked started
     data = load_shards(adv_dir) if force or shards.manifest(sdir) is None else None
-    stage = shards.StageRun(sdir, "train", identity(cfg), inputs, force)
+    stage = shards.StageRun(sdir, "train", identity(cfg), inputs, force, cfg.to_dict())
     rank, world = dist.rank_world()
     if stage.complete:
         if rank == 0:

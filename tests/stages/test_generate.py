@@ -39,8 +39,13 @@ def test_rollouts_table_ids_and_carried_columns(make_config) -> None:
         assert row["policy"] == cfg.policy_model
 
 
-def test_behaviour_logprobs_match_a_plain_forward_pass(make_config) -> None:
-    _, cfg = make_config()
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 3, 0.8)])
+def test_behaviour_logprobs_match_a_plain_forward_pass(
+    make_config, temperature: float, top_k: int, top_p: float
+) -> None:
+    """Stored log-probs are those of logits/temperature over the whole vocabulary, before top-k and
+    top-p filtering: the same definition score and train use."""
+    _, cfg = make_config(generate={"temperature": temperature, "top_k": top_k, "top_p": top_p})
     generate.run(cfg, 0, quiet=True)
     t = rollouts(cfg).to_pylist()
     model = load_model(cfg.policy_model, "policy", dtype="float32")
@@ -57,6 +62,14 @@ def test_behaviour_logprobs_match_a_plain_forward_pass(make_config) -> None:
         stored[i, : len(r["behavior_logprobs"])] = torch.tensor(r["behavior_logprobs"])
     assert mask.sum() == sum(len(r["response_ids"]) for r in t)
     assert (logp - stored)[mask].abs().max() < 1e-5
+    if top_k:  # each sampled token is among the k most likely, so filtering did act on the draws
+        with torch.no_grad():
+            for r in t:
+                ids = torch.tensor([r["prompt_ids"] + r["response_ids"]])
+                start = len(r["prompt_ids"]) - 1  # logits[start + j] predict response token j
+                logits = model(ids).logits[0, start:-1]  # [T, V]
+                rank = (logits > logits.gather(1, torch.tensor(r["response_ids"])[:, None])).sum(1)
+                assert int(rank.max()) < top_k
 
 
 def test_same_config_and_seed_give_identical_files_whatever_the_batch_size(

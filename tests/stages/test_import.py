@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -64,6 +65,7 @@ def test_import_tokenises_appends_eos_and_carries_columns(make_config, tmp_path:
     assert {r["policy"] for r in got} == {cfg.policy_model}
     assert (got[1]["letter"], got[1]["count"], got[1]["response"]) == ("b", 3, "bxb")
     assert m["rows"] == 5 and len(m["parts"]) == 3 and m["counts"]["eos_appended"] == 3
+    assert m["resolved_config"]["generate"]["temperature"] == 0.7 and m["resolved_config"] == cfg.to_dict()
     model = load_model(cfg.policy_model, "policy", dtype="float32")
     for r in got:  # the behaviour log-probs are those of one plain forward pass at temperature 0.7
         with torch.no_grad():
@@ -165,6 +167,15 @@ def test_wrong_suffix_missing_file_and_missing_policy(make_config, tmp_path: Pat
         import_rollouts(cfg, path, 1)
 
 
+def test_progress_bar_counts_rows_unless_quiet(make_config, tmp_path: Path, capsys) -> None:
+    _, cfg = make_config()
+    path = write_jsonl(tmp_path / "ext.jsonl", ROWS)
+    import_rollouts(cfg, path, 0)
+    assert re.search(r"import: 100%\|.*\| 5/5 \[.*row/s\]", capsys.readouterr().err)
+    import_rollouts(cfg, path, 0, quiet=True, force=True)
+    assert capsys.readouterr().err == ""
+
+
 def test_cli_import(make_config, tmp_path: Path) -> None:
     cfg_path, cfg = make_config()
     path = write_jsonl(tmp_path / "ext.jsonl", ROWS)
@@ -177,3 +188,11 @@ def test_cli_import(make_config, tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert shards.manifest(shards.stage_dir(str(other), 0, "rollouts"))["rows"] == 5
     assert sorted(p.name for p in Path(cfg.run_dir).iterdir()) == ["iter=0000"]  # untouched besides
+    bare = tmp_path / "bare-run"  # no config file: the defaults plus --set
+    args = ["import", str(path), "--run-dir", str(bare), "--quiet"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 1 and "policy_model: no model directory configured" in str(res.exception)
+    assert not bare.exists()
+    res = CliRunner().invoke(app, [*args, "--set", f"policy_model={cfg.policy_model}"])
+    assert res.exit_code == 0, res.output
+    assert shards.read_stage(shards.stage_dir(str(bare), 0, "rollouts"), ROLLOUTS).num_rows == 5

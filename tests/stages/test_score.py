@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -219,6 +220,20 @@ def test_reward_model_score_is_weighted_into_reward_raw(make_config, tiny_reward
         assert r["rm_score"] == pytest.approx(alone, abs=1e-5)
         assert r["reward_raw"] == pytest.approx(r["reward_letter_count"] + 0.5 * r["rm_score"], abs=1e-12)
     assert m["counts"]["unscored_rm_score"] == 0
+
+
+def test_progress_bar_counts_every_token_each_model_reads_unless_quiet(
+    make_config, tiny_reward_model: Path, policy_copy: str, capsys
+) -> None:
+    _, cfg = make_config(reward_model=str(tiny_reward_model), ref_model=policy_copy)
+    rows = write_rollouts(cfg)
+    score.run(cfg, 0, quiet=False)
+    err = capsys.readouterr().err
+    # the reference and the reward model each read every prompt + response token once
+    tokens = 2 * sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+    assert re.search(rf"score: 100%\|.*\| {tokens}/{tokens} \[.*tok/s\]", err), err
+    score.run(cfg, 0, quiet=True, force=True)
+    assert capsys.readouterr().err == ""
 
 
 # --- reference log-probs and KL ---------------------------------------------------------------
