@@ -30,11 +30,13 @@ class Prompts:
 
 
 def check_path(path: str) -> Path:
+    """The configured prompt file, which must exist."""
     if not path:
         raise StageError("generate.prompts: no prompt file configured")
-    if not Path(path).exists():
-        raise StageError(f"{path}: prompt file not found")
-    return Path(path)
+    p = Path(path)
+    if not p.exists():
+        raise StageError(f"{p}: prompt file not found")
+    return p
 
 
 def read_table(path: str) -> pa.Table:
