@@ -238,7 +238,10 @@ def main() -> None:
     from rlhf_batch.errors import UserError
 
     try:
-        app(standalone_mode=False, prog_name="rlhf-batch")
+        # without standalone mode, typer returns (not raises) the code of an Exit, e.g. 130 for Ctrl-C
+        code = app(standalone_mode=False, prog_name="rlhf-batch")
+        if isinstance(code, int) and code:
+            sys.exit(code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:

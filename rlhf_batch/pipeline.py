@@ -105,7 +105,8 @@ def _run_here(cfg: Config, stage: str, it: int, quiet: bool) -> None:
 
 
 def _run_child(config_path: Path, overrides: list[str], stage: str, it: int, quiet: bool) -> None:
-    cmd = [sys.executable, "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
+    # -P: the current directory is not put on sys.path, so no file there shadows a module
+    cmd = [sys.executable, "-P", "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
     cmd += [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
     code = subprocess.run(cmd, preexec_fn=_die_with(os.getpid())).returncode
     if code != 0:

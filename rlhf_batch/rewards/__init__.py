@@ -105,6 +105,8 @@ def call_reward_function(
     }
     try:
         values = rf.fn(**kwargs)
+    except SystemExit as e:  # must not end the stage as if it had succeeded
+        raise RewardError(f"reward function {rf.path} called sys.exit({e.code!r})") from None
     except Exception as e:  # noqa: BLE001 - a user function: report it with the rollout
         bad = _failing_rollout(rf, kwargs, rollout_ids)
         msg = str(e).splitlines()[0] if str(e) else ""

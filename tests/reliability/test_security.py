@@ -104,3 +104,25 @@ os.system("ls")
 
 def test_remote_code_is_off_unless_the_config_turns_it_on() -> None:
     assert Config().trust_remote_code is False
+
+
+def test_stage_processes_run_no_code_from_the_current_directory(make_config, tmp_path: Path) -> None:
+    """`run` starts each stage as `python -P -m rlhf_batch ...`: a module file in the directory
+    `run` is started from (here a `tqdm.py`, which every stage imports) is never executed."""
+    import os
+    import subprocess
+    import sys
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    marker = tmp_path / "executed"
+    (cwd / "tqdm.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise ImportError('shadowed')\n")
+    path, cfg = make_config(generate={"max_new_tokens": 2})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    rlhf = Path(sys.executable).parent / "rlhf-batch"
+    res = subprocess.run(
+        [str(rlhf), "run", str(path), "--quiet"], capture_output=True, text=True, cwd=cwd, env=env, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not marker.exists()
+    assert (Path(cfg.run_dir) / "iter=0000" / "train" / "_manifest.json").is_file()
