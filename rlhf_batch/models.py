@@ -113,22 +113,46 @@ def load_model(
         )
     dev = resolve_device(device)
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
+    from safetensors import SafetensorError
+
     try:
-        model = cls.from_pretrained(
+        model, info = cls.from_pretrained(
             p,
             dtype=resolve_dtype(dtype, dev),
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
             local_files_only=True,
+            output_loading_info=True,
         )
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelError(f"{what}: cannot load {p} ({str(e).splitlines()[0]})") from None
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        raise ModelError(f"{what}: cannot load {p} ({_first_line(e)})") from None
+    check_loaded(model, info, p, what)
     if kind == "reward" and model.config.num_labels != 1:
         raise ModelError(f"{what}: {p} has {model.config.num_labels} labels; a reward model needs 1")
     if kind == "reward" and model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     model.to(dev)  # type: ignore[arg-type]  # transformers types .to() oddly
     return model.eval()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    if "ignore_mismatched_sizes" in text:  # transformers prints the tensors in a table above
+        return "weights of the wrong shape for its config.json"
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def check_loaded(model: Any, info: dict[str, Any], p: Path, what: str) -> None:
+    """Every weight came from the files (none silently random-initialised) and is finite."""
+    import torch
+
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ModelError(f"{what}: {p} lacks the weight {missing[0]}{more}; the files are incomplete")
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ModelError(f"{what}: {p} has non-finite values (NaN or inf) in {name}")
 
 
 def vocab_signature(tok: Any) -> tuple[int, int]:

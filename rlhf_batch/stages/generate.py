@@ -133,6 +133,11 @@ def generate_part(
             pad_id=tok.pad_token_id,
         )
         for r, res in zip(batch, out, strict=True):
+            if not all(map(math.isfinite, res[1])):
+                raise StageError(
+                    f"{policy}: non-finite behaviour log-prob in rollout {rids[r]} (the model's "
+                    f"logits overflow in {cfg.dtype}?); nothing of part {n} was written"
+                )
             results[r] = res
         bar.update(len(batch))
         bar.set_postfix(tok_s=f"{sum(len(o[0]) for o in out) / (time.perf_counter() - t0):.0f}")

@@ -329,6 +329,75 @@ def reward_model_not_a_classifier(ctx: Ctx):  # noqa: ANN201
     ]
 
 
+def _edit_weights(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(p: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(p / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, p / "model.safetensors", metadata={"format": "pt"})
+
+    return apply
+
+
+def _first_mlp(tensors: dict) -> str:
+    return next(k for k in sorted(tensors) if "mlp.down_proj" in k)
+
+
+@case
+def policy_weights_truncated(ctx: Ctx):  # noqa: ANN201
+    def cut(p: Path) -> None:
+        f = p / "model.safetensors"
+        f.write_bytes(f.read_bytes()[:1000])
+
+    path = model_copy(ctx, "truncated", cut)
+    return _generate(ctx, policy_model=path), ["policy", f"cannot load {path}", "header"]
+
+
+@case
+def policy_weights_empty(ctx: Ctx):  # noqa: ANN201
+    path = model_copy(ctx, "emptyweights", lambda p: (p / "model.safetensors").write_bytes(b""))
+    return _generate(ctx, policy_model=path), ["policy", f"cannot load {path}"]
+
+
+@case
+def policy_weights_random_bytes(ctx: Ctx):  # noqa: ANN201
+    path = model_copy(ctx, "noise", lambda p: (p / "model.safetensors").write_bytes(bytes(range(256)) * 64))
+    return _generate(ctx, policy_model=path), ["policy", f"cannot load {path}"]
+
+
+@case
+def policy_weight_missing(ctx: Ctx):  # noqa: ANN201
+    path = model_copy(ctx, "lacking", _edit_weights(lambda t: t.pop(_first_mlp(t))))
+    return _generate(ctx, policy_model=path), [path, "lacks the weight model.layers.0.mlp.down_proj.weight"]
+
+
+@case
+def policy_weight_of_the_wrong_shape(ctx: Ctx):  # noqa: ANN201
+    import torch
+
+    path = model_copy(ctx, "misshapen", _edit_weights(lambda t: t.update({_first_mlp(t): torch.zeros(3, 3)})))
+    return _generate(ctx, policy_model=path), [path, "weights of the wrong shape"]
+
+
+@case
+def policy_weights_nan(ctx: Ctx):  # noqa: ANN201
+    def nan(t: dict) -> None:
+        t[_first_mlp(t)] = t[_first_mlp(t)] * float("nan")
+
+    path = model_copy(ctx, "nanweights", _edit_weights(nan))
+    return _generate(ctx, policy_model=path), [path, "non-finite values", "model.layers.0.mlp.down_proj.weight"]
+
+
+@case
+def reference_weights_nan(ctx: Ctx):  # noqa: ANN201
+    def inf(t: dict) -> None:
+        t[_first_mlp(t)] = t[_first_mlp(t)] + float("inf")
+
+    path = model_copy(ctx, "infref", _edit_weights(inf))
+    return _score(ctx, ref_model=path), ["ref_model", path, "non-finite values"]
+
+
 # ---------------------------------------------------------------- prompts
 @case
 def prompts_missing(ctx: Ctx):  # noqa: ANN201
