@@ -390,6 +390,17 @@ def policy_weights_nan(ctx: Ctx):  # noqa: ANN201
 
 
 @case
+def policy_logits_overflow(ctx: Ctx):  # noqa: ANN201
+    """Finite weights whose activations overflow float16 (a final norm of 6e4): NaN logits."""
+
+    def big(t: dict) -> None:
+        t["model.norm.weight"] = t["model.norm.weight"] * 0 + 6e4
+
+    path = model_copy(ctx, "overflow", _edit_weights(big))
+    return _generate(ctx, policy_model=path, dtype="float16"), [path, "non-finite behaviour log-prob"]
+
+
+@case
 def reference_weights_nan(ctx: Ctx):  # noqa: ANN201
     def inf(t: dict) -> None:
         t[_first_mlp(t)] = t[_first_mlp(t)] + float("inf")
