@@ -84,6 +84,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
         tok = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelError(f"{p}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+    if not tok("a b 1", add_special_tokens=False)["input_ids"]:
+        raise ModelError(f"{p}: the tokenizer turns text into no tokens (is tokenizer.json missing?)")
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
             raise ModelError(f"{p}: tokenizer has neither a pad nor an EOS token")

@@ -39,6 +39,8 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and not self.path.is_file():
+            raise StageError(f"{self.path}: is not a file; remove it (it is the run's lock file)")
         f = open(self.path, "a+")  # noqa: SIM115 - held for the lifetime of the run
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

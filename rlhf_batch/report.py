@@ -74,6 +74,8 @@ def write_report(
     if not run_dir.is_dir():
         raise StageError(f"{run_dir}: run directory not found")
     out = Path(out) if out else run_dir / "report"
+    if out.exists() and not out.is_dir():
+        raise StageError(f"--out {out}: is a file; the report needs a directory")
     out.mkdir(parents=True, exist_ok=True)
     data = collect(run_dir)
     plots = _plots(data, out)

@@ -309,6 +309,12 @@ def policy_needs_remote_code(ctx: Ctx):  # noqa: ANN201
 
 
 @case
+def policy_without_tokenizer_json(ctx: Ctx):  # noqa: ANN201
+    path = model_copy(ctx, "notokenizer", lambda p: (p / "tokenizer.json").unlink())
+    return _generate(ctx, policy_model=path), [path, "no tokens", "tokenizer.json"]
+
+
+@case
 def reference_with_another_vocabulary(ctx: Ctx):  # noqa: ANN201
     from rlhf_batch.tiny import init_model
 
@@ -677,6 +683,18 @@ def no_reward_at_all(ctx: Ctx):  # noqa: ANN201
 
 
 # ---------------------------------------------------------------- iterations and stage state
+@case
+def run_lock_is_a_directory(ctx: Ctx):  # noqa: ANN201
+    (ctx.run / ".run.lock").mkdir(parents=True)
+    return ["run", ctx.config(), "--quiet"], [str(ctx.run / ".run.lock"), "is not a file"]
+
+
+@case
+def report_out_is_a_file(ctx: Ctx):  # noqa: ANN201
+    out = ctx.write("report.html", "<html></html>")
+    return ["report", "--run-dir", str(ctx.reference), "--out", out], [f"--out {out}", "is a file"]
+
+
 @case
 def iteration_skipped_by_generate(ctx: Ctx):  # noqa: ANN201
     return ["generate", ctx.config(), "--iter", "1", "--quiet"], [
