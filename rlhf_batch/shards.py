@@ -57,9 +57,20 @@ def list_parts(sdir: Path) -> list[Path]:
 def write_error(path: Path, e: BaseException) -> StageError:
     """A failed write (disk full, file too large, no permission) as a one-line error naming the file."""
     reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0]
+    if not isinstance(e, OSError) and _disk_full(path):  # torch.save: "[enforce fail at inline_container.cc...]"
+        reason = os.strerror(28)  # ENOSPC
     return StageError(
         f"{path}: cannot write ({reason}); free disk space and run again, finished work is kept"
     )
+
+
+def _disk_full(path: Path) -> bool:
+    import shutil
+
+    for d in (path, *path.parents):
+        if d.exists():
+            return shutil.disk_usage(d).free < (1 << 20)
+    return False
 
 
 def fsync_dir(path: Path) -> None:

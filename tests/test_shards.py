@@ -148,3 +148,29 @@ def test_file_fingerprint_changes_with_content(tmp_path: Path) -> None:
     assert shards.file_fingerprint(f) != before
     os.utime(f, (0, 0))  # touching the file does not change it
     assert shards.file_fingerprint(f) == shards.file_fingerprint(f)
+
+
+def test_a_full_disk_under_torch_save_is_named_as_such(tmp_path: Path) -> None:
+    """torch.save on a full disk raises RuntimeError("[enforce fail at inline_container.cc...]"),
+    not an OSError: the message still says what happened. A real full filesystem: a 256 KB tmpfs."""
+    import subprocess
+
+    import torch
+
+    from rlhf_batch.shards import write_error
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+    try:
+        target = mnt / "optimizer.pt"
+        with pytest.raises(RuntimeError) as info:
+            torch.save({"m": torch.zeros(1 << 18)}, target)  # 1 MB into 256 KB
+        assert str(write_error(target, info.value)) == (
+            f"{target}: cannot write (No space left on device); free disk space and run again, "
+            "finished work is kept"
+        )
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)  # lazy: torch may still hold the file
