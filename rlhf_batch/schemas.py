@@ -109,6 +109,29 @@ def validate(actual: pa.Schema, expected: pa.Schema, where: str) -> None:
             raise SchemaError(f"{where}: column '{f.name}' has type {got}, expected {f.type}")
 
 
+ENUMS = {"finish_reason": ("stop", "length")}  # columns that hold one of a few strings
+UNIQUE = "rollout_id"  # one row per rollout in every stage table
+
+
+def check_values(t: pa.Table, where: str) -> None:
+    """What a schema cannot say: enum columns hold only their values, no rollout_id repeats."""
+    import pyarrow.compute as pc
+
+    for name, allowed in ENUMS.items():
+        if name in t.column_names:
+            bad = pc.invert(pc.fill_null(pc.is_in(t[name], pa.array(allowed)), False))
+            if pc.any(bad).as_py():
+                i = pc.index(bad, True).as_py()
+                value = t[name][i].as_py()
+                raise SchemaError(
+                    f"{where}: column '{name}' holds {value!r} in row {i}; expected one of {', '.join(allowed)}"
+                )
+    if UNIQUE in t.column_names and pc.count_distinct(t[UNIQUE]).as_py() < t.num_rows:
+        counts = pc.value_counts(t[UNIQUE])
+        dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
+        raise SchemaError(f"{where}: rollout_id {dup} occurs more than once")
+
+
 def with_extra(base: pa.Schema, extra: pa.Schema) -> pa.Schema:
     """`base` followed by the fields of `extra` that `base` does not have."""
     fields = list(base) + [f for f in extra if base.get_field_index(f.name) < 0]

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from rlhf_batch import dist
 from rlhf_batch.errors import SchemaError, StageError
-from rlhf_batch.schemas import SCHEMA_VERSION, VERSION_KEY, validate
+from rlhf_batch.schemas import SCHEMA_VERSION, VERSION_KEY, check_values, validate
 
 MANIFEST = "_manifest.json"
 STARTED = "_started.json"
@@ -180,10 +180,20 @@ def read_stage(sdir: Path, schema: pa.Schema, columns: list[str] | None = None) 
     m = manifest(sdir)
     if m is None:
         raise StageError(f"{sdir}: stage is not complete (no {MANIFEST}); run it first")
-    tables = [read_part(sdir / p["file"], schema, columns) for p in m["parts"]]
+    tables = []
+    for p in m["parts"]:
+        t = read_part(sdir / p["file"], schema, columns)
+        if t.num_rows != p["rows"]:
+            raise SchemaError(
+                f"{sdir / p['file']}: has {t.num_rows} rows, its stage's {MANIFEST} lists {p['rows']}; "
+                "the file was changed after the stage completed: re-run the stage with --force"
+            )
+        tables.append(t)
     if not tables:
         return schema.empty_table() if columns is None else schema.empty_table().select(columns)
-    return pa.concat_tables(tables, promote_options="permissive")
+    table = pa.concat_tables(tables, promote_options="permissive")
+    check_values(table, str(sdir))
+    return table
 
 
 class StageRun:

@@ -575,6 +575,43 @@ def scores_reward_as_text(ctx: Ctx):  # noqa: ANN201
 
 
 @case
+def rollouts_row_removed(ctx: Ctx):  # noqa: ANN201
+    args = _score(ctx)
+    ctx.edit("rollouts", lambda t: t.slice(1))
+    return args, [str(ctx.part("rollouts")), "has 127 rows", "lists 128", "--force"]
+
+
+@case
+def rollouts_row_duplicated(ctx: Ctx):  # noqa: ANN201
+    args = _score(ctx)
+    ctx.edit("rollouts", lambda t: pa.concat_tables([t, t.slice(0, 1)]))
+    return args, [str(ctx.part("rollouts")), "has 129 rows", "lists 128"]
+
+
+@case
+def rollouts_rollout_id_repeated(ctx: Ctx):  # noqa: ANN201
+    args = _score(ctx)
+    rid = ctx.rid("rollouts", 0)
+    ctx.edit("rollouts", lambda t: set_row(t, "rollout_id", 1, rid))
+    return args, [str(shards.stage_dir(ctx.run, 0, "rollouts")), f"rollout_id {rid} occurs more than once"]
+
+
+@case
+def rollouts_finish_reason_unknown(ctx: Ctx):  # noqa: ANN201
+    args = _score(ctx)
+    ctx.edit("rollouts", lambda t: set_row(t, "finish_reason", 3, "banana"))
+    return args, ["column 'finish_reason' holds 'banana' in row 3", "expected one of stop, length"]
+
+
+@case
+def advantages_row_duplicated(ctx: Ctx):  # noqa: ANN201
+    args = _train(ctx)
+    rid = ctx.rid("advantages", 0)
+    ctx.edit("advantages", lambda t: set_row(t, "rollout_id", 1, rid))
+    return args, [f"rollout_id {rid} occurs more than once"]
+
+
+@case
 def scores_missing_rows(ctx: Ctx):  # noqa: ANN201
     args = _advantage(ctx)
     ctx.edit("scores", lambda t: t.slice(0, t.num_rows - 3))
