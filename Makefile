@@ -26,8 +26,10 @@ $(AIRFLOW_VENV)/.installed: constraints-airflow.txt
 	touch $@
 
 # pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure
+# then a short random-kill soak (6 kills; `make soak` runs 24)
 test: setup airflow
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	RLHF_BATCH_SOAK_KILLS=6 $(PY) -m pytest -q -m soak tests/reliability/test_soak.py
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
