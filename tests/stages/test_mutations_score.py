@@ -14,7 +14,9 @@ from tests.stages.test_mutations_generate import unpadded_logprobs
 T = 0.7
 
 
-def test_reference_logprobs_use_the_generate_temperature(make_config, tiny_model: Path, tmp_path: Path) -> None:
+def test_reference_logprobs_use_the_generate_temperature(
+    make_config, tiny_model: Path, tmp_path: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     # the same weights under another path: score runs a forward pass of the reference
