@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlhf_batch.sampler import sample
-from tests.stages.cli_helpers import read, stage
+from tests.stages.cli_helpers import read, small_prompts, stage, unpadded_logprobs
 
 T = 0.7
 
@@ -22,14 +22,6 @@ def model(tiny_model: Path):  # noqa: ANN201
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32).eval()
-
-
-def unpadded_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:  # noqa: ANN001
-    """[len(response)] log-probs of the response tokens: one row, no padding, no cache, float32."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + response])).logits[0].float()  # [P + R, V]
-    pred = logits[len(prompt) - 1 : -1] / temperature  # [R, V]: position j predicts response token j
-    return torch.log_softmax(pred, -1).gather(1, torch.tensor(response)[:, None])[:, 0]  # [R]
 
 
 def test_sampler_logprobs_of_mixed_length_prompts_equal_an_unpadded_forward(model) -> None:  # noqa: ANN001
@@ -115,14 +107,14 @@ def test_generate_mixed_length_prompts_logprobs_equal_an_unpadded_forward(
         assert (torch.tensor(r["behavior_logprobs"]) - ref).abs().max() < 1e-5, r["rollout_id"]
 
 
-def test_the_samples_of_one_prompt_each_draw_their_own_randomness(make_config) -> None:
+def test_the_samples_of_one_prompt_each_draw_their_own_randomness(make_config, tmp_path: Path) -> None:
     # at temperature 1 the tiny model is close to uniform over 105 tokens: two independent
     # 6-token samples coincide with probability ~1e-12, samples sharing one seed always do
-    path, cfg = make_config(generate={"temperature": 1.0})
+    path, cfg = make_config(generate={"temperature": 1.0, "prompts": str(small_prompts(tmp_path))})
     stage(path, "generate")
     groups: dict[str, list[tuple[int, ...]]] = {}
     for r in read(cfg.run_dir, "rollouts").to_pylist():
         groups.setdefault(r["prompt_id"], []).append(tuple(r["response_ids"]))
-    assert len(groups) == 12 and all(len(g) == 4 for g in groups.values())
+    assert len(groups) == 4 and all(len(g) == 4 for g in groups.values())
     for pid, responses in groups.items():
         assert len(set(responses)) == 4, (pid, responses)

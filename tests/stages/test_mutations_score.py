@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.stages.cli_helpers import cli, read, stage
-from tests.stages.test_mutations_generate import unpadded_logprobs
+from tests.stages.cli_helpers import cli, read, small_prompts, stage, unpadded_logprobs
 
 T = 0.7
 
@@ -21,7 +20,9 @@ def test_reference_logprobs_use_the_generate_temperature(
 
     # the same weights under another path: score runs a forward pass of the reference
     ref_dir = shutil.copytree(tiny_model, tmp_path / "ref_copy")
-    path, cfg = make_config(generate={"temperature": T}, ref_model=str(ref_dir))
+    path, cfg = make_config(
+        generate={"temperature": T, "prompts": str(small_prompts(tmp_path))}, ref_model=str(ref_dir)
+    )
     stage(path, "generate")
     stage(path, "score")
     rollouts, scores = read(cfg.run_dir, "rollouts").to_pylist(), read(cfg.run_dir, "scores").to_pylist()
@@ -34,9 +35,12 @@ def test_reference_logprobs_use_the_generate_temperature(
         assert (torch.tensor(s["kl"]).abs().max()) < 1e-5
 
 
-def test_a_complete_score_or_train_refuses_another_temperature(make_config) -> None:
+def test_a_complete_score_or_train_refuses_another_temperature(make_config, tmp_path: Path) -> None:
     # zero-variance groups kept: the demo reward of a random model is mostly 0
-    path, _ = make_config(generate={"temperature": T}, advantage={"drop_zero_variance": False})
+    path, _ = make_config(
+        generate={"temperature": T, "prompts": str(small_prompts(tmp_path))},
+        advantage={"drop_zero_variance": False},
+    )
     for name in ("generate", "score", "advantage", "train"):
         stage(path, name)
     for name in ("score", "train"):

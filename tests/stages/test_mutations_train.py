@@ -14,8 +14,15 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.stages.cli_helpers import manifest, ok, part_files, read, rewrite, stage
-from tests.stages.test_mutations_generate import unpadded_logprobs
+from tests.stages.cli_helpers import (
+    manifest,
+    part_files,
+    read,
+    rewrite,
+    small_prompts,
+    stage,
+    unpadded_logprobs,
+)
 
 T = 0.7
 E = math.e
@@ -34,9 +41,7 @@ COMBOS = [
 
 @pytest.fixture
 def prompts(tmp_path: Path) -> Path:
-    """4 demo prompts: 16 rollouts of up to 6 tokens."""
-    ok("init-prompts", tmp_path / "prompts.jsonl", "--n", 4)
-    return tmp_path / "prompts.jsonl"
+    return small_prompts(tmp_path)  # 16 rollouts of up to 6 tokens
 
 
 def base_run(make_config, prompts: Path, **train: object) -> tuple[Path, object, list[int], list[int]]:  # noqa: ANN001
