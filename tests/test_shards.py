@@ -145,9 +145,10 @@ def test_file_fingerprint_changes_with_content(tmp_path: Path) -> None:
     f.write_text("a")
     before = shards.file_fingerprint(f)
     f.write_text("b")
-    assert shards.file_fingerprint(f) != before
+    after = shards.file_fingerprint(f)
+    assert after != before
     os.utime(f, (0, 0))  # touching the file does not change it
-    assert shards.file_fingerprint(f) == shards.file_fingerprint(f)
+    assert shards.file_fingerprint(f) == after
 
 
 def test_a_full_disk_under_torch_save_is_named_as_such(tmp_path: Path) -> None:
