@@ -163,6 +163,6 @@ def _stop_ids(model: Any, tok: Any) -> set[int]:
 
 
 def _progress(total: int, quiet: bool) -> Any:
-    from tqdm import tqdm
+    from rlhf_batch.progress import progress_bar as tqdm
 
     return tqdm(total=total, unit="rollout", desc="generate", disable=quiet, leave=False)

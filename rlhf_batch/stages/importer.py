@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
-from tqdm import tqdm
+from rlhf_batch.progress import progress_bar as tqdm
 
 from rlhf_batch import dist
 from rlhf_batch.config import Config

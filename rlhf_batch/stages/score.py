@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from tqdm import tqdm
+from rlhf_batch.progress import progress_bar as tqdm
 
 from rlhf_batch import dist
 from rlhf_batch.config import Config
