@@ -48,6 +48,7 @@ class GenerateConfig:
 class ScoreConfig:
     reward_functions: list[str] = field(default_factory=list)  # "package.module:function"
     reward_weights: list[float] = field(default_factory=list)  # default: 1.0 each
+    reward_paths: list[str] = field(default_factory=list)  # where reward modules are imported from
     reward_model_weight: float = 1.0
     score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
@@ -155,8 +156,19 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         _apply_override(raw, item)
     cfg = _build(Config, raw, where, "")
     _resolve_paths(cfg, base)
+    cfg.score.reward_paths = [str(base / Path(d).expanduser()) for d in cfg.score.reward_paths]
+    cfg.__dict__["source_dir"] = str(base)  # not a field: where the file is changes no result
     _check(cfg, where)
     return cfg
+
+
+def reward_search_path(cfg: Config) -> list[str]:
+    """Where reward modules are imported from: `score.reward_paths` when set, else the config
+    file's directory and the current directory (the same in `run`, a stage command and
+    `--in-process`)."""
+    if cfg.score.reward_paths:
+        return list(cfg.score.reward_paths)
+    return [cfg.__dict__.get("source_dir") or str(Path.cwd()), str(Path.cwd())]
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

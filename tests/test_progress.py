@@ -60,7 +60,9 @@ def test_one_line_per_interval_and_one_summary() -> None:
         bar.update(1)
     bar.close()
     lines = out.getvalue().splitlines()
-    assert [line.split(",")[0] for line in lines[:4]] == [f"train: {i}/4 step ({25 * i}%)" for i in (1, 2, 3, 4)]
+    assert [line.split(",")[0] for line in lines[:4]] == [
+        f"train: {i}/4 step ({25 * i}%)" for i in (1, 2, 3, 4)
+    ]
     assert len(lines) == 5 and lines[4].startswith("train: done 4/4 step in ")
 
 
