@@ -137,8 +137,11 @@ NOT_IDENTITY = ("iterations", "in_process", "demo", "threads")  # run-level keys
 PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML config (or the defaults when `path` is None) and apply `key=value` overrides."""
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, resolve_models: bool = True
+) -> Config:
+    """Read a TOML config (or the defaults when `path` is None) and apply `key=value` overrides.
+    Models given as hub ids become their Hugging Face cache directories (`resolve_models`)."""
     raw: dict[str, Any] = {}
     base = Path.cwd()
     where = "config"
@@ -156,6 +159,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         _apply_override(raw, item)
     cfg = _build(Config, raw, where, "")
     _resolve_paths(cfg, base)
+    if resolve_models:
+        _resolve_hub_ids(cfg)
     cfg.score.reward_paths = [str(base / Path(d).expanduser()) for d in cfg.score.reward_paths]
     cfg.__dict__["source_dir"] = str(base)  # not a field: where the file is changes no result
     _check(cfg, where)
@@ -180,7 +185,13 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     except tomllib.TOMLDecodeError:
         value = text  # a bare string: --set run_dir=/tmp/run1
     key = key.strip()
-    if key in PATH_KEYS and isinstance(value, str) and value and "{run_dir}" not in value:
+    if (
+        key in PATH_KEYS
+        and isinstance(value, str)
+        and value
+        and "{run_dir}" not in value
+        and not _hub(key, value)
+    ):
         value = str(Path(value).expanduser().absolute())  # command-line paths are relative to the cwd
     *tables, last = key.split(".")
     node = raw
@@ -232,9 +243,30 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
     return value
 
 
+MODEL_KEYS = ("policy_model", "ref_model", "reward_model")
+
+
+def _hub(key: str, value: str) -> bool:
+    from rlhf_batch.models import is_hub_id
+
+    return key in MODEL_KEYS and is_hub_id(value)
+
+
+def _resolve_hub_ids(cfg: Config) -> None:
+    """Hub ids (`org/name[@revision]`) of models -> their snapshot directories in the HF cache."""
+    from rlhf_batch.models import resolve_hub_model
+
+    for key in MODEL_KEYS:
+        value = getattr(cfg, key)
+        if value and not Path(value).is_absolute() and _hub(key, value):
+            setattr(cfg, key, resolve_hub_model(value, key))
+
+
 def _resolve_paths(cfg: Config, base: Path) -> None:
+    hub_ids = {v for k in MODEL_KEYS if _hub(k, v := getattr(cfg, k))}
+
     def fix(s: str) -> str:
-        if not s:
+        if not s or (s in hub_ids and not (base / s).exists()):
             return s
         s = s.replace("{run_dir}", cfg.run_dir)
         p = Path(s).expanduser()
