@@ -21,7 +21,7 @@ current directory) at the front of ``sys.path``, in every mode (`run`, `score`, 
 from __future__ import annotations
 
 import importlib
-import math
+import math as _math  # not `math`: the submodule rlhf_batch.rewards.math would replace it
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from numbers import Real
@@ -169,7 +169,7 @@ def check_values(rf: RewardFunction, rollout_ids: Sequence[str], values: Sequenc
     """Floats (or None), one per rollout; RewardError naming the rollout of a bad value."""
     out: list[float | None] = []
     for rid, v in zip(rollout_ids, values, strict=True):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, Real) or not _math.isfinite(v)):
             raise RewardError(
                 f"reward function {rf.path} returned {v!r} for rollout {rid}; expected a finite float or None"
             )
@@ -195,7 +195,7 @@ def weighted_sum(
     for i in range(n):
         row = [(w, values[c][i]) for c, w in weights.items()]
         out.append(
-            None if any(v is None for _, v in row) else math.fsum(w * v for w, v in row if v is not None)
+            None if any(v is None for _, v in row) else _math.fsum(w * v for w, v in row if v is not None)
         )
     return out
 
