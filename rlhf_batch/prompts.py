@@ -161,7 +161,11 @@ def _texts(table: pa.Table, cfg: GenerateConfig, tokenizer: Any, where: str) -> 
             if t is None or not t:
                 raise StageError(f"{where}: row {i}: column '{cfg.prompt_column}' is null or empty")
         return texts, False
-    raise StageError(
+    raise no_prompt_column(table, cfg, where)
+
+
+def no_prompt_column(table: pa.Table, cfg: GenerateConfig, where: str) -> StageError:
+    return StageError(
         f"{where}: no '{cfg.prompt_column}' or '{cfg.messages_column}' column "
         f"(columns: {', '.join(table.column_names)}); set generate.prompt_column or generate.messages_column"
     )
