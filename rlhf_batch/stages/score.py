@@ -224,9 +224,14 @@ class Scorer:
             from rlhf_batch.rewards.model import RewardModel
 
             self.rm = RewardModel(
-                cfg.reward_model, device=self.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+                cfg.reward_model,
+                device=self.device,
+                dtype=cfg.dtype,
+                trust_remote_code=cfg.trust_remote_code,
+                policy_tokenizer=self.ref_tok,
             )
-            self.vocab_size = min(self.vocab_size, self.rm.vocab_size)
+            if self.rm.same_vocab:  # else it re-tokenises the text: its vocabulary bounds no rollout id
+                self.vocab_size = min(self.vocab_size, self.rm.vocab_size)
 
     @property
     def ref_model(self) -> Any:
@@ -267,7 +272,7 @@ class Scorer:
         )
         values, extra = self.rewards(t, rid, prompt_ids, response_ids)
         if self.rm is not None:
-            seqs = [p + r for p, r in zip(prompt_ids, response_ids, strict=True)]
+            seqs = self.rm.sequences(t, prompt_ids, response_ids)
             values[RM_COLUMN] = self.rm.scores(seqs, self.cfg.score.max_tokens_per_batch, progress).tolist()
         r_len = np.array([len(r) for r in response_ids], dtype=np.int64)  # [B]
         beh = pc.list_flatten(t["behavior_logprobs"]).to_numpy().astype(np.float32)  # [N]
