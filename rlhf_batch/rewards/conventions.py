@@ -36,30 +36,17 @@ from rlhf_batch.rewards import RewardFunction, call_batched, call_reward_functio
 
 
 def evaluate(
-    rf: RewardFunction,
-    rollout_ids: Sequence[str],
-    *,
-    prompts: list[str],
-    responses: list[str],
-    prompt_ids: list[list[int]],
-    response_ids: list[list[int]],
-    columns: dict[str, list[Any]],
+    rf: RewardFunction, rollout_ids: Sequence[str], **batch: Any
 ) -> tuple[list[float | None], dict[str, pa.Array]]:
-    """The values of `rf` on a batch and the extra columns it gives (verl's dict results)."""
+    """The values of `rf` on a batch and the extra columns it gives (verl's dict results).
+    `batch`: call_reward_function's keyword arguments (prompts, responses, prompt_ids,
+    response_ids, columns)."""
+    prompts, responses, columns = batch["prompts"], batch["responses"], batch["columns"]
     if rf.convention == "trl":
-        return trl_call(rf, rollout_ids, prompts, responses, response_ids, columns), {}
+        return trl_call(rf, rollout_ids, prompts, responses, batch["response_ids"], columns), {}
     if rf.convention == "verl":
         return verl_call(rf, rollout_ids, responses, columns)
-    values = call_reward_function(
-        rf,
-        rollout_ids,
-        prompts=prompts,
-        responses=responses,
-        prompt_ids=prompt_ids,
-        response_ids=response_ids,
-        columns=columns,
-    )
-    return values, {}
+    return call_reward_function(rf, rollout_ids, **batch), {}
 
 
 def trl_call(

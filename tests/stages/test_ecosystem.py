@@ -61,13 +61,17 @@ def read(cfg: Any, folder: str, schema: pa.Schema) -> pa.Table:
     return shards.read_stage(shards.stage_dir(cfg.run_dir, 0, folder), schema)
 
 
-def test_trl_conversational_prompts_and_a_trl_reward_function(make_config) -> None:
+def generated(make_config, data: str, reward: str) -> tuple[Any, pa.Table]:
+    """Config and rollouts (2 samples per prompt) of the example prompt set `data`."""
     _, cfg = make_config(
-        generate={"prompts": str(DATA / "trl_conversational.jsonl"), "num_generations": 2},
-        score={"reward_functions": [f"trl:{HERE}:trl_reward"]},
+        generate={"prompts": str(DATA / data), "num_generations": 2}, score={"reward_functions": [reward]}
     )
     generate.run(cfg, 0, quiet=True)
-    r = read(cfg, "rollouts", ROLLOUTS)
+    return cfg, read(cfg, "rollouts", ROLLOUTS)
+
+
+def test_trl_conversational_prompts_and_a_trl_reward_function(make_config) -> None:
+    cfg, r = generated(make_config, "trl_conversational.jsonl", f"trl:{HERE}:trl_reward")
     assert r.num_rows == 8
     # the `prompt` column holds messages: rendered with the chat template, no extra key needed
     assert r["prompt"][0].as_py() == "<|im_start|>user\nSimplify 1/3.<|im_end|>\n<|im_start|>assistant\n"
@@ -100,12 +104,7 @@ def test_trl_function_on_text_prompts_gets_strings(make_config) -> None:
 
 
 def test_verl_parquet_and_a_verl_compute_score(make_config) -> None:
-    _, cfg = make_config(
-        generate={"prompts": str(DATA / "verl_math.parquet"), "num_generations": 2},
-        score={"reward_functions": [f"verl:{HERE}:compute_score"]},
-    )
-    generate.run(cfg, 0, quiet=True)
-    r = read(cfg, "rollouts", ROLLOUTS)
+    cfg, r = generated(make_config, "verl_math.parquet", f"verl:{HERE}:compute_score")
     assert r["prompt"][0].as_py() == "<|im_start|>user\nSimplify 1/3.<|im_end|>\n<|im_start|>assistant\n"
     # verl's columns are carried, and reward_model.ground_truth is also a column of its own
     assert {"data_source", "ability", "reward_model", "extra_info", "ground_truth"} <= set(r.column_names)
