@@ -26,7 +26,11 @@ def test_math_verify_equivalence(response: str, truth: str, expected: float) -> 
 
 def test_ground_truth_from_answer_or_verl_column_gsm8k_marker_and_none() -> None:
     responses = ["... so \\boxed{72}", "It is 72.", "\\boxed{3}"]
-    assert exact_answer(prompts=["q"] * 3, responses=responses, answer=["#### 72", "72", None]) == [1.0, 1.0, None]
+    assert exact_answer(prompts=["q"] * 3, responses=responses, answer=["#### 72", "72", None]) == [
+        1.0,
+        1.0,
+        None,
+    ]
     assert exact_answer(prompts=["q"] * 2, responses=responses[:2], ground_truth=["72", "71"]) == [1.0, 0.0]
     assert compute_score("openai/gsm8k", "\\boxed{\\frac{1}{3}}", "\\frac{1}{3}") == 1.0
     assert compute_score("openai/gsm8k", "whatever", None) == 0.0
