@@ -32,7 +32,18 @@ ForceOpt = Annotated[
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
-RunDirOpt = Annotated[Path, typer.Option("--run-dir", "-r", help="The run directory.")]
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", "-r", help="The run directory.")]
+TargetArg = Annotated[
+    Path | None,
+    typer.Argument(
+        metavar="CONFIG|RUN_DIR",
+        help="The config file or the run directory (default: the current directory).",
+        show_default=False,
+    ),
+]
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="The config file (its run_dir is used).")
+]
 
 
 @app.callback()
@@ -135,35 +146,44 @@ def import_(
 
 @app.command()
 def validate(config: ConfigArg, set_: SetOpt = None) -> None:
-    """Check a config file: unknown keys, wrong types and bad values are named."""
-    _config(config, set_)
+    """Check a config file: keys, types and values; model dirs and configs, the prompt file and its
+    columns, reward function imports."""
+    from rlhf_batch.runs import validate as check
+
+    for line in check(_config(config, set_)):
+        typer.echo(f"  {line}: ok")
     typer.echo(f"{config}: ok")
 
 
 @app.command()
 def sql(
     query: Annotated[str | None, typer.Argument(help="SQL; without it, an interactive prompt.")] = None,
-    run_dir: RunDirOpt = Path("."),
+    run_dir: RunDirOpt = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json | parquet")] = "table",
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file.")] = None,
+    config: ConfigOpt = None,
 ) -> None:
     """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics with an iter column."""
     from rlhf_batch.inspect import run_sql
+    from rlhf_batch.runs import run_dir_of
 
-    run_sql(run_dir, query, fmt=fmt, out=out)
+    run_sql(run_dir_of(None, run_dir, config), query, fmt=fmt, out=out)
 
 
 @app.command()
-def status(run_dir: RunDirOpt = Path(".")) -> None:
+def status(target: TargetArg = None, run_dir: RunDirOpt = None, config: ConfigOpt = None) -> None:
     """Per iteration and stage: complete / partial / missing, rows, mean reward, KL, lengths."""
     from rlhf_batch.inspect import print_status
+    from rlhf_batch.runs import run_dir_of
 
-    print_status(run_dir)
+    print_status(run_dir_of(target, run_dir, config))
 
 
 @app.command()
 def report(
-    run_dir: RunDirOpt = Path("."),
+    target: TargetArg = None,
+    run_dir: RunDirOpt = None,
+    config: ConfigOpt = None,
     out: Annotated[
         Path | None, typer.Option("--out", "-o", help="Output dir (default RUN_DIR/report).")
     ] = None,
@@ -173,8 +193,9 @@ def report(
 ) -> None:
     """PNG plots and report.html: reward, KL, length by iteration; train metrics by step."""
     from rlhf_batch.report import write_report
+    from rlhf_batch.runs import run_dir_of
 
-    path = write_report(run_dir, out, tensorboard=tensorboard)
+    path = write_report(run_dir_of(target, run_dir, config), out, tensorboard=tensorboard)
     typer.echo(f"report: {path}")
 
 

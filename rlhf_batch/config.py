@@ -48,6 +48,7 @@ class GenerateConfig:
 class ScoreConfig:
     reward_functions: list[str] = field(default_factory=list)  # "package.module:function"
     reward_weights: list[float] = field(default_factory=list)  # default: 1.0 each
+    reward_paths: list[str] = field(default_factory=list)  # where reward modules are imported from
     reward_model_weight: float = 1.0
     score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
@@ -136,8 +137,11 @@ NOT_IDENTITY = ("iterations", "in_process", "demo", "threads")  # run-level keys
 PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML config (or the defaults when `path` is None) and apply `key=value` overrides."""
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, resolve_models: bool = True
+) -> Config:
+    """Read a TOML config (or the defaults when `path` is None) and apply `key=value` overrides.
+    Models given as hub ids become their Hugging Face cache directories (`resolve_models`)."""
     raw: dict[str, Any] = {}
     base = Path.cwd()
     where = "config"
@@ -155,8 +159,21 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         _apply_override(raw, item)
     cfg = _build(Config, raw, where, "")
     _resolve_paths(cfg, base)
+    if resolve_models:
+        _resolve_hub_ids(cfg)
+    cfg.score.reward_paths = [str(base / Path(d).expanduser()) for d in cfg.score.reward_paths]
+    cfg.__dict__["source_dir"] = str(base)  # not a field: where the file is changes no result
     _check(cfg, where)
     return cfg
+
+
+def reward_search_path(cfg: Config) -> list[str]:
+    """Where reward modules are imported from: `score.reward_paths` when set, else the config
+    file's directory and the current directory (the same in `run`, a stage command and
+    `--in-process`)."""
+    if cfg.score.reward_paths:
+        return list(cfg.score.reward_paths)
+    return [cfg.__dict__.get("source_dir") or str(Path.cwd()), str(Path.cwd())]
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -168,7 +185,13 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     except tomllib.TOMLDecodeError:
         value = text  # a bare string: --set run_dir=/tmp/run1
     key = key.strip()
-    if key in PATH_KEYS and isinstance(value, str) and value and "{run_dir}" not in value:
+    if (
+        key in PATH_KEYS
+        and isinstance(value, str)
+        and value
+        and "{run_dir}" not in value
+        and not _hub(key, value)
+    ):
         value = str(Path(value).expanduser().absolute())  # command-line paths are relative to the cwd
     *tables, last = key.split(".")
     node = raw
@@ -220,9 +243,30 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
     return value
 
 
+MODEL_KEYS = ("policy_model", "ref_model", "reward_model")
+
+
+def _hub(key: str, value: str) -> bool:
+    from rlhf_batch.models import is_hub_id
+
+    return key in MODEL_KEYS and is_hub_id(value)
+
+
+def _resolve_hub_ids(cfg: Config) -> None:
+    """Hub ids (`org/name[@revision]`) of models -> their snapshot directories in the HF cache."""
+    from rlhf_batch.models import resolve_hub_model
+
+    for key in MODEL_KEYS:
+        value = getattr(cfg, key)
+        if value and not Path(value).is_absolute() and _hub(key, value):
+            setattr(cfg, key, resolve_hub_model(value, key))
+
+
 def _resolve_paths(cfg: Config, base: Path) -> None:
+    hub_ids = {v for k in MODEL_KEYS if _hub(k, v := getattr(cfg, k))}
+
     def fix(s: str) -> str:
-        if not s:
+        if not s or (s in hub_ids and not (base / s).exists()):
             return s
         s = s.replace("{run_dir}", cfg.run_dir)
         p = Path(s).expanduser()

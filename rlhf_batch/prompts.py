@@ -1,9 +1,12 @@
-"""Prompt sets: a Hugging Face `datasets` directory, JSONL or Parquet, read into Arrow.
+"""Prompt sets: a Hugging Face `datasets` directory, JSONL, a JSON array or Parquet, read into Arrow.
 
 A prompt is a text column (`prompt`) or a chat column (`messages`: a list of {role, content},
-rendered with the tokenizer's chat template and the generation prompt). `prompt_id` comes from
-the id column, or is a hash of the rendered prompt. Every other column is carried along into
-the rollouts for reward functions (e.g. a ground-truth `answer`).
+rendered with the tokenizer's chat template and the generation prompt). A `prompt` column that
+holds messages (TRL's conversational form, verl's Parquet) is read as chat: the form comes from
+the column's type. Chat prompts are carried into the rollouts as `prompt_messages`.
+`prompt_id` comes from the id column, or is a hash of the rendered prompt. Every other column
+is carried along into the rollouts for reward functions (e.g. a ground-truth `answer`); a
+verl `reward_model` struct also gives its `ground_truth` field as a column of that name.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ def read_table(path: str) -> pa.Table:
     try:
         if p.is_dir():
             return _read_datasets_dir(p)
+        if p.suffix == ".json" and _starts_with(p, b"["):
+            return _read_json_array(p)
         if p.suffix in (".jsonl", ".json"):
             import pyarrow.json as pj
 
@@ -55,7 +60,29 @@ def read_table(path: str) -> pa.Table:
             return pq.read_table(p)
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
-    raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl or .parquet)")
+    raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl, .json or .parquet)")
+
+
+def _starts_with(p: Path, token: bytes) -> bool:
+    with open(p, "rb") as f:
+        return f.read(4096).lstrip().startswith(token)
+
+
+def _read_json_array(p: Path) -> pa.Table:
+    """A .json file holding one JSON array of objects."""
+    import json
+
+    try:
+        rows = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StageError(f"{p}: not valid JSON ({e})") from None
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise StageError(f"{p}: item {bad} of the JSON array is not an object")
+    try:
+        return pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
 
 
 def _read_datasets_dir(p: Path) -> pa.Table:
@@ -78,7 +105,9 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any) -> Prompts:
     texts, chat = _texts(table, cfg, tokenizer, where)
     ids = _ids(table, texts, cfg.id_column, where)
     used = {cfg.prompt_column, cfg.messages_column, cfg.id_column}
-    carried = table.drop_columns([c for c in table.column_names if c in used])
+    carried = with_ground_truth(table.drop_columns([c for c in table.column_names if c in used]))
+    if chat and MESSAGES not in carried.column_names:
+        carried = carried.append_column(MESSAGES, table.column(chat_column(table, cfg)))
     for name in carried.column_names:
         if ROLLOUTS.get_field_index(name) >= 0:
             raise StageError(f"{where}: column '{name}' clashes with a rollouts column; rename it")
@@ -86,35 +115,71 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any) -> Prompts:
     return _limit(Prompts(ids, texts, tokens, carried), cfg, tokenizer, where)
 
 
+MESSAGES = "prompt_messages"  # the rollouts column that carries chat prompts' messages
+
+
+def is_messages_type(typ: pa.DataType) -> bool:
+    """list<struct<...>>: a column of chat messages (TRL's conversational form, verl's `prompt`)."""
+    return (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and pa.types.is_struct(typ.value_type)
+
+
+def chat_column(table: pa.Table, cfg: GenerateConfig) -> str:
+    """The column holding chat prompts: `prompt_column` when its type is messages, else
+    `messages_column` (when there is no text prompt column)."""
+    if cfg.prompt_column in table.column_names:
+        if is_messages_type(table.schema.field(cfg.prompt_column).type):
+            return cfg.prompt_column
+        return ""
+    return cfg.messages_column if cfg.messages_column in table.column_names else ""
+
+
+def with_ground_truth(table: pa.Table) -> pa.Table:
+    """verl's `reward_model: {style, ground_truth}` also gives a `ground_truth` column."""
+    if "ground_truth" in table.column_names or "reward_model" not in table.column_names:
+        return table
+    typ = table.schema.field("reward_model").type
+    if not pa.types.is_struct(typ) or typ.get_field_index("ground_truth") < 0:
+        return table
+    import pyarrow.compute as pc
+
+    return table.append_column("ground_truth", pc.struct_field(table.column("reward_model"), "ground_truth"))
+
+
 def _texts(table: pa.Table, cfg: GenerateConfig, tokenizer: Any, where: str) -> tuple[list[str], bool]:
+    chat = chat_column(table, cfg)
+    if chat:
+        return _chat_texts(table, chat, tokenizer, where), True
     if cfg.prompt_column in table.column_names:
         col = table.column(cfg.prompt_column)
         if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
-            raise StageError(f"{where}: column '{cfg.prompt_column}' must hold strings, not {col.type}")
+            raise StageError(
+                f"{where}: column '{cfg.prompt_column}' must hold strings or chat messages "
+                f"(a list of {{role, content}}), not {col.type}"
+            )
         texts = col.to_pylist()
         for i, t in enumerate(texts):
             if t is None or not t:
                 raise StageError(f"{where}: row {i}: column '{cfg.prompt_column}' is null or empty")
         return texts, False
-    if cfg.messages_column in table.column_names:
-        if not getattr(tokenizer, "chat_template", None):
-            raise StageError(
-                f"{where}: chat prompts ('{cfg.messages_column}') need a tokenizer with a chat template"
-            )
-        out = []
-        for i, messages in enumerate(table.column(cfg.messages_column).to_pylist()):
-            if not messages or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in messages
-            ):
-                raise StageError(
-                    f"{where}: row {i}: '{cfg.messages_column}' must be a list of {{role, content}}"
-                )
-            out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        return out, True
-    raise StageError(
+    raise no_prompt_column(table, cfg, where)
+
+
+def no_prompt_column(table: pa.Table, cfg: GenerateConfig, where: str) -> StageError:
+    return StageError(
         f"{where}: no '{cfg.prompt_column}' or '{cfg.messages_column}' column "
         f"(columns: {', '.join(table.column_names)}); set generate.prompt_column or generate.messages_column"
     )
+
+
+def _chat_texts(table: pa.Table, column: str, tokenizer: Any, where: str) -> list[str]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise StageError(f"{where}: chat prompts ('{column}') need a tokenizer with a chat template")
+    out = []
+    for i, messages in enumerate(table.column(column).to_pylist()):
+        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise StageError(f"{where}: row {i}: '{column}' must be a list of {{role, content}}")
+        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    return out
 
 
 def _ids(table: pa.Table, texts: list[str], id_column: str, where: str) -> list[str]:

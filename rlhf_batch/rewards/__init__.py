@@ -10,12 +10,18 @@ column not in ``schemas.ROLLOUTS``, e.g. ``answer``), each a list; functions sho
 ``**kwargs``. ``None`` means "cannot score this rollout". Its values go to the column
 ``reward_<function name>``. The weighted sum of all values is ``reward_raw``; a row where any
 value is ``None`` has no ``reward_raw``. Light module: no torch import.
+
+A prefix selects another calling convention (see `rlhf_batch.rewards.conventions`):
+``"trl:package.module:function"`` is called as TRL's GRPOTrainer calls reward functions and
+``"verl:package.module:compute_score"`` as verl's reward manager calls ``compute_score``.
+Modules are imported with `score.reward_paths` (default: the config file's directory, then the
+current directory) at the front of ``sys.path``, in every mode (`run`, `score`, `--in-process`).
 """
 
 from __future__ import annotations
 
 import importlib
-import math
+import math as _math  # not `math`: the submodule rlhf_batch.rewards.math would replace it
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from numbers import Real
@@ -26,11 +32,15 @@ from rlhf_batch.errors import ConfigError, RewardError
 RM_COLUMN = "rm_score"  # the reward model's end score
 
 
+CONVENTIONS = ("trl", "verl")  # prefixes of "trl:package.module:function"
+
+
 @dataclass(frozen=True)
 class RewardFunction:
-    path: str  # "package.module:function"
+    path: str  # "package.module:function", optionally prefixed "trl:" or "verl:"
     fn: Callable[..., Any]
     weight: float
+    convention: str = ""  # "" (keyword lists, see above), "trl" or "verl"
 
     @property
     def name(self) -> str:
@@ -41,9 +51,32 @@ class RewardFunction:
         return f"reward_{self.name}"
 
 
+def split_convention(path: str) -> tuple[str, str]:
+    """``"trl:pkg.mod:fn"`` -> ("trl", "pkg.mod:fn"); a path without a prefix -> ("", path)."""
+    prefix, sep, rest = path.partition(":")
+    if sep and rest.count(":") == 1:
+        if prefix not in CONVENTIONS:
+            raise ConfigError(
+                f"score.reward_functions: {path!r}: unknown calling convention {prefix!r} "
+                f"(use {', '.join(c + ':' for c in CONVENTIONS)} or none)"
+            )
+        return prefix, rest
+    return "", path
+
+
+def add_search_path(dirs: Sequence[str]) -> None:
+    """Put `dirs` at the front of sys.path (once each), where reward modules are looked up."""
+    import sys
+
+    for d in reversed([str(x) for x in dirs if x]):
+        if d in sys.path:
+            sys.path.remove(d)
+        sys.path.insert(0, d)
+
+
 def import_function(path: str) -> Callable[..., Any]:
     """``"package.module:function"`` -> the function; ConfigError naming the path otherwise."""
-    module_name, sep, attr = path.partition(":")
+    module_name, sep, attr = split_convention(path)[1].partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"score.reward_functions: {path!r} is not of the form 'package.module:function'")
     try:
@@ -63,16 +96,21 @@ def import_function(path: str) -> Callable[..., Any]:
 
 
 def load_reward_functions(
-    paths: Sequence[str], weights: Sequence[float] = (), reserved: Sequence[str] = ()
+    paths: Sequence[str],
+    weights: Sequence[float] = (),
+    reserved: Sequence[str] = (),
+    search: Sequence[str] = (),
 ) -> list[RewardFunction]:
-    """Import every function; weights default to 1.0. Two functions whose columns would have the
-    same name (or a name in `reserved`) are a ConfigError."""
+    """Import every function (with `search` dirs at the front of sys.path); weights default to
+    1.0. Two functions whose columns would have the same name (or a name in `reserved`) are a
+    ConfigError."""
+    add_search_path(search)
     weights = list(weights) or [1.0] * len(paths)
     if len(weights) != len(paths):
         raise ConfigError(f"score.reward_weights: {len(weights)} weights for {len(paths)} reward_functions")
     out: list[RewardFunction] = []
     for path, weight in zip(paths, weights, strict=True):
-        rf = RewardFunction(path, import_function(path), float(weight))
+        rf = RewardFunction(path, import_function(path), float(weight), split_convention(path)[0])
         clash = [o.path for o in out if o.column == rf.column]
         if clash or rf.column in reserved or rf.column == RM_COLUMN:
             other = f"{clash[0]!r}" if clash else "a column of the scores table"
@@ -103,6 +141,13 @@ def call_reward_function(
         "prompt_ids": prompt_ids,
         "response_ids": response_ids,
     }
+    return call_batched(rf, rollout_ids, kwargs)
+
+
+def call_batched(
+    rf: RewardFunction, rollout_ids: Sequence[str], kwargs: dict[str, Any]
+) -> list[float | None]:
+    """`rf.fn(**kwargs)` on a batch of keyword lists, its values checked (see call_reward_function)."""
     try:
         values = rf.fn(**kwargs)
     except SystemExit as e:  # must not end the stage as if it had succeeded
@@ -119,9 +164,14 @@ def call_reward_function(
             f"reward function {rf.path} returned {got} values for {len(rollout_ids)} rollouts "
             f"({rollout_ids[0] if rollout_ids else ''}...); it must return one float or None per rollout"
         )
+    return check_values(rf, rollout_ids, values)
+
+
+def check_values(rf: RewardFunction, rollout_ids: Sequence[str], values: Sequence[Any]) -> list[float | None]:
+    """Floats (or None), one per rollout; RewardError naming the rollout of a bad value."""
     out: list[float | None] = []
     for rid, v in zip(rollout_ids, values, strict=True):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(v)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, Real) or not _math.isfinite(v)):
             raise RewardError(
                 f"reward function {rf.path} returned {v!r} for rollout {rid}; expected a finite float or None"
             )
@@ -147,7 +197,7 @@ def weighted_sum(
     for i in range(n):
         row = [(w, values[c][i]) for c, w in weights.items()]
         out.append(
-            None if any(v is None for _, v in row) else math.fsum(w * v for w, v in row if v is not None)
+            None if any(v is None for _, v in row) else _math.fsum(w * v for w, v in row if v is not None)
         )
     return out
 

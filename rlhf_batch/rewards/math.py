@@ -1,25 +1,36 @@
-"""A verifiable math reward: the response's final answer against the prompt's `answer` column.
+"""A verifiable math reward: the response's answer against the prompt's ground truth, with
+Math-Verify (the parser and equivalence checker TRL and verl use).
 
-The final answer is the content of the last ``\\boxed{...}``, or else the last number in the
-response. Numbers compare numerically (``1,000`` == ``1000.0``), anything else as stripped text.
-A row without an answer cannot be scored (None).
+The ground truth is the `answer` column (GSM8K's ``... #### 42`` keeps the part after ``####``)
+or, for verl data, `ground_truth`. Both sides are parsed by ``math_verify.parse`` (LaTeX such as
+``\\boxed{\\frac{1}{3}}``, or plain expressions after anchors such as "The answer is") and
+compared by ``math_verify.verify`` (symbolic and numeric equivalence). Parsing and comparing
+each have a time limit of `TIMEOUT_SECONDS` per call; a comparison that runs out of time scores
+0. A ground truth Math-Verify cannot parse is compared as text with the final answer (the last
+``\\boxed{}`` or number). A row without a ground truth cannot be scored (None).
 
->>> exact_answer(prompts=["q"], responses=["so it is \\\\boxed{42}"], answer=["42"])
+>>> exact_answer(prompts=["q"], responses=["so it is \\\\boxed{\\\\frac{1}{3}}"], answer=["\\\\frac{1}{3}"])
 [1.0]
->>> exact_answer(prompts=["q", "q"], responses=["about 3.50 dollars", "no idea"], answer=["3.5", "3.5"])
+>>> exact_answer(prompts=["q", "q"], responses=["The answer is 1/2.", "no idea"], answer=["1/2", "1/2"])
 [1.0, 0.0]
+>>> compute_score("gsm8k", "3 + 4 = 7, so \\\\boxed{7}", "7")
+1.0
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
+
+TIMEOUT_SECONDS = 5  # per parse and per comparison (Math-Verify's signal-based limit)
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def final_answer(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}``, else the last number (the text fallback)."""
     boxed = _BOXED.findall(text)
     if boxed:
         return boxed[-1].strip()
@@ -27,22 +38,51 @@ def final_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def _same(got: str, want: str) -> bool:
-    try:
-        return float(got.replace(",", "")) == float(want.replace(",", ""))
-    except ValueError:
-        return got.strip() == want.strip()
+def _timeout(seconds: int) -> int | None:
+    # Math-Verify's limit uses signal.alarm, which only the main thread may set
+    return seconds if threading.current_thread() is threading.main_thread() else None
+
+
+def math_equal(response: str, truth: str, timeout_seconds: int = TIMEOUT_SECONDS) -> float:
+    """1.0 when the response's answer is equivalent to `truth`, else 0.0."""
+    from math_verify import parse, verify
+
+    limit = _timeout(timeout_seconds)
+    gold = parse(truth, parsing_timeout=limit)  # type: ignore[arg-type]
+    if not gold:
+        got = final_answer(response)
+        return float(got is not None and got.replace(",", "").strip() == truth.replace(",", "").strip())
+    pred = parse(response, parsing_timeout=limit)  # type: ignore[arg-type]
+    return float(bool(pred) and verify(gold, pred, timeout_seconds=limit))
+
+
+def _truth(value: Any) -> str | None:
+    if value is None or str(value).strip() == "":
+        return None
+    return str(value).split("####")[-1].strip()
 
 
 def exact_answer(
-    *, prompts: list[str], responses: list[str], answer: list[Any], **_: Any
+    *,
+    prompts: list[str],
+    responses: list[str],
+    answer: list[Any] | None = None,
+    ground_truth: list[Any] | None = None,
+    **_: Any,
 ) -> list[float | None]:
-    """1.0 when the final answer equals the `answer` column, else 0.0; None without an answer."""
+    """Reward function (batched): 1.0 when the response's answer is equivalent to the ground
+    truth (`answer`, else `ground_truth`), 0.0 otherwise, None without one."""
+    truths = answer if answer is not None else ground_truth
+    if truths is None:
+        truths = [None] * len(responses)
     out: list[float | None] = []
-    for response, want in zip(responses, answer, strict=True):
-        if want is None or str(want).strip() == "":
-            out.append(None)
-            continue
-        got = final_answer(response)
-        out.append(float(got is not None and _same(got, str(want).split("####")[-1].strip())))
+    for response, want in zip(responses, truths, strict=True):
+        truth = _truth(want)
+        out.append(None if truth is None else math_equal(response, truth))
     return out
+
+
+def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """verl's signature: use as ``"verl:rlhf_batch.rewards.math:compute_score"``."""
+    truth = _truth(ground_truth)
+    return 0.0 if truth is None else math_equal(solution_str, truth)

@@ -297,7 +297,7 @@ def _write_shards(
     quiet: bool,
 ) -> None:
     """Stream the ordered rows out of DuckDB and write the shards that are not on disk yet."""
-    from tqdm import tqdm
+    from rlhf_batch.progress import progress_bar as tqdm
 
     a = cfg.advantage
     have = {shards.part_number(p) for p in shards.list_parts(stage.sdir)}

@@ -87,7 +87,8 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
         shards.fault_point("rollouts:model-loaded")
         _check_lengths(model, prompts, g)
         schema = with_extra(ROLLOUTS, prompts.carried.schema)
-        bar = _progress(len(todo) * g.prompts_per_part * g.num_generations, quiet)
+        n_rows = sum(min(g.prompts_per_part, len(prompts.ids) - n * g.prompts_per_part) for n in todo)
+        bar = _progress(n_rows * g.num_generations, quiet)
         for n in todo:
             table = generate_part(model, tok, prompts, n, cfg, iteration, policy, bar)
             stage.write(n, table, schema, {"rollouts": table.num_rows})
@@ -168,6 +169,6 @@ def _stop_ids(model: Any, tok: Any) -> set[int]:
 
 
 def _progress(total: int, quiet: bool) -> Any:
-    from tqdm import tqdm
+    from rlhf_batch.progress import progress_bar as tqdm
 
     return tqdm(total=total, unit="rollout", desc="generate", disable=quiet, leave=False)

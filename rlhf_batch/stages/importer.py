@@ -31,12 +31,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
-from tqdm import tqdm
 
 from rlhf_batch import dist
 from rlhf_batch.config import Config
 from rlhf_batch.errors import ConfigError, SchemaError, StageError
 from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
+from rlhf_batch.progress import progress_bar as tqdm
 from rlhf_batch.schemas import LOGPROBS, ROLLOUTS, TOKENS, with_extra
 from rlhf_batch.shards import StageRun, file_fingerprint, manifest, stage_dir
 from rlhf_batch.stages.generate import policy_for

@@ -39,23 +39,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
-from tqdm import tqdm
 
 from rlhf_batch import dist
-from rlhf_batch.config import Config
+from rlhf_batch.config import Config, reward_search_path
 from rlhf_batch.core.batching import token_budget_batches
 from rlhf_batch.core.kl import KLController, controller_from_state, kl_estimate, make_controller
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.forward import can_share_prefix, response_logprobs, shared_prefix_logprobs
 from rlhf_batch.models import load_model, model_fingerprint
-from rlhf_batch.rewards import (
-    RM_COLUMN,
-    RewardFunction,
-    call_reward_function,
-    clip,
-    load_reward_functions,
-    weighted_sum,
-)
+from rlhf_batch.progress import progress_bar as tqdm
+from rlhf_batch.rewards import RM_COLUMN, RewardFunction, clip, load_reward_functions, weighted_sum
+from rlhf_batch.rewards.conventions import evaluate
 from rlhf_batch.schemas import ROLLOUTS, SCORES, with_extra
 from rlhf_batch.shards import StageRun, fault_point, list_parts, manifest, part_number, read_stage, stage_dir
 from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_dir
@@ -76,7 +70,7 @@ def identity(cfg: Config) -> dict[str, Any]:
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Score iteration `iteration`'s rollouts; returns the manifest (existing one if complete)."""
     s = cfg.score
-    fns = load_reward_functions(s.reward_functions, s.reward_weights, reserved=SCORES.names)
+    fns = load_reward_functions(s.reward_functions, s.reward_weights, SCORES.names, reward_search_path(cfg))
     if not fns and not cfg.reward_model:
         raise ConfigError(
             "score: set score.reward_functions and/or reward_model; nothing would give a reward"
@@ -230,9 +224,14 @@ class Scorer:
             from rlhf_batch.rewards.model import RewardModel
 
             self.rm = RewardModel(
-                cfg.reward_model, device=self.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code
+                cfg.reward_model,
+                device=self.device,
+                dtype=cfg.dtype,
+                trust_remote_code=cfg.trust_remote_code,
+                policy_tokenizer=self.ref_tok,
             )
-            self.vocab_size = min(self.vocab_size, self.rm.vocab_size)
+            if self.rm.same_vocab:  # else it re-tokenises the text: its vocabulary bounds no rollout id
+                self.vocab_size = min(self.vocab_size, self.rm.vocab_size)
 
     @property
     def ref_model(self) -> Any:
@@ -271,9 +270,9 @@ class Scorer:
         rid, prompt_ids, response_ids = (
             t[c].to_pylist() for c in ("rollout_id", "prompt_ids", "response_ids")
         )
-        values = self.rewards(t, rid, prompt_ids, response_ids)
+        values, extra = self.rewards(t, rid, prompt_ids, response_ids)
         if self.rm is not None:
-            seqs = [p + r for p, r in zip(prompt_ids, response_ids, strict=True)]
+            seqs = self.rm.sequences(t, prompt_ids, response_ids)
             values[RM_COLUMN] = self.rm.scores(seqs, self.cfg.score.max_tokens_per_batch, progress).tolist()
         r_len = np.array([len(r) for r in response_ids], dtype=np.int64)  # [B]
         beh = pc.list_flatten(t["behavior_logprobs"]).to_numpy().astype(np.float32)  # [N]
@@ -302,8 +301,10 @@ class Scorer:
                 None if s is None else s - self.kl_coef * k for s, k in zip(score, kl_sum, strict=True)
             ],
             **values,
+            **extra,
         }
-        schema = with_extra(SCORES, pa.schema([(c, pa.float64()) for c in values]))
+        typed = [(c, pa.float64()) for c in values] + [(c, a.type) for c, a in extra.items()]
+        schema = with_extra(SCORES, pa.schema(typed))
         table = pa.Table.from_arrays([pa.array(cols[f.name], f.type) for f in schema], schema=schema)
         counts = {"rows": len(rid), "tokens": int(r_len.sum()), "unscored": sum(s is None for s in score)}
         counts.update({f"unscored_{c}": sum(v is None for v in vals) for c, vals in values.items()})
@@ -311,11 +312,13 @@ class Scorer:
 
     def rewards(
         self, t: pa.Table, rid: list[str], prompt_ids: list[list[int]], response_ids: list[list[int]]
-    ) -> dict[str, list[float | None]]:
+    ) -> tuple[dict[str, list[float | None]], dict[str, pa.Array]]:
+        """Each function's values (column reward_<name>) and the extra columns some give."""
         columns = {c: t[c].to_pylist() for c in t.column_names if c not in ROLLOUTS.names}
         prompts, responses = t["prompt"].to_pylist(), t["response"].to_pylist()
-        return {
-            rf.column: call_reward_function(
+        values, extra = {}, {}
+        for rf in self.fns:
+            values[rf.column], more = evaluate(
                 rf,
                 rid,
                 prompts=prompts,
@@ -324,8 +327,8 @@ class Scorer:
                 response_ids=response_ids,
                 columns=columns,
             )
-            for rf in self.fns
-        }
+            extra.update(more)
+        return values, extra
 
     def ref_logprobs(
         self,

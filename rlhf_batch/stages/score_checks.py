@@ -64,12 +64,11 @@ def _tokenizer(path: str, what: str, cfg: Config) -> Any:
 
 
 def check_tokenizers(cfg: Config, policies: list[str]) -> Any:
-    """The reference tokenizer, after checking that the reward model's and those of the policies
-    named in the rollouts (the ones that are model directories) have the same vocabulary."""
+    """The reference tokenizer, after checking that those of the policies named in the rollouts
+    (the ones that are model directories) have the same vocabulary. (A reward model with another
+    vocabulary re-tokenises the text: see rlhf_batch.rewards.model.)"""
     ref_tok = _tokenizer(cfg.ref, "ref_model", cfg)
     others = [(p, "policy") for p in policies if (Path(p) / "config.json").is_file()]
-    if cfg.reward_model:
-        others.append((cfg.reward_model, "reward_model"))
     for path, what in others:
         if not same_dir(path, cfg.ref) and vocab_signature(_tokenizer(path, what, cfg)) != vocab_signature(
             ref_tok

@@ -100,8 +100,8 @@ def _seed(cfg: Config, iteration: int) -> tuple[int, int]:
 
 def _train(cfg: Config, iteration: int, start: str, stage: Any, data: Any, quiet: bool) -> dict[str, Any]:
     import torch
-    from tqdm import tqdm
 
+    from rlhf_batch.progress import progress_bar as tqdm
     from rlhf_batch.stages.train_data import plan_steps
     from rlhf_batch.stages.train_step import recompute_old
 

@@ -106,11 +106,19 @@ def test_init_prompts_writes_the_demo_task(tmp_path: Path) -> None:
     assert len(lines) == 7 and '"prompt"' in lines[0]
 
 
-def test_validate_and_one_line_errors(tmp_path: Path) -> None:
+def test_validate_and_one_line_errors(tmp_path: Path, tiny_model: Path, demo_prompts: Path) -> None:
     good = tmp_path / "good.toml"
-    good.write_text("seed = 1\n[generate]\ntemperature = 0.5\n")
+    good.write_text(
+        f'seed = 1\npolicy_model = "{tiny_model}"\n[generate]\ntemperature = 0.5\nprompts = "{demo_prompts}"\n'
+        '[score]\nreward_functions = ["rlhf_batch.rewards.demo:letter_count"]\n'
+    )
     res = cli("validate", str(good))
-    assert res.returncode == 0 and "ok" in res.stdout
+    assert res.returncode == 0 and res.stdout.splitlines() == [
+        f"  policy_model {tiny_model}: ok",
+        f"  prompts {demo_prompts} (12 rows, column 'prompt'): ok",
+        "  reward function rlhf_batch.rewards.demo:letter_count: ok",
+        f"{good}: ok",
+    ]
     bad = tmp_path / "bad.toml"
     bad.write_text("[generate]\ntemprature = 0.5\n")
     res = cli("validate", str(bad))

@@ -336,8 +336,8 @@ def test_status_on_a_partial_run(run: Path) -> None:
 
 
 def test_status_of_an_empty_and_a_missing_run_dir(tmp_path: Path) -> None:
-    res = runner.invoke(app, ["status", "--run-dir", str(tmp_path)])
-    assert res.exit_code == 0 and "no iterations yet" in res.stdout
+    res = runner.invoke(app, ["status", "--run-dir", str(tmp_path)])  # a directory holding no run
+    assert res.exit_code == 1 and f"{tmp_path}: holds no run (no iter=* folder)" in str(res.exception)
     res = runner.invoke(app, ["status", "--run-dir", str(tmp_path / "nope")])
     assert res.exit_code == 1 and "run directory not found" in str(res.exception)
 

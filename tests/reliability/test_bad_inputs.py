@@ -37,6 +37,7 @@ class Ctx:
     tmp: Path
     assets: Assets
     reference: Path
+    monkeypatch: pytest.MonkeyPatch | None = None
 
     @property
     def run(self) -> Path:
@@ -449,7 +450,10 @@ def prompts_null(ctx: Ctx):  # noqa: ANN201
 @case
 def prompts_not_strings(ctx: Ctx):  # noqa: ANN201
     path = prompts(ctx, [{"id": "a", "prompt": 1}, {"id": "b", "prompt": 2}])
-    return _generate(ctx, generate={"prompts": path}), [path, "column 'prompt' must hold strings, not int64"]
+    return _generate(ctx, generate={"prompts": path}), [
+        path,
+        "column 'prompt' must hold strings or chat messages (a list of {role, content}), not int64",
+    ]
 
 
 @case
@@ -719,6 +723,103 @@ def no_reward_at_all(ctx: Ctx):  # noqa: ANN201
     return _score(ctx, score={"reward_functions": []}), ["set score.reward_functions and/or reward_model"]
 
 
+@case
+def reward_function_unknown_convention(ctx: Ctx):  # noqa: ANN201
+    return _score(ctx, score={"reward_functions": ["foo:rlhf_batch.rewards.demo:letter_count"]}), [
+        "'foo:rlhf_batch.rewards.demo:letter_count': unknown calling convention 'foo' (use trl:, verl: or none)"
+    ]
+
+
+@case
+def verl_result_without_score(ctx: Ctx):  # noqa: ANN201
+    name = ctx.module(
+        "rw_verl",
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return {'acc': 1.0}\n",
+    )
+    args = _score(ctx, score={"reward_functions": [f"verl:{name}:compute_score"]})
+    return args, [
+        f"reward function verl:{name}:compute_score returned a dict without 'score' for rollout "
+        f"{ctx.rid('rollouts', 0)} (keys: acc)"
+    ]
+
+
+@case
+def reward_paths_missing(ctx: Ctx):  # noqa: ANN201
+    return ["validate", ctx.config(score={"reward_paths": ["no_such_dir"]})], [
+        f"score.reward_paths: {ctx.tmp / 'no_such_dir'}: directory not found"
+    ]
+
+
+# ---------------------------------------------------------------- validate, hub ids, run directories
+@case
+def validate_policy_dir_missing(ctx: Ctx):  # noqa: ANN201
+    missing = str(ctx.tmp / "no_model")
+    return ["validate", ctx.config(policy_model=missing)], [
+        f"policy_model: model directory not found: {missing}"
+    ]
+
+
+@case
+def validate_model_config_does_not_load(ctx: Ctx):  # noqa: ANN201
+    def edit(p: Path) -> None:
+        (p / "config.json").write_text(json.dumps({"model_type": "no_such_architecture"}))
+
+    path = model_copy(ctx, "bad_config", edit)
+    return ["validate", ctx.config(policy_model=path)], [f"policy_model: {path}/config.json does not load"]
+
+
+@case
+def validate_prompts_missing(ctx: Ctx):  # noqa: ANN201
+    missing = str(ctx.tmp / "none.jsonl")
+    return ["validate", ctx.config(generate={"prompts": missing})], [f"{missing}: prompt file not found"]
+
+
+@case
+def validate_prompt_column_missing(ctx: Ctx):  # noqa: ANN201
+    return ["validate", ctx.config(generate={"prompt_column": "question"})], [
+        str(ctx.assets.prompts),
+        "no 'question' or 'messages' column (columns: id, prompt, letter, count)",
+    ]
+
+
+@case
+def validate_reward_function_does_not_import(ctx: Ctx):  # noqa: ANN201
+    return ["validate", ctx.config(score={"reward_functions": ["no_such_module:fn"]})], [
+        "score.reward_functions",
+        "cannot import 'no_such_module'",
+    ]
+
+
+@case
+def json_array_of_non_objects(ctx: Ctx):  # noqa: ANN201
+    path = ctx.write("prompts.json", "[1, 2]")
+    return _generate(ctx, generate={"prompts": path}), [f"{path}: item 0 of the JSON array is not an object"]
+
+
+@case
+def hub_id_not_in_the_cache_offline(ctx: Ctx):  # noqa: ANN201
+    assert ctx.monkeypatch is not None
+    ctx.monkeypatch.setenv("HF_HOME", str(ctx.tmp / "hf"))
+    ctx.monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return _generate(ctx, policy_model="nobody/no-such-model"), [
+        "policy_model: 'nobody/no-such-model' is not a local directory and not in the Hugging Face cache",
+        str(ctx.tmp / "hf" / "hub"),
+        "hf download nobody/no-such-model",
+    ]
+
+
+@case
+def status_of_a_directory_holding_no_run(ctx: Ctx):  # noqa: ANN201
+    ctx.run.mkdir()
+    return ["status", str(ctx.run)], [f"{ctx.run}: holds no run (no iter=* folder)"]
+
+
+@case
+def sql_with_a_config_whose_run_dir_is_missing(ctx: Ctx):  # noqa: ANN201
+    path = ctx.config()
+    return ["sql", "SELECT 1", "--config", path], [f"{ctx.run}: run directory not found (run_dir of {path})"]
+
+
 # ---------------------------------------------------------------- iterations and stage state
 @case
 def run_lock_is_a_directory(ctx: Ctx):  # noqa: ANN201
@@ -795,7 +896,7 @@ def ctx(tmp_path: Path, assets: Assets, reference: Path, monkeypatch: pytest.Mon
     monkeypatch.delenv("RLHF_BATCH_DEBUG", raising=False)
     monkeypatch.delenv(shards.FAULT_ENV, raising=False)
     threads = torch.get_num_threads()  # the commands set the config's threads = 1 in this process
-    yield Ctx(tmp_path, assets, reference)
+    yield Ctx(tmp_path, assets, reference, monkeypatch)
     torch.set_num_threads(threads)
 
 
