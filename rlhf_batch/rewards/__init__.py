@@ -15,7 +15,8 @@ A prefix selects another calling convention (see `rlhf_batch.rewards.conventions
 ``"trl:package.module:function"`` is called as TRL's GRPOTrainer calls reward functions and
 ``"verl:package.module:compute_score"`` as verl's reward manager calls ``compute_score``.
 Modules are imported with `score.reward_paths` (default: the config file's directory, then the
-current directory) at the front of ``sys.path``, in every mode (`run`, `score`, `--in-process`).
+current directory) at the end of ``sys.path``, in every mode (`run`, `score`, `--in-process`):
+after the standard library and the installed packages, so no file there shadows one of them.
 """
 
 from __future__ import annotations
@@ -65,13 +66,13 @@ def split_convention(path: str) -> tuple[str, str]:
 
 
 def add_search_path(dirs: Sequence[str]) -> None:
-    """Put `dirs` at the front of sys.path (once each), where reward modules are looked up."""
+    """Put `dirs` at the end of sys.path (once each), where reward modules are looked up: a
+    `tqdm.py` beside the config must not replace the installed tqdm."""
     import sys
 
-    for d in reversed([str(x) for x in dirs if x]):
-        if d in sys.path:
-            sys.path.remove(d)
-        sys.path.insert(0, d)
+    for d in [str(x) for x in dirs if x]:
+        if d not in sys.path:
+            sys.path.append(d)
 
 
 def import_function(path: str) -> Callable[..., Any]:
@@ -101,7 +102,7 @@ def load_reward_functions(
     reserved: Sequence[str] = (),
     search: Sequence[str] = (),
 ) -> list[RewardFunction]:
-    """Import every function (with `search` dirs at the front of sys.path); weights default to
+    """Import every function (with `search` dirs at the end of sys.path); weights default to
     1.0. Two functions whose columns would have the same name (or a name in `reserved`) are a
     ConfigError."""
     add_search_path(search)
