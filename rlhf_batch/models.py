@@ -185,7 +185,7 @@ def load_model(
     from safetensors import SafetensorError
 
     try:
-        model, info = cls.from_pretrained(
+        model, info = cls.from_pretrained(  # type: ignore[misc]  # a tuple with output_loading_info
             p,
             dtype=resolve_dtype(dtype, dev),
             use_safetensors=True,

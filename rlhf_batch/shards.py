@@ -57,7 +57,9 @@ def list_parts(sdir: Path) -> list[Path]:
 def write_error(path: Path, e: BaseException) -> StageError:
     """A failed write (disk full, file too large, no permission) as a one-line error naming the file."""
     reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0]
-    if not isinstance(e, OSError) and _disk_full(path):  # torch.save: "[enforce fail at inline_container.cc...]"
+    if not isinstance(e, OSError) and _disk_full(
+        path
+    ):  # torch.save: "[enforce fail at inline_container.cc...]"
         reason = os.strerror(28)  # ENOSPC
     return StageError(
         f"{path}: cannot write ({reason}); free disk space and run again, finished work is kept"

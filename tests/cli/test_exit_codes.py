@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-REWARDS = '''
+REWARDS = """
 import os, sys, time
 from pathlib import Path
 
@@ -24,7 +24,7 @@ def waits(responses, **_):
     Path(os.environ["MARK"]).touch()
     time.sleep(120)
     return [0.0] * len(responses)
-'''
+"""
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -39,8 +39,9 @@ def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def _generated(make_config, reward: str) -> tuple[Path, Path]:
-    from rlhf_batch.cli import app
     from typer.testing import CliRunner
+
+    from rlhf_batch.cli import app
 
     path, cfg = make_config(score={"reward_functions": [f"exit_rewards:{reward}"]})
     res = CliRunner().invoke(app, ["generate", str(path), "--quiet"])

@@ -393,7 +393,11 @@ def policy_weights_nan(ctx: Ctx):  # noqa: ANN201
         t[_first_mlp(t)] = t[_first_mlp(t)] * float("nan")
 
     path = model_copy(ctx, "nanweights", _edit_weights(nan))
-    return _generate(ctx, policy_model=path), [path, "non-finite values", "model.layers.0.mlp.down_proj.weight"]
+    return _generate(ctx, policy_model=path), [
+        path,
+        "non-finite values",
+        "model.layers.0.mlp.down_proj.weight",
+    ]
 
 
 @case

@@ -121,7 +121,12 @@ def test_stage_processes_run_no_code_from_the_current_directory(make_config, tmp
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     rlhf = Path(sys.executable).parent / "rlhf-batch"
     res = subprocess.run(
-        [str(rlhf), "run", str(path), "--quiet"], capture_output=True, text=True, cwd=cwd, env=env, timeout=600
+        [str(rlhf), "run", str(path), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=600,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     assert not marker.exists()
