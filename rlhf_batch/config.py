@@ -101,6 +101,9 @@ class TrainConfig:
     fsdp: bool = False  # under torchrun: shard weights, gradients and AdamW state (FSDP2); 1 process: no-op
 
 
+Tracker = Literal["tensorboard", "trackio", "wandb", "mlflow"]
+
+
 @dataclass
 class Config:
     run_dir: str = "runs/default"
@@ -115,7 +118,7 @@ class Config:
     threads: int = 0  # CPU threads for torch; 0: torch's default (small models run best on 1)
     in_process: bool = False  # run: stages in this process instead of one subprocess each
     demo: bool = False  # generate: build the tiny demo model and prompts when missing
-    report_to: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = field(default_factory=list)  # live tracking
+    report_to: list[Tracker] = field(default_factory=list)  # live tracking (README: Live tracking)
     run_name: str = ""  # trackers' run name; default: the run_dir's folder name
     tracking_project: str = ""  # wandb/trackio project, MLflow experiment; default "rlhf-batch"
     generate: GenerateConfig = field(default_factory=GenerateConfig)
@@ -136,7 +139,8 @@ class Config:
         return {**top, stage: dataclasses.asdict(getattr(self, stage))}
 
 
-NOT_IDENTITY = ("iterations", "in_process", "demo", "threads", "report_to", "run_name", "tracking_project")  # run-level keys that change no stage's result
+# run-level keys that change no stage's result
+NOT_IDENTITY = ("iterations", "in_process", "demo", "threads", "report_to", "run_name", "tracking_project")
 PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
 
 

@@ -33,6 +33,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ _MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb"
 _TOP_NUMBERS = ("rows", "kl_coef", "mean_kl_sum", "batch_std")  # manifest keys worth a curve
 
 
-def missing(report_to: list[str]) -> str | None:
+def missing(report_to: Sequence[str]) -> str | None:
     """One line naming the first configured tracker that is not installed, or None."""
     for name in report_to:
         if importlib.util.find_spec(_MODULES[name]) is None:
@@ -160,7 +161,9 @@ def headline(sdir: Path, manifest: dict[str, Any]) -> dict[str, float]:
     files = [sdir / p["file"] for p in manifest.get("parts", [])]
     stage = manifest.get("stage")
     if stage == "rollouts" and files:
-        lengths = [pc.list_value_length(pq.read_table(f, columns=["response_ids"])["response_ids"]) for f in files]
+        lengths = [
+            pc.list_value_length(pq.read_table(f, columns=["response_ids"])["response_ids"]) for f in files
+        ]
         total = sum(int(pc.sum(x).as_py() or 0) for x in lengths)
         out["response_tokens"] = total
         out["response_length_mean"] = total / max(1, sum(len(x) for x in lengths))
@@ -285,7 +288,9 @@ class _Mlflow:
         exp = self.client.get_experiment_by_name(s["project"])
         exp_id = exp.experiment_id if exp else self.client.create_experiment(s["project"])
         name = s["run_name"].replace("'", "")
-        found = self.client.search_runs([exp_id], filter_string=f"tags.mlflow.runName = '{name}'", max_results=1)
+        found = self.client.search_runs(
+            [exp_id], filter_string=f"tags.mlflow.runName = '{name}'", max_results=1
+        )
         if found:
             self.run_id = found[0].info.run_id
             self.client.update_run(self.run_id, status="RUNNING")

@@ -32,7 +32,12 @@ def write_config(path: Path, tiny_model: Path, prompts: Path, **top: object) -> 
         "device": "cpu",
         "dtype": "float32",
         "threads": 1,
-        "generate": {"prompts": str(prompts), "num_generations": 4, "max_new_tokens": 6, "prompts_per_part": 5},
+        "generate": {
+            "prompts": str(prompts),
+            "num_generations": 4,
+            "max_new_tokens": 6,
+            "prompts_per_part": 5,
+        },
         "score": {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"]},
         "train": {"lr": 1e-3, "tokens_per_step": 256},
         **top,
@@ -74,7 +79,9 @@ def expected(cfg) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {}
     offset = 0
     for it in (0, 1):
-        scores = [pq.read_table(p) for p in sorted(shards.stage_dir(cfg.run_dir, it, "scores").glob("part-*"))]
+        scores = [
+            pq.read_table(p) for p in sorted(shards.stage_dir(cfg.run_dir, it, "scores").glob("part-*"))
+        ]
         reward = np.concatenate([t["reward"].to_numpy() for t in scores])
         out.setdefault("scores/reward_mean", {})[it] = float(reward.mean())
         adv = shards.manifest(shards.stage_dir(cfg.run_dir, it, "advantages"))
@@ -116,7 +123,9 @@ def test_tensorboard_holds_stage_numbers_by_iteration_and_train_steps_by_global_
     texts = [EventAccumulator(str(f)) for f in logdir.glob("events.out.tfevents.*")]
     for a in texts:
         a.Reload()
-    config_texts = [a.Tensors("config/text_summary") for a in texts if "config/text_summary" in a.Tags()["tensors"]]
+    config_texts = [
+        a.Tensors("config/text_summary") for a in texts if "config/text_summary" in a.Tags()["tensors"]
+    ]
     assert len(config_texts) == 1  # the config is attached once, by the first process
     assert '"report_to"' in config_texts[0][0].tensor_proto.string_val[0].decode()
 
@@ -185,7 +194,10 @@ def test_mlflow_file_store_holds_the_same_numbers_and_the_config(tracked_run) ->
     assert [r.info.run_name for r in runs] == ["run"]  # every stage process found the same run
     run = runs[0]
     assert run.info.status == "FINISHED"
-    assert run.data.params["train.lr"] == "0.001" and run.data.params["report_to"] == '["tensorboard", "wandb", "mlflow"]'
+    assert (
+        run.data.params["train.lr"] == "0.001"
+        and run.data.params["report_to"] == '["tensorboard", "wandb", "mlflow"]'
+    )
     want = expected(cfg)
     got = {k: {m.step: m.value for m in client.get_metric_history(run.info.run_id, k)} for k in want}
     check(got, want)
@@ -194,11 +206,16 @@ def test_mlflow_file_store_holds_the_same_numbers_and_the_config(tracked_run) ->
 # ---------------------------------------------------------------- failures
 
 
-def test_a_tracker_that_is_not_installed_is_a_config_error_naming_the_extra(tmp_path, tiny_model, demo_prompts) -> None:
+def test_a_tracker_that_is_not_installed_is_a_config_error_naming_the_extra(
+    tmp_path, tiny_model, demo_prompts
+) -> None:
     if tracking.missing(["trackio"]) is None:
         pytest.skip("trackio is installed in this venv")
     path = write_config(tmp_path / "c.toml", tiny_model, demo_prompts, report_to=["trackio"])
-    with pytest.raises(ConfigError, match=r"'report_to' asks for 'trackio', which is not installed: pip install 'rlhf-batch\[trackio\]'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'report_to' asks for 'trackio', which is not installed: pip install 'rlhf-batch\[trackio\]'",
+    ):
         load_config(path)
     done = subprocess.run(
         [sys.executable, "-m", "rlhf_batch", "generate", str(path), "--iter", "0"],
@@ -212,13 +229,17 @@ def test_a_tracker_that_is_not_installed_is_a_config_error_naming_the_extra(tmp_
 
 def test_an_unknown_tracker_is_a_config_error(tmp_path, tiny_model, demo_prompts) -> None:
     path = write_config(tmp_path / "c.toml", tiny_model, demo_prompts, report_to=["comet"])
-    with pytest.raises(ConfigError, match=r"'report_to\[0\]' must be one of 'tensorboard', 'trackio', 'wandb', 'mlflow'"):
+    with pytest.raises(
+        ConfigError, match=r"'report_to\[0\]' must be one of 'tensorboard', 'trackio', 'wandb', 'mlflow'"
+    ):
         load_config(path)
 
 
 def test_tracking_keys_change_no_stage_identity(tmp_path, tiny_model, demo_prompts) -> None:
     a = load_config(write_config(tmp_path / "a.toml", tiny_model, demo_prompts))
-    b = load_config(write_config(tmp_path / "b.toml", tiny_model, demo_prompts, report_to=["mlflow"], run_name="x"))
+    b = load_config(
+        write_config(tmp_path / "b.toml", tiny_model, demo_prompts, report_to=["mlflow"], run_name="x")
+    )
     assert a.stage_dict("train") == b.stage_dict("train")
 
 
@@ -268,7 +289,11 @@ def test_a_tracker_failing_during_train_leaves_the_stage_complete_and_unchanged(
     monkeypatch.setattr(tracking._TensorBoard, "log", failing_log)
     results = {}
     for name, report_to in (("plain", []), ("failing", ["tensorboard"])):
-        cfg = load_config(write_config(tmp_path / name / "c.toml", tiny_model, demo_prompts, report_to=report_to))
+        small_steps = {"lr": 1e-3, "tokens_per_step": 8}  # several optimizer steps
+        path = write_config(
+            tmp_path / name / "c.toml", tiny_model, demo_prompts, report_to=report_to, train=small_steps
+        )
+        cfg = load_config(path)
         for stage in (generate, score, advantage):
             stage.run(cfg, 0, quiet=True)
         calls.clear()
@@ -277,13 +302,72 @@ def test_a_tracker_failing_during_train_leaves_the_stage_complete_and_unchanged(
     warnings = capsys.readouterr().err.strip().splitlines()
     assert len(warnings) == 2, warnings
     assert all(w.startswith("warning: tracking: tensorboard failed (OSError: [Errno 28]") for w in warnings)
-    assert len(calls) == 2  # dropped at its first failure in each opening: no further calls
-    assert results["failing"]["counts"] == results["plain"]["counts"] and results["plain"]["counts"]["steps"] >= 2
-    tables = [pq.read_table(tmp_path / n / "run" / "iter=0000" / "train" / "metrics.parquet") for n in results]
+    # train steps 0 (logged) and 1 (fails: dropped, step 2 is never sent), then the stage summary
+    # at iteration 0 (a new opening, fails too)
+    assert calls == [0, 1, 0]
+    assert (
+        results["failing"]["counts"] == results["plain"]["counts"]
+        and results["plain"]["counts"]["steps"] >= 2
+    )
+    tables = [
+        pq.read_table(tmp_path / n / "run" / "iter=0000" / "train" / "metrics.parquet") for n in results
+    ]
     assert tables[1].drop(["tokens_per_s"]).equals(tables[0].drop(["tokens_per_s"]))
     assert shards.manifest(tmp_path / "failing" / "run" / "iter=0000" / "train") is not None
-    (events,) = (tmp_path / "failing" / "run" / "tracking" / "tensorboard").glob("events.out.tfevents.*")
-    acc = EventAccumulator(str(events))
-    acc.Reload()
+    losses = []
+    for events in (tmp_path / "failing" / "run" / "tracking" / "tensorboard").glob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if "train_step/loss" in acc.Tags()["scalars"]:
+            losses += [(e.step, e.value) for e in acc.Scalars("train_step/loss")]
     first = tables[1].slice(0, 1).to_pylist()[0]
-    assert [(e.step, e.value) for e in acc.Scalars("train_step/loss")] == [(0, pytest.approx(first["loss"]))]
+    assert losses == [(0, pytest.approx(first["loss"]))]  # what was logged before the failure is intact
+
+
+TRACKIO_SCRIPT = """
+import json, sys
+from rlhf_batch import tracking
+from trackio.sqlite_storage import SQLiteStorage
+
+cfg = {"run_dir": sys.argv[1], "report_to": ["trackio"], "tracking_project": "proj", "train": {"lr": 0.001}}
+for it, reward in ((0, 0.25), (1, 0.75)):  # two stage processes, each opening the run again
+    run = tracking.Run(cfg)
+    run.log({"scores/reward_mean": reward}, it, "iteration")
+    run.close()
+live = tracking.Run(cfg, step_offset=3)  # iteration 1's train: iteration 0 had 3 steps
+live.log_step({"step": 0, "loss": 0.5, "lr": 0.001})
+live.log_step({"step": 1, "loss": 0.125, "lr": 0.001})
+live.close()
+print(json.dumps({"runs": SQLiteStorage.get_runs("proj"), "logs": SQLiteStorage.get_logs("proj", "run"),
+                  "config": SQLiteStorage.get_run_config("proj", "run")}))
+"""
+
+
+def test_trackio_local_store_holds_the_numbers_under_one_run(tmp_path: Path) -> None:
+    if not TRACKIO_PY.exists():
+        pytest.skip("trackio is not installed: run `make trackio` (make test does)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACKIO_")}
+    env.update(PYTHONPATH=str(ROOT), TRACKIO_DIR=str(tmp_path / "trackio"))
+    done = subprocess.run(
+        [str(TRACKIO_PY), "-c", TRACKIO_SCRIPT, str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "warning: tracking" not in done.stderr, done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("{")]  # trackio prints notices at exit
+    out = json.loads(line)
+    assert out["runs"] == ["run"]  # the run_dir's folder name, reopened by each process
+    got: dict[str, dict[int, float]] = {}
+    for row in out["logs"]:
+        for k, v in row.items():
+            if "/" in k:
+                got.setdefault(k, {})[row["step"]] = v
+    # summaries at step = iteration; train steps at 3 + step (the earlier iteration's 3 steps)
+    assert got == {
+        "scores/reward_mean": {0: 0.25, 1: 0.75},
+        "train_step/loss": {3: 0.5, 4: 0.125},
+        "train_step/lr": {3: 0.001, 4: 0.001},
+    }
+    assert out["config"]["train.lr"] == "0.001" and out["config"]["report_to"] == '["trackio"]'
