@@ -84,12 +84,18 @@ def expected(cfg) -> dict[str, dict[int, float]]:
         ]
         reward = np.concatenate([t["reward"].to_numpy() for t in scores])
         out.setdefault("scores/reward_mean", {})[it] = float(reward.mean())
+        kl_sum = np.concatenate([t["kl_sum"].to_numpy() for t in scores])
+        out.setdefault("scores/kl_sum_mean", {})[it] = float(kl_sum.mean())
+        rollouts = pq.read_table(shards.stage_dir(cfg.run_dir, it, "rollouts"), columns=["response_ids"])
+        tokens = sum(len(r) for r in rollouts["response_ids"].to_pylist())
+        out.setdefault("rollouts/response_tokens", {})[it] = float(tokens)
         adv = shards.manifest(shards.stage_dir(cfg.run_dir, it, "advantages"))
         out.setdefault("advantages/groups_out", {})[it] = float(adv["counts"]["groups_out"])
         roll = shards.manifest(shards.stage_dir(cfg.run_dir, it, "rollouts"))
         out.setdefault("rollouts/rows", {})[it] = float(roll["rows"])
         metrics = pq.read_table(shards.stage_dir(cfg.run_dir, it, "train") / "metrics.parquet").to_pylist()
         out.setdefault("train/steps", {})[it] = float(len(metrics))
+        out.setdefault("train/loss_mean", {})[it] = float(np.mean([r["loss"] for r in metrics]))
         for row in metrics:
             out.setdefault("train_step/loss", {})[offset + row["step"]] = row["loss"]
             out.setdefault("train_step/grad_norm", {})[offset + row["step"]] = row["grad_norm"]
