@@ -189,11 +189,11 @@ def test_wandb_offline_run_holds_the_same_numbers_under_one_run_id(tracked_run) 
 
 
 @pytest.mark.slow
-def test_mlflow_file_store_holds_the_same_numbers_and_the_config(tracked_run) -> None:
+def test_mlflow_file_store_holds_the_same_numbers_and_the_config(tracked_run, monkeypatch) -> None:
     from mlflow.tracking import MlflowClient
 
     cfg, _ = tracked_run
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     client = MlflowClient(tracking_uri=(Path(cfg.run_dir) / "tracking" / "mlruns").as_uri())
     exp = client.get_experiment_by_name("proj")
     runs = client.search_runs([exp.experiment_id])
@@ -249,11 +249,14 @@ def test_tracking_keys_change_no_stage_identity(tmp_path, tiny_model, demo_promp
     assert a.stage_dict("train") == b.stage_dict("train")
 
 
-def test_a_tracker_failing_mid_run_is_dropped_with_one_warning_and_the_others_go_on(tmp_path, capsys) -> None:
+def test_a_tracker_failing_mid_run_is_dropped_with_one_warning_and_the_others_go_on(
+    tmp_path, capsys, monkeypatch
+) -> None:
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # our file store in the run dir
     cfg = {"run_dir": str(tmp_path / "run"), "report_to": ["mlflow", "tensorboard"]}
     run = tracking.Run(cfg)
     assert [t.name for t in run.trackers] == ["mlflow", "tensorboard"]
