@@ -4,9 +4,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 AIRFLOW_VENV := .venv-airflow
+TRACKIO_VENV := .venv-trackio
 RUN_DIR ?= runs/demo
 
-.PHONY: setup airflow test test-fast demo lint bench soak clean
+.PHONY: setup airflow trackio test test-fast demo lint bench soak clean
 
 setup: $(VENV)/.installed
 
@@ -25,9 +26,18 @@ $(AIRFLOW_VENV)/.installed: constraints-airflow.txt
 	$(AIRFLOW_VENV)/bin/python -m pip install --quiet -c constraints-airflow.txt apache-airflow
 	touch $@
 
+# trackio's releases pin pillow<13 (our venv: 13); its live-tracking test runs in this venv.
+trackio: $(TRACKIO_VENV)/.installed
+
+$(TRACKIO_VENV)/.installed: constraints-trackio.txt
+	test -x $(TRACKIO_VENV)/bin/python || $(PYTHON) -m venv $(TRACKIO_VENV)
+	$(TRACKIO_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TRACKIO_VENV)/bin/python -m pip install --quiet -c constraints-trackio.txt trackio
+	touch $@
+
 # pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure
 # then a short random-kill soak (6 kills; `make soak` runs 24)
-test: setup airflow
+test: setup airflow trackio
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	RLHF_BATCH_SOAK_KILLS=6 $(PY) -m pytest -q -m soak tests/reliability/test_soak.py
 
@@ -49,4 +59,4 @@ soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak
 
 clean:
-	rm -rf $(VENV) $(AIRFLOW_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) runs .pytest_cache

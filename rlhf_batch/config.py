@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from rlhf_batch import tracking
 from rlhf_batch.errors import ConfigError
 
 
@@ -101,6 +102,9 @@ class TrainConfig:
     fsdp: bool = False  # under torchrun: shard weights, gradients and AdamW state (FSDP2); 1 process: no-op
 
 
+Tracker = Literal["tensorboard", "trackio", "wandb", "mlflow"]
+
+
 @dataclass
 class Config:
     run_dir: str = "runs/default"
@@ -115,6 +119,9 @@ class Config:
     threads: int = 0  # CPU threads for torch; 0: torch's default (small models run best on 1)
     in_process: bool = False  # run: stages in this process instead of one subprocess each
     demo: bool = False  # generate: build the tiny demo model and prompts when missing
+    report_to: list[Tracker] = field(default_factory=list)  # live tracking (README: Live tracking)
+    run_name: str = ""  # trackers' run name; default: the run_dir's folder name
+    tracking_project: str = ""  # wandb/trackio project, MLflow experiment; default "rlhf-batch"
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -133,7 +140,8 @@ class Config:
         return {**top, stage: dataclasses.asdict(getattr(self, stage))}
 
 
-NOT_IDENTITY = ("iterations", "in_process", "demo", "threads")  # run-level keys that change no stage's result
+# run-level keys that change no stage's result
+NOT_IDENTITY = ("iterations", "in_process", "demo", "threads", "report_to", "run_name", "tracking_project")
 PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
 
 
@@ -287,6 +295,7 @@ def _check(cfg: Config, where: str) -> None:
     g, s, a, t = cfg.generate, cfg.score, cfg.advantage, cfg.train
     need(cfg.iterations >= 1, "iterations", "must be >= 1")
     need(cfg.threads >= 0, "threads", "must be >= 0")
+    need(not (gone := tracking.missing(cfg.report_to)), "report_to", f"asks for {gone}")
     need(g.num_generations >= 1, "generate.num_generations", "must be >= 1")
     need(g.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
     need(g.temperature > 0, "generate.temperature", "must be > 0")

@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_batch import dist
+from rlhf_batch import dist, tracking
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.schemas import SCHEMA_VERSION, VERSION_KEY, check_values, validate
 
@@ -268,6 +268,7 @@ class StageRun:
             result = write_manifest(
                 self.sdir, self.stage, n_parts, self.key, self.identity, {**record, **(extra or {})}
             )
+            tracking.log_stage(self.resolved, self.sdir, result)  # live trackers (report_to); never raises
         dist.barrier()
         return result
 

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlhf_batch import checkpoint, dist, shards
+from rlhf_batch import checkpoint, dist, shards, tracking
 from rlhf_batch.config import Config
 from rlhf_batch.errors import StageError
 from rlhf_batch.models import check_model_dir, model_fingerprint
@@ -139,9 +139,11 @@ def _train(cfg: Config, iteration: int, start: str, stage: Any, data: Any, quiet
         disable=quiet or trainer.rank != 0,
         dynamic_ncols=True,
     )
+    live = tracking.open_run(cfg, iteration)  # live trackers (report_to): one log per optimizer step
     for step in steps[first:]:
         row = trainer.step(step)
         rows.append(row)
+        live.log_step(row)
         bar.update(1)
         bar.set_postfix(
             loss=f"{row['loss']:.4g}",
@@ -160,6 +162,7 @@ def _train(cfg: Config, iteration: int, start: str, stage: Any, data: Any, quiet
                 shards.fault_point(f"train:checkpoint-{done}")
             dist.barrier()
     bar.close()
+    live.close()
     return _finish(cfg, iteration, stage, trainer, tok, start, rows, data, sharded)
 
 
