@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 from rlhf_batch.pipeline import reward_by_iteration
 from rlhf_batch.report import write_report
 
@@ -29,7 +29,7 @@ def test_run_in_subprocesses_then_again_does_nothing_and_more_iterations_extend(
     assert first.returncode == 0, first.stderr
     for it in (0, 1):
         for stage in ("rollouts", "scores", "advantages", "train"):
-            m = shards.manifest(shards.stage_dir(cfg.run_dir, it, stage))
+            m = manifests.manifest(layout.folder(cfg.run_dir, it, stage))
             assert m is not None
             assert m["resolved_config"] == cfg.to_dict()  # the whole config, paths resolved, each stage
     assert "iter  mean score  mean reward" in first.stdout and "report: " in first.stdout

@@ -24,8 +24,6 @@ ranks, so that summing the micro-batch losses gives exactly the big-batch loss.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from tensordict import TensorClass
 
@@ -50,9 +48,7 @@ class GRPOLossOutput(TensorClass):
     kl_approx: torch.Tensor  # masked mean of r - 1 - log r: k3 of KL(behaviour || current)
     kl_to_ref: torch.Tensor  # masked mean of k3(logp, ref)
     entropy: torch.Tensor  # masked mean of entropy
-    ess: torch.Tensor  # normalised effective sample size of sequence weights, in (0, 1]
     ratio_mean: torch.Tensor  # masked mean of the token ratio
-    ratio_max: torch.Tensor  # max of the token ratio over real tokens
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -115,16 +111,6 @@ def _validate(
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if denominator is not None and not bool(torch.as_tensor(denominator) > 0):
         raise ValueError(f"denominator must be > 0, got {denominator}")
-
-
-def _ess(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(sum w)^2 / (n sum w^2) over non-empty sequences, w_i = exp(sum_t log_ratio), in log space."""
-    nonempty = mask.any(-1)  # [B]
-    n = int(nonempty.sum())
-    if n == 0:
-        return log_ratio.new_zeros(())  # []
-    log_w = torch.where(nonempty, log_ratio.sum(-1), -math.inf)  # [B], padding already 0
-    return torch.exp(2 * torch.logsumexp(log_w, 0) - torch.logsumexp(2 * log_w, 0) - math.log(n))  # []
 
 
 def grpo_loss(
@@ -212,7 +198,5 @@ def grpo_loss(
         kl_approx=masked_mean(ratio - 1.0 - log_ratio, mask),
         kl_to_ref=kl_to_ref,
         entropy=entropy_metric,
-        ess=_ess(log_ratio, mask),
         ratio_mean=masked_mean(ratio, mask),
-        ratio_max=torch.where(mask, ratio, 0.0).amax(),
     )

@@ -1,6 +1,6 @@
 -- advantage, step 3: one row per prompt_id over the pooled rows that enter the statistics
 -- (`used`: non-null reward, and not truncated when advantage.truncated = 'drop').
--- Semantics of rlhf_batch.core.advantages (its twin): float64; std with ddof (stddev_samp for
+-- Semantics of tests/core/advantages_oracle.py (its twin, the tests' oracle): float64; std with ddof (stddev_samp for
 -- ddof = 1, stddev_pop for ddof = 0); a constant group (max = min, which includes groups of one)
 -- gets mean = the common value and std = 0 exactly, so its advantages are exactly 0.
 --   $iter: the current iteration (`current`: the group has training rows)
