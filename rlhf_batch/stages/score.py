@@ -76,6 +76,7 @@ class Score(Stage):
 
     def inputs(self) -> dict[str, Any]:
         cfg, it = self.cfg, self.iteration
+        self._load_reward_functions()  # a config without any reward fails before anything is read
         self.rdir = layout.folder(cfg.run_dir, it, layout.ROLLOUTS)
         rollouts_manifest = manifest(self.rdir)
         if rollouts_manifest is None:
@@ -93,7 +94,7 @@ class Score(Stage):
             "kl_coef": self.kl_coef,
         }
 
-    def check(self) -> None:
+    def _load_reward_functions(self) -> None:
         s = self.cfg.score
         self.fns = load_reward_functions(s.reward_functions, s.reward_weights, reserved=SCORES.names)
         if not self.fns and not self.cfg.reward_model:
@@ -110,6 +111,8 @@ class Score(Stage):
         self.scorer = Scorer(self.cfg, policies, self.fns, self.kl_coef)
 
     def progress_total(self, todo: list[int]) -> int:
+        if not todo:  # every part is on disk: only the manifest is missing
+            return 0
         rows, t = self.cfg.score.rows_per_part, self.rollouts
         lengths = pc.add(pc.list_value_length(t["prompt_ids"]), pc.list_value_length(t["response_ids"]))
         total = sum(int(pc.sum(lengths.slice(n * rows, rows)).as_py() or 0) for n in todo)

@@ -293,3 +293,17 @@ def test_iteration_k_samples_from_the_policy_trained_in_iteration_k_minus_1(make
     beh = [torch.tensor(r["behavior_logprobs"]) for r in rows]
     assert all(torch.allclose(lp_new[i][mask[i]], b, atol=1e-5) for i, b in enumerate(beh))
     assert not all(torch.allclose(lp_old[i][mask[i]], b, atol=1e-3) for i, b in enumerate(beh))
+
+
+def test_changing_reward_or_ref_model_does_not_refuse_complete_rollouts(make_config, tmp_path: Path) -> None:
+    # the rollouts depend on the policy, the prompts and [generate], not on what scores them
+    _, cfg = make_config()
+    m = generate.run(cfg, 0, quiet=True)
+    other = tmp_path / "other-model"
+    _, changed = make_config(name="b.toml", reward_model=str(other), ref_model=str(other))
+    assert generate.run(changed, 0, quiet=True) == m  # complete: nothing is redone, nothing refused
+    assert executor.is_done(generate.Generate(changed, 0))  # and `run` skips it
+    _, hotter = make_config(name="c.toml", generate={"temperature": 0.5})
+    assert not executor.is_done(generate.Generate(hotter, 0))
+    with pytest.raises(StageError, match=r"config.generate.temperature: 1.0 on disk, 0.5 now"):
+        generate.run(hotter, 0, quiet=True)
