@@ -140,8 +140,6 @@ def shared_prefix_logprobs(
     position ids continuing each row's prompt. Same numbers as `response_logprobs` on the full
     sequences up to float rounding; only for `can_share_prefix` models.
     """
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     chunk = default_chunk_size(head.weight.shape[0])
@@ -158,16 +156,7 @@ def shared_prefix_logprobs(
         p_lens = [len(prompts[prompt_of[i]]) for i in rows]
         r_lens = [len(responses[i]) for i in rows]
         width = max(p_lens)
-        idx = torch.tensor(
-            [
-                [starts[prompt_of[i]] + min(t, p - 1) for t in range(width)]
-                for i, p in zip(rows, p_lens, strict=True)
-            ],
-            device=keys[0].device,
-        )  # [b, P] positions in the concatenated prompts (padding repeats a real one, masked out)
-        cache = DynamicCache()
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-            cache.update(k[:, idx].transpose(0, 1), v[:, idx].transpose(0, 1), layer)  # [b, kvh, P, d]
+        cache = _prompt_cache(keys, values, [starts[prompt_of[i]] for i in rows], p_lens)
         ids, r_attn = pad_right([responses[i] for i in rows], pad_id, device)  # [b, R]
         p_attn = (torch.arange(width)[None, :] < torch.tensor(p_lens)[:, None]).long().to(device)  # [b, P]
         pos = torch.tensor(p_lens, device=device)[:, None] + torch.arange(
@@ -191,6 +180,24 @@ def shared_prefix_logprobs(
         for i, piece in zip(rows, lp.split(r_lens), strict=True):
             out[i] = piece
     return out
+
+
+def _prompt_cache(
+    keys: list[torch.Tensor], values: list[torch.Tensor], starts: list[int], p_lens: list[int]
+) -> Any:
+    """A KV cache [b, kvh, P, d] per layer holding each row's prompt, gathered from the prompts'
+    concatenated keys and values [kvh, sum P, d] (row k's prompt starts at starts[k])."""
+    from transformers import DynamicCache
+
+    width = max(p_lens)
+    idx = torch.tensor(
+        [[s + min(t, p - 1) for t in range(width)] for s, p in zip(starts, p_lens, strict=True)],
+        device=keys[0].device,
+    )  # [b, P] positions in the concatenated prompts (padding repeats a real one, masked out)
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k[:, idx].transpose(0, 1), v[:, idx].transpose(0, 1), layer)  # [b, kvh, P, d]
+    return cache
 
 
 def _prefill(

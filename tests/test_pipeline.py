@@ -134,3 +134,18 @@ def test_the_shortened_demo_learns_and_would_not_with_a_zero_learning_rate(tmp_p
         gains[lr] = scores[-1] - scores[0]
     assert gains["5e-3"] > 0.1  # measured: ~0.19 (0.004 -> 0.19)
     assert abs(gains["0.0"]) < 0.02  # the same test with lr = 0 fails the learning assertion
+
+
+def test_run_cli_and_airflow_dag_use_the_registry_order() -> None:
+    import ast
+
+    from rlhf_batch.cli import app
+    from rlhf_batch.stages.registry import pipeline, stages
+
+    names = [s.name for s in pipeline()]
+    assert names == ["generate", "score", "advantage", "train"]
+    dag = ast.parse((ROOT / "pipelines" / "airflow_dag.py").read_text())
+    (value,) = [n.value for n in dag.body if isinstance(n, ast.Assign) and n.targets[0].id == "STAGES"]  # type: ignore[attr-defined]
+    assert list(ast.literal_eval(value)) == names  # the DAG runs in Airflow's own venv: a copy, checked
+    commands = {c.name or c.callback.__name__ for c in app.registered_commands}  # type: ignore[union-attr]
+    assert {s.name for s in stages()} <= commands

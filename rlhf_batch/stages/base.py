@@ -110,9 +110,11 @@ def start_policy(cfg: Config, iteration: int) -> str:
     if iteration == 0:
         return str(check_model_dir(cfg.policy_model, "policy_model"))
     prev = layout.policy_dir(cfg.run_dir, iteration - 1)
-    if manifest(layout.folder(cfg.run_dir, iteration - 1, layout.TRAIN)) is None or not prev.is_dir():
+    train_dir = layout.folder(cfg.run_dir, iteration - 1, layout.TRAIN)
+    why = "" if manifest(train_dir) is not None else f"; {train_dir} is not complete"
+    if why or not prev.is_dir():
         raise StageError(
-            f"iteration {iteration}: iteration {iteration - 1} has no trained policy ({prev}); "
+            f"iteration {iteration}: iteration {iteration - 1} has no trained policy ({prev}{why}); "
             f"run train --iter {iteration - 1} first"
         )
     return str(check_model_dir(str(prev), "policy"))

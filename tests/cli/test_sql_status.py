@@ -21,7 +21,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rlhf_batch import atomic, executor, layout, manifests
-from rlhf_batch import inspect as run_inspect
+from rlhf_batch import query as run_query
 from rlhf_batch.cli import app
 from rlhf_batch.config import load_config
 from rlhf_batch.errors import UserError
@@ -249,7 +249,7 @@ def test_sandbox_refuses_writes_and_outside_reads(run: Path) -> None:
 
 
 def test_duckdb_layer_alone_blocks_outside_access_and_is_locked(run: Path, tmp_path: Path) -> None:
-    con = run_inspect.connect(run)  # the statement filter is not involved here
+    con = run_query.connect(run)  # the statement filter is not involved here
     try:
         with pytest.raises(duckdb.PermissionException):
             con.execute(f"COPY (SELECT 1) TO '{tmp_path}/x.csv'")
