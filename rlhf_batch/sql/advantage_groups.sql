@@ -6,7 +6,7 @@
 --   $iter: the current iteration (`current`: the group has training rows)
 --   $ddof, $min_group_size, $drop_zero_variance: advantage.* config
 -- The float statistics run over each group's rewards sorted into a list (list_avg, list_stddev_*),
--- so they do not depend on thread scheduling: a resumed run rewrites shards bit-identical to an
+-- so they do not depend on thread scheduling: a resumed run rewrites parts bit-identical to an
 -- uninterrupted one. (3x faster than avg(reward ORDER BY reward) on 10M rows, same values.)
 -- `dropped` is the first filter that removes the group: 'small' (n < min_group_size), then
 -- 'zero_variance' (max = min, when drop_zero_variance); NULL: kept.

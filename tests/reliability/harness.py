@@ -36,7 +36,7 @@ class Assets:
 
 def overrides(assets: Assets, run_dir: Path, iterations: int = ITERATIONS) -> list[str]:
     """pipelines/demo.toml shortened: 48 prompts x 8 samples, 3 rollouts parts and 3 scores parts,
-    4 advantage shards, 4 train steps with a checkpoint after step 2, `iterations` iterations."""
+    4 advantage parts, 4 train steps with a checkpoint after step 2, `iterations` iterations."""
     sets = [
         f"run_dir={run_dir}",
         f"policy_model={assets.policy}",

@@ -1,4 +1,4 @@
-"""The advantage stage: DuckDB SQL over real Parquet written through the shards API, with
+"""The advantage stage: DuckDB SQL over real Parquet written through executor.claim, with
 behaviour / reference log-probs from the real tiny model. Expected numbers are worked out by
 hand in the comments; `math.sqrt` only spells out a root the comment derives."""
 
@@ -496,7 +496,7 @@ def test_window_skips_incomplete_older_iterations(make_config: Any, lm: Any) -> 
     assert result(cfg, 1)["0001-p-0"]["group_mean"] == 2.0  # (1 + 3) / 2, iteration 0 not pooled
 
 
-# ---------------------------------------------------------------- shards: layout, order, readers, resume
+# ---------------------------------------------------------------- parts: layout, order, readers, resume
 
 SHARD_ROWS = [R(f"p{i % 5}", float(i % 3), response="ab" * (1 + i % 7)) for i in range(23)]
 
@@ -516,12 +516,12 @@ def documented_order(
     return sorted(res_ids, key=key)
 
 
-def test_shards_layout_order_and_readers(make_config: Any, lm: Any) -> None:
+def test_parts_layout_order_and_readers(make_config: Any, lm: Any) -> None:
     cfg, m = setup(
         make_config, lm, SHARD_ROWS, "rows_per_part = 4\nbucket_tokens = 4\ndrop_zero_variance = false"
     )
     sdir = layout.folder(cfg.run_dir, 0, "advantages")
-    # 23 rows -> shards of 4, 4, 4, 4, 4, 3
+    # 23 rows -> parts of 4, 4, 4, 4, 4, 3
     assert [p["file"] for p in m["parts"]] == [f"part-00000-{n:05d}.parquet" for n in range(6)]
     assert [p["rows"] for p in m["parts"]] == [4, 4, 4, 4, 4, 3]
     assert sorted(q.name for q in sdir.iterdir()) == ["_manifest.json"] + [p["file"] for p in m["parts"]]
@@ -552,7 +552,7 @@ def test_shards_layout_order_and_readers(make_config: Any, lm: Any) -> None:
     assert got[0][0] == 23 and got[0][1] == sum(r["group_size"] for r in ordered)
 
 
-def test_order_depends_on_seed_not_on_shard_size(make_config: Any, lm: Any, tmp_path: Path) -> None:
+def test_order_depends_on_seed_not_on_part_size(make_config: Any, lm: Any, tmp_path: Path) -> None:
     def ids(extra: str, name: str, seed: int) -> list[str]:
         cfg, m = setup(
             make_config,
@@ -584,7 +584,7 @@ def test_rerun_resume_and_config_change(make_config: Any, lm: Any) -> None:
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in parts}
     assert advantage.run(cfg, 0, quiet=True) == m  # complete: nothing is redone
     assert {p.name: p.stat().st_mtime_ns for p in parts} == {k: v[1] for k, v in before.items()}
-    # an interrupted run: no manifest, shard 2 missing -> only shard 2 is written, identical bytes
+    # an interrupted run: no manifest, part 2 missing -> only part 2 is written, identical bytes
     (sdir / layout.MANIFEST).unlink()
     parts[2].unlink()
     m2 = advantage.run(cfg, 0, quiet=True)

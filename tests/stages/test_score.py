@@ -1,6 +1,6 @@
 """The score stage on real Parquet rollouts and real tiny models.
 
-Rollouts are written here through the shards API (not by generate): 3 prompts x 4 fixed
+Rollouts are written here through executor.claim (not by generate): 3 prompts x 4 fixed
 responses, behaviour log-probs from a plain forward pass of the tiny policy, optionally shifted
 by `delta` per token to play a policy that is more (or less) likely than the reference.
 """

@@ -1,4 +1,4 @@
-"""Tests of the train stage: real tiny model, real Parquet shards written with the shards API.
+"""Tests of the train stage: real tiny model, real Parquet parts written with executor.claim.
 
 Expected numbers are worked out by hand in the comments. The advantage stage is not used:
 `make_table` builds an advantages table whose behaviour log-probs come from the tiny model.
