@@ -28,9 +28,9 @@ from rlhf_batch.errors import ConfigError
 
 
 def knob(default: Any, *decides: str) -> Any:
-    """A config field and the stages whose result it decides (their manifests record and compare
-    it: changing it refuses their complete folders, see Config.identity). A field of a stage's
-    own table decides that stage unless `decides` says otherwise (pass none at all: `knob(x)`)."""
+    """A config field and the stages whose result it decides (`decides`: stage names). Those
+    stages record it in their manifests and compare it on a re-run (Config.identity): changing it
+    refuses their complete folders. A field that decides nothing (`knob(x)`) is never compared."""
     meta = {"decides": decides}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
