@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -56,7 +56,8 @@ class Generate(Stage):
         return len(todo) * self.cfg.generate.prompts_per_part * self.cfg.generate.num_generations
 
     def open(self, todo: list[int]) -> None:
-        self.engine = HFEngine(self.cfg, self.policy, self.tok, self.prompts)
+        # the one engine so far; another (vLLM) is a class with the same `sample`, chosen here
+        self.engine: Engine = HFEngine(self.cfg, self.policy, self.tok, self.prompts)
 
     def write_part(self, n: int, bar: Any) -> Part:
         table = generate_part(
@@ -72,6 +73,16 @@ class Generate(Stage):
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Generate iteration `iteration`'s rollouts; returns the manifest (existing one if complete)."""
     return execute(Generate(cfg, iteration), force=force, quiet=quiet)
+
+
+class Engine(Protocol):
+    """What generate needs from a generation engine: per prompt (and seed), one sampled row
+    (response_ids, behavior_logprobs, finish_reason 'stop' | 'length'), in input order, with
+    behaviour log-probs defined as forward.py defines them; `bar` counts finished rows."""
+
+    def sample(
+        self, prompts: list[list[int]], seeds: list[int], bar: Any
+    ) -> list[tuple[list[int], list[float], str]]: ...
 
 
 class HFEngine:
@@ -135,7 +146,7 @@ def _check_lengths(model: Any, prompts: Prompts, g: GenerateConfig) -> None:
 
 
 def generate_part(
-    engine: HFEngine, tok: Any, prompts: Prompts, n: int, cfg: Config, iteration: int, policy: str, bar: Any
+    engine: Engine, tok: Any, prompts: Prompts, n: int, cfg: Config, iteration: int, policy: str, bar: Any
 ) -> pa.Table:
     """All rollouts of the prompts in part n, in (prompt, sample) order."""
     g = cfg.generate
