@@ -196,3 +196,27 @@ def test_cli_import(make_config, tmp_path: Path) -> None:
     res = CliRunner().invoke(app, [*args, "--set", f"policy_model={cfg.policy_model}"])
     assert res.exit_code == 0, res.output
     assert manifests.read_complete(layout.folder(str(bare), 0, "rollouts"), ROLLOUTS).num_rows == 5
+
+
+def test_imported_rollouts_count_as_done_for_run_and_record_their_command(
+    make_config, tmp_path: Path
+) -> None:
+    from rlhf_batch.executor import is_done
+    from rlhf_batch.stages.generate import Generate
+    from rlhf_batch.stages.score import Score
+
+    _, cfg = make_config()
+    m = import_rollouts(cfg, write_jsonl(tmp_path / "ext.jsonl", ROWS), 0, quiet=True)
+    assert m["command"] == "import" and m["config"]["import"] == str((tmp_path / "ext.jsonl").resolve())
+    assert is_done(Generate(cfg, 0))  # `run` keeps imported rollouts: it does not generate over them
+    assert not is_done(Score(cfg, 0))
+    score.run(cfg, 0, quiet=True)
+    assert is_done(Score(cfg, 0))
+    # new rollouts (other inputs for score, same config): `run` no longer skips score, and score
+    # refuses, naming the changed input
+    import_rollouts(cfg, write_jsonl(tmp_path / "ext2.jsonl", ROWS[:3]), 0, force=True, quiet=True)
+    assert not is_done(Score(cfg, 0))
+    with pytest.raises(
+        StageError, match=r"complete with a different config or inputs \(inputs.rollouts.key changed"
+    ):
+        score.run(cfg, 0, quiet=True)
