@@ -1,7 +1,7 @@
 """train: GRPO steps of the train stage against a naive training loop.
 
 Data: the workload's rollouts (bench_score.write_rollouts), a scores stage with random rewards,
-then the real advantage stage (length-bucketed shards) and the real train stage
+then the real advantage stage (length-bucketed parts) and the real train stage
 (`train.run`, one PPO epoch, default token budgets: 65536 response tokens per step, micro-
 batches of <= 16384 padded tokens, float32 master weights, bf16 autocast only where the CPU
 has bf16 units, which this one has not). The figure is the time of the optimizer steps (sum
