@@ -94,7 +94,7 @@ def test_fsdp_two_ranks_killed_and_resumed_match_one_rank(
     )
     killed = torchrun_train(path, RLHF_BATCH_FAULT="train:checkpoint-4")  # rank 0, once written
     assert killed.returncode != 0
-    ckpt = checkpoint.latest(layout.folder(two.run_dir, 0, "train") / train.CHECKPOINT_DIR)
+    ckpt = checkpoint.latest(layout.checkpoint_dir(two.run_dir, 0))
     assert ckpt is not None and ckpt.name == "step-00000004" and n_steps > 4
     # written from the gathered full state dicts: AdamW state keyed by parameter name
     state = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
