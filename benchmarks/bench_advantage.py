@@ -8,7 +8,7 @@ the group statistics never read the token lists).
 Ours: (a) "group statistics" = the advantage stage's pool + integrity check + groups + counts
 (rlhf_batch/sql/advantage_{pool,aligned,groups,counts}.sql and the duplicate-id check; the exact
 path, advantage_{pool_joined,check}.sql, runs only on bad or reordered input), reading the Parquet parts;
-(b) the whole stage (`advantage.run`) including sorting and writing the training shards, for
+(b) the whole stage (`advantage.run`) including sorting and writing the training parts, for
 its time and peak RSS. Baseline (THE BASELINE below, what TorchRL's MCAdvantage does): rows
 arrive one by one as TensorDicts (built before the clock starts); each goes into a deque per
 prompt; when a prompt's deque holds G rows they are concatenated and get (r - mean) / std
@@ -52,18 +52,16 @@ def write_data(run_dir: Path, rows: int) -> None:
     """Complete iter=0 rollouts and scores stages of `rows` rows, one part per CHUNK rows."""
     import duckdb
 
-    from rlhf_batch import shards
+    from rlhf_batch import executor, layout
     from rlhf_batch.schemas import ROLLOUTS, SCORES
 
     con = duckdb.connect()
     for stage_name, sql, schema in (("rollouts", ROLLOUT_SQL, ROLLOUTS), ("scores", SCORE_SQL, SCORES)):
-        stage = shards.StageRun(
-            shards.stage_dir(run_dir, 0, stage_name), stage_name, {"bench": True}, {}, True
-        )
+        stage = executor.claim(layout.folder(run_dir, 0, stage_name), stage_name, {"bench": True}, {}, True)
         n_parts = -(-rows // CHUNK)
         for n in range(n_parts):
             table = con.sql(sql, params={"lo": n * CHUNK, "hi": min(rows, (n + 1) * CHUNK)}).to_arrow_table()
-            stage.write(n, table, schema)
+            stage.write_table(n, table, schema)
         stage.finish(n_parts)
     con.close()
 
@@ -200,7 +198,7 @@ def main() -> None:
     append_row(
         args.results,
         "advantage stage peak memory",
-        f"{big:,} rollouts -> {stage['rows_out']:,} training rows, shards written, {stage['seconds']:.0f}s",
+        f"{big:,} rollouts -> {stage['rows_out']:,} training rows, parts written, {stage['seconds']:.0f}s",
         "peak RSS of the whole stage process",
         mb(stage["peak_rss"]),
         mem=mb(stage["peak_rss"]),

@@ -37,7 +37,7 @@ def write_rollouts(run_dir: Path, w: Workload) -> None:
     the reference forward runs for every row)."""
     import pyarrow as pa
 
-    from rlhf_batch import shards
+    from rlhf_batch import executor, layout
     from rlhf_batch.schemas import ROLLOUTS, with_extra
 
     n = len(w)
@@ -57,8 +57,8 @@ def write_rollouts(run_dir: Path, w: Workload) -> None:
     }
     schema = with_extra(ROLLOUTS, pa.schema([("letter", pa.string()), ("count", pa.int64())]))
     table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in schema}, schema=schema)
-    stage = shards.StageRun(shards.stage_dir(run_dir, 0, "rollouts"), "rollouts", {"bench": True}, {}, True)
-    stage.write(0, table, schema)
+    stage = executor.claim(layout.folder(run_dir, 0, "rollouts"), "rollouts", {"bench": True}, {}, True)
+    stage.write_table(0, table, schema)
     stage.finish(1)
 
 
@@ -135,8 +135,8 @@ def worker_fn(spec: dict[str, Any]) -> dict[str, Any]:
     """One log-prob function (ours or the baseline) after loading the model: time and peak memory."""
     import torch
 
+    from rlhf_batch.forward import batched_logprobs
     from rlhf_batch.models import load_model, resolve_dtype
-    from rlhf_batch.stages.score import batched_logprobs
 
     w = spec_workload(spec)
     mem = Mem()

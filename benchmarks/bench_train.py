@@ -1,7 +1,7 @@
 """train: GRPO steps of the train stage against a naive training loop.
 
 Data: the workload's rollouts (bench_score.write_rollouts), a scores stage with random rewards,
-then the real advantage stage (length-bucketed shards) and the real train stage
+then the real advantage stage (length-bucketed parts) and the real train stage
 (`train.run`, one PPO epoch, default token budgets: 65536 response tokens per step, micro-
 batches of <= 16384 padded tokens, float32 master weights, bf16 autocast only where the CPU
 has bf16 units, which this one has not). The figure is the time of the optimizer steps (sum
@@ -35,7 +35,7 @@ def write_scores(run_dir: Path, w: Workload) -> None:
     import numpy as np
     import pyarrow as pa
 
-    from rlhf_batch import shards
+    from rlhf_batch import executor, layout
     from rlhf_batch.schemas import SCORES
 
     n = len(w)
@@ -52,8 +52,8 @@ def write_scores(run_dir: Path, w: Workload) -> None:
         "kl_coef": [0.0] * n,
     }
     table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in SCORES}, schema=SCORES)
-    stage = shards.StageRun(shards.stage_dir(run_dir, 0, "scores"), "scores", {"bench": True}, {}, True)
-    stage.write(0, table, SCORES)
+    stage = executor.claim(layout.folder(run_dir, 0, "scores"), "scores", {"bench": True}, {}, True)
+    stage.write_table(0, table, SCORES)
     stage.finish(1)
 
 
@@ -72,10 +72,10 @@ def prepare(run_dir: Path, w: Workload, model: str) -> Any:
 
 def padding(cfg: Any) -> tuple[float, int]:
     """Share of padding in the micro-batches the train stage plans, and their count."""
-    from rlhf_batch import shards
-    from rlhf_batch.stages.train_data import load_shards, plan_steps
+    from rlhf_batch import layout
+    from rlhf_batch.stages.train_data import load_rows, plan_steps
 
-    data = load_shards(shards.stage_dir(cfg.run_dir, 0, "advantages"))
+    data = load_rows(layout.folder(cfg.run_dir, 0, "advantages"))
     t = cfg.train
     steps = plan_steps(
         data.resp_lens, data.seq_lens, t.tokens_per_step, t.max_tokens_per_batch, 1, (0, 0), t.max_padding
@@ -88,7 +88,7 @@ def padding(cfg: Any) -> tuple[float, int]:
 def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
-    from rlhf_batch import shards
+    from rlhf_batch import layout
     from rlhf_batch.stages import train
 
     w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"]).head(spec["take"])
@@ -99,7 +99,7 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         train.run(cfg, 0, quiet=True)
         wall = time.perf_counter() - t0
-        m = pq.read_table(shards.stage_dir(cfg.run_dir, 0, "train") / "metrics.parquet").to_pylist()
+        m = pq.read_table(layout.folder(cfg.run_dir, 0, "train") / "metrics.parquet").to_pylist()
     steps = sum(r["tokens"] / r["tokens_per_s"] for r in m)
     return {
         "seconds": steps,

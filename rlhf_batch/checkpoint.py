@@ -66,7 +66,7 @@ def save(
     from safetensors import SafetensorError
     from safetensors.torch import save_file, save_model
 
-    from rlhf_batch.shards import write_error
+    from rlhf_batch.atomic import write_error
 
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"

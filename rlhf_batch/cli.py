@@ -61,42 +61,63 @@ def _config(config: Path | None, overrides: list[str] | None):  # noqa: ANN202
 def _stage(
     name: str, config: Path, iteration: int, overrides: list[str] | None, force: bool, quiet: bool
 ) -> None:
-    import importlib
-
     from rlhf_batch import dist
+    from rlhf_batch.executor import execute
     from rlhf_batch.models import set_threads
+    from rlhf_batch.stages.registry import get
 
     cfg = _config(config, overrides)
     set_threads(cfg.threads)
     dist.init(cfg.device)
-    module = importlib.import_module(f"rlhf_batch.stages.{name}")
-    module.run(cfg, iteration, force=force, quiet=quiet)
+    execute(get(name)(cfg, iteration), force=force, quiet=quiet)
 
 
-STAGE_COMMANDS = {
-    "generate": "Sample G responses per prompt with the iteration's policy into iter=K/rollouts.",
-    "score": "Rewards, reference log-probs, per-token KL and KL-shaped reward into iter=K/scores.",
-    "advantage": "Group advantages by prompt (DuckDB), filters, length-bucketed training shards.",
-    "train": "GRPO epochs over iter=K/advantages; writes the new policy to iter=K/policy.",
-}
+@app.command()
+def generate(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Sample G responses per prompt with the iteration's policy into iter=K/rollouts."""
+    _stage("generate", config, iteration, set_, force, quiet)
 
 
-def _stage_command(name: str, doc: str) -> None:
-    def command(
-        config: ConfigArg,
-        iteration: IterOpt = 0,
-        set_: SetOpt = None,
-        force: ForceOpt = False,
-        quiet: QuietOpt = False,
-    ) -> None:
-        _stage(name, config, iteration, set_, force, quiet)
-
-    command.__doc__ = doc
-    app.command(name)(command)
+@app.command()
+def score(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Rewards, reference log-probs, per-token KL and KL-shaped reward into iter=K/scores."""
+    _stage("score", config, iteration, set_, force, quiet)
 
 
-for _name, _doc in STAGE_COMMANDS.items():
-    _stage_command(_name, _doc)
+@app.command()
+def advantage(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Group advantages by prompt (DuckDB), filters, length-bucketed training parts."""
+    _stage("advantage", config, iteration, set_, force, quiet)
+
+
+@app.command()
+def train(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """GRPO epochs over iter=K/advantages; writes the new policy to iter=K/policy."""
+    _stage("train", config, iteration, set_, force, quiet)
 
 
 @app.command()
@@ -138,10 +159,11 @@ def import_(
     quiet: QuietOpt = False,
 ) -> None:
     """Turn externally produced (prompt, response) rows into iter=K/rollouts with behaviour log-probs."""
-    from rlhf_batch.stages.importer import import_rollouts
+    from rlhf_batch.executor import execute
+    from rlhf_batch.stages.importer import Import
 
     overrides = [*(set_ or []), *([f"run_dir={run_dir}"] if run_dir is not None else [])]
-    import_rollouts(_config(config, overrides), file, iteration, force=force, quiet=quiet)
+    execute(Import(_config(config, overrides), iteration, file), force=force, quiet=quiet)
 
 
 @app.command()
@@ -164,7 +186,7 @@ def sql(
     config: ConfigOpt = None,
 ) -> None:
     """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics with an iter column."""
-    from rlhf_batch.inspect import run_sql
+    from rlhf_batch.query import run_sql
     from rlhf_batch.runs import run_dir_of
 
     run_sql(run_dir_of(None, run_dir, config), query, fmt=fmt, out=out)
@@ -173,7 +195,7 @@ def sql(
 @app.command()
 def status(target: TargetArg = None, run_dir: RunDirOpt = None, config: ConfigOpt = None) -> None:
     """Per iteration and stage: complete / partial / missing, rows, mean reward, KL, lengths."""
-    from rlhf_batch.inspect import print_status
+    from rlhf_batch.query import print_status
     from rlhf_batch.runs import run_dir_of
 
     print_status(run_dir_of(target, run_dir, config))
@@ -277,7 +299,7 @@ def main() -> None:
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except OSError as e:  # a full disk under a write not made through rlhf_batch.shards
+    except OSError as e:  # a full disk under a write not made through rlhf_batch.atomic
         import errno
 
         if os.environ.get("RLHF_BATCH_DEBUG") or e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):

@@ -28,78 +28,136 @@ from rlhf_batch import tracking
 from rlhf_batch.errors import ConfigError
 
 
+def knob(default: Any, *decides: str) -> Any:
+    """A config field and the stages whose result it decides (`decides`: stage names). Those
+    stages record it in their manifests and compare it on a re-run (Config.identity): changing it
+    refuses their complete folders. A field that decides nothing (`knob(x)`) is never compared."""
+    meta = {"decides": decides}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _need(ok: bool, key: str, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"'{key}' {what}")
+
+
 @dataclass
 class GenerateConfig:
-    prompts: str = ""  # HF datasets dir (save_to_disk), .jsonl or .parquet
-    prompt_column: str = "prompt"  # plain-text prompts
-    messages_column: str = "messages"  # chat prompts: list of {role, content}
-    id_column: str = "id"  # used as prompt_id when present, else a hash of the prompt
-    max_prompt_tokens: int = 1024
-    overlong: Literal["error", "truncate_left", "skip"] = "error"
-    num_generations: int = 8  # G samples per prompt
-    max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k filtering
-    batch_size: int = 64  # rows (prompt x sample) decoded together
-    prompts_per_part: int = 256  # resume granularity: one Parquet part per this many prompts
+    prompts: str = knob("", "generate")  # HF datasets dir (save_to_disk), .jsonl or .parquet
+    prompt_column: str = knob("prompt", "generate")  # plain-text prompts
+    messages_column: str = knob("messages", "generate")  # chat prompts: list of {role, content}
+    id_column: str = knob("id", "generate")  # used as prompt_id when present, else a hash of the prompt
+    max_prompt_tokens: int = knob(1024, "generate")
+    overlong: Literal["error", "truncate_left", "skip"] = knob("error", "generate")
+    num_generations: int = knob(8, "generate")  # G samples per prompt
+    max_new_tokens: int = knob(256, "generate")
+    temperature: float = knob(1.0, "generate", "import", "score", "train")
+    top_p: float = knob(1.0, "generate")
+    top_k: int = knob(0, "generate")  # 0: no top-k filtering
+    batch_size: int = knob(64, "generate")  # rows (prompt x sample) decoded together
+    prompts_per_part: int = knob(256, "generate")  # resume granularity: one part per this many prompts
+
+    def validate(self) -> None:
+        _need(self.num_generations >= 1, "generate.num_generations", "must be >= 1")
+        _need(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
+        _need(self.temperature > 0, "generate.temperature", "must be > 0")
+        _need(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
+        _need(self.top_k >= 0, "generate.top_k", "must be >= 0")
+        _need(self.batch_size >= 1, "generate.batch_size", "must be >= 1")
+        _need(self.prompts_per_part >= 1, "generate.prompts_per_part", "must be >= 1")
+        _need(self.max_prompt_tokens >= 1, "generate.max_prompt_tokens", "must be >= 1")
 
 
 @dataclass
 class ScoreConfig:
-    reward_functions: list[str] = field(default_factory=list)  # "package.module:function"
-    reward_weights: list[float] = field(default_factory=list)  # default: 1.0 each
-    reward_paths: list[str] = field(default_factory=list)  # where reward modules are imported from
-    reward_model_weight: float = 1.0
-    score_clip: float = 0.0  # clip the score to [-c, c]; 0 disables
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
-    kl_in_reward: bool = True  # reward = score - kl_coef * kl_sum
-    kl_controller: Literal["constant", "adaptive"] = "constant"
-    kl_coef: float = 0.05  # beta (initial beta for the adaptive controller)
-    kl_target: float = 6.0  # adaptive controller: target KL per sequence
-    kl_horizon: int = 10000  # adaptive controller: horizon in rollouts
-    max_tokens_per_batch: int = 16384  # token budget of a forward batch
-    rows_per_part: int = 2048
+    reward_functions: list[str] = knob([], "score")  # "package.module:function"
+    reward_weights: list[float] = knob([], "score")  # default: 1.0 each
+    reward_paths: list[str] = knob([])  # where reward modules are imported from (changes no result)
+    reward_model_weight: float = knob(1.0, "score")
+    score_clip: float = knob(0.0, "score")  # clip the score to [-c, c]; 0 disables
+    kl_estimator: Literal["k1", "k2", "k3"] = knob("k1", "score")
+    kl_in_reward: bool = knob(True, "score")  # reward = score - kl_reward_coef * kl_sum
+    kl_controller: Literal["constant", "adaptive"] = knob("constant", "score")
+    kl_reward_coef: float = knob(0.05, "score")  # beta (initial beta for the adaptive controller)
+    kl_target: float = knob(6.0, "score")  # adaptive controller: target KL per sequence
+    kl_horizon: int = knob(10000, "score")  # adaptive controller: horizon in rollouts
+    # the token budget changes no result (up to rounding): a resume may lower it after an OOM
+    max_tokens_per_batch: int = knob(16384)  # token budget of a forward batch
+    rows_per_part: int = knob(2048, "score", "import")
+
+    def validate(self) -> None:
+        _need(
+            not self.reward_weights or len(self.reward_weights) == len(self.reward_functions),
+            "score.reward_weights",
+            f"has {len(self.reward_weights)} weights for {len(self.reward_functions)} reward_functions",
+        )
+        _need(self.score_clip >= 0, "score.score_clip", "must be >= 0")
+        _need(self.kl_reward_coef >= 0, "score.kl_reward_coef", "must be >= 0")
+        _need(self.kl_target > 0, "score.kl_target", "must be > 0")
+        _need(self.kl_horizon > 0, "score.kl_horizon", "must be > 0")
+        _need(self.max_tokens_per_batch >= 1, "score.max_tokens_per_batch", "must be >= 1")
 
 
 @dataclass
 class AdvantageConfig:
-    estimator: Literal["grpo", "drgrpo", "rloo"] = "grpo"  # (r-mean)/(std+eps) | r-mean | leave-one-out
-    scale: Literal["group", "batch", "none"] = "group"  # grpo's std: of the group, of the batch, none
-    ddof: int = 1  # std: 1 sample (stddev_samp, as TorchRL's MCAdvantage), 0 population
-    eps: float = 1e-6  # added to the std (TorchRL's MCAdvantage default)
-    window: int = 1  # pool groups over the last W iterations
-    drop_zero_variance: bool = True  # drop groups whose rewards are all equal (DAPO dynamic sampling)
-    min_group_size: int = 2  # drop groups with fewer scored rollouts
-    truncated: Literal["keep", "drop", "zero"] = "keep"  # finish_reason = 'length'
-    bucket_tokens: int = 64  # width of a length bucket
-    rows_per_shard: int = 4096
+    # (r-mean)/(std+eps) | r-mean | leave-one-out
+    estimator: Literal["grpo", "drgrpo", "rloo"] = knob("grpo", "advantage")
+    scale: Literal["group", "batch", "none"] = knob("group", "advantage")  # grpo's std: group, batch, none
+    ddof: int = knob(1, "advantage")  # std: 1 sample (stddev_samp, as TorchRL's MCAdvantage), 0 population
+    eps: float = knob(1e-6, "advantage")  # added to the std (TorchRL's MCAdvantage default)
+    window: int = knob(1, "advantage")  # pool groups over the last W iterations
+    drop_zero_variance: bool = knob(True, "advantage")  # drop groups whose rewards are all equal (DAPO)
+    min_group_size: int = knob(2, "advantage")  # drop groups with fewer scored rollouts
+    truncated: Literal["keep", "drop", "zero"] = knob("keep", "advantage")  # finish_reason = 'length'
+    bucket_tokens: int = knob(64, "advantage")  # width of a length bucket
+    rows_per_part: int = knob(4096, "advantage")
+
+    def validate(self) -> None:
+        _need(self.ddof in (0, 1), "advantage.ddof", "must be 0 or 1")
+        _need(self.eps >= 0, "advantage.eps", "must be >= 0")
+        _need(self.window >= 1, "advantage.window", "must be >= 1")
+        _need(self.min_group_size >= 1, "advantage.min_group_size", "must be >= 1")
+        _need(self.bucket_tokens >= 1, "advantage.bucket_tokens", "must be >= 1")
+        _need(self.rows_per_part >= 1, "advantage.rows_per_part", "must be >= 1")
 
 
 @dataclass
 class TrainConfig:
-    ppo_epochs: int = 1
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
-    max_grad_norm: float = 1.0
-    tokens_per_step: int = 65536  # real tokens per optimizer step (global)
-    max_tokens_per_batch: int = 16384  # token budget of one micro-batch
-    max_padding: float = 0.1  # close a micro-batch before padding exceeds this share of its tokens
-    eps_low: float = 0.2
-    eps_high: float = 0.0  # 0: same as eps_low
-    dual_clip: float = 0.0  # 0: off; else c > 1
-    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
-    norm_const: float = 0.0  # seq_mean_token_sum_norm divisor; 0: generate.max_new_tokens
-    kl_coef: float = 0.0  # k3 KL to the reference in the loss
-    kl_to_inference_coef: float = 0.0
-    entropy_coef: float = 0.0
-    recompute_old: bool = False
-    gradient_checkpointing: bool = False
-    autocast_bf16: bool = True  # bf16 autocast when dtype resolves to bfloat16; master weights float32
-    checkpoint_every: int = 0  # optimizer steps; 0: only at the end
-    fsdp: bool = False  # under torchrun: shard weights, gradients and AdamW state (FSDP2); 1 process: no-op
+    ppo_epochs: int = knob(1, "train")
+    lr: float = knob(1e-5, "train")
+    weight_decay: float = knob(0.0, "train")
+    warmup_steps: int = knob(0, "train")
+    lr_schedule: Literal["constant", "cosine", "linear"] = knob("constant", "train")
+    max_grad_norm: float = knob(1.0, "train")
+    tokens_per_step: int = knob(65536, "train")  # real tokens per optimizer step (global)
+    max_tokens_per_batch: int = knob(16384, "train")  # token budget of one micro-batch
+    max_padding: float = knob(0.1, "train")  # close a micro-batch before padding exceeds this share
+    eps_low: float = knob(0.2, "train")
+    eps_high: float = knob(0.0, "train")  # 0: same as eps_low
+    dual_clip: float = knob(0.0, "train")  # 0: off; else c > 1
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = knob(
+        "token_mean", "train"
+    )
+    norm_const: float = knob(0.0, "train")  # seq_mean_token_sum_norm divisor; 0: generate.max_new_tokens
+    kl_loss_coef: float = knob(0.0, "train")  # k3 KL to the reference in the loss
+    kl_to_inference_coef: float = knob(0.0, "train")
+    entropy_coef: float = knob(0.0, "train")
+    recompute_old: bool = knob(False, "train")
+    gradient_checkpointing: bool = knob(False, "train")
+    autocast_bf16: bool = knob(True, "train")  # bf16 autocast when dtype resolves to bfloat16
+    checkpoint_every: int = knob(0, "train")  # optimizer steps; 0: only at the end
+    fsdp: bool = knob(False, "train")  # under torchrun: shard weights, gradients, AdamW state (FSDP2)
+
+    def validate(self) -> None:
+        _need(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
+        _need(self.lr >= 0, "train.lr", "must be >= 0")
+        _need(self.eps_low > 0, "train.eps_low", "must be > 0")
+        _need(self.dual_clip == 0 or self.dual_clip > 1, "train.dual_clip", "must be 0 (off) or > 1")
+        _need(self.tokens_per_step >= 1, "train.tokens_per_step", "must be >= 1")
+        _need(self.max_tokens_per_batch >= 1, "train.max_tokens_per_batch", "must be >= 1")
+        _need(0 < self.max_padding <= 1, "train.max_padding", "must be in (0, 1]")
 
 
 Tracker = Literal["tensorboard", "trackio", "wandb", "mlflow"]
@@ -107,21 +165,23 @@ Tracker = Literal["tensorboard", "trackio", "wandb", "mlflow"]
 
 @dataclass
 class Config:
-    run_dir: str = "runs/default"
-    seed: int = 0
-    iterations: int = 1
-    policy_model: str = ""  # initial policy (iteration 0)
-    ref_model: str = ""  # default: the initial policy
-    reward_model: str = ""  # optional sequence-classification model (1 label)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    trust_remote_code: bool = False
-    threads: int = 0  # CPU threads for torch; 0: torch's default (small models run best on 1)
-    in_process: bool = False  # run: stages in this process instead of one subprocess each
-    demo: bool = False  # generate: build the tiny demo model and prompts when missing
-    report_to: list[Tracker] = field(default_factory=list)  # live tracking (README: Live tracking)
-    run_name: str = ""  # trackers' run name; default: the run_dir's folder name
-    tracking_project: str = ""  # wandb/trackio project, MLflow experiment; default "rlhf-batch"
+    run_dir: str = knob("runs/default", "generate", "train")
+    seed: int = knob(0, "generate", "advantage", "train")
+    iterations: int = knob(1)
+    policy_model: str = knob("", "generate", "train")  # initial policy (iteration 0)
+    ref_model: str = knob("")  # default: the initial policy (score records the resolved one)
+    reward_model: str = knob("", "score")  # optional sequence-classification model (1 label)
+    device: Literal["auto", "cpu", "cuda"] = knob("auto", "generate", "train")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
+        "auto", "generate", "import", "score", "train"
+    )
+    trust_remote_code: bool = knob(False, "generate", "train")
+    threads: int = knob(0)  # CPU threads for torch; 0: torch's default (small models run best on 1)
+    in_process: bool = knob(False)  # run: stages in this process instead of one subprocess each
+    demo: bool = knob(False)  # generate: build the tiny demo model and prompts when missing
+    report_to: list[Tracker] = knob([])  # live tracking (README: Live tracking)
+    run_name: str = knob("")  # trackers' run name; default: the run_dir's folder name
+    tracking_project: str = knob("")  # wandb/trackio project, MLflow experiment; default "rlhf-batch"
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -134,14 +194,34 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def stage_dict(self, stage: str) -> dict[str, Any]:
-        """The run-level keys that can change a result plus one stage's table."""
-        top = {k: v for k, v in self.to_dict().items() if not isinstance(v, dict) and k not in NOT_IDENTITY}
-        return {**top, stage: dataclasses.asdict(getattr(self, stage))}
+    def identity(self, stage: str) -> dict[str, Any]:
+        """The keys that decide `stage`'s result (their `decides` metadata): run-level keys at the
+        top, table keys under their table."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                fields = dataclasses.fields(value)
+                table = {g.name: getattr(value, g.name) for g in fields if stage in g.metadata["decides"]}
+                if table:
+                    out[f.name] = table
+            elif stage in f.metadata["decides"]:
+                out[f.name] = value
+        return out
+
+    def validate(self) -> None:
+        _need(self.iterations >= 1, "iterations", "must be >= 1")
+        _need(self.threads >= 0, "threads", "must be >= 0")
+        _need(not (gone := tracking.missing(self.report_to)), "report_to", f"asks for {gone}")
+        for table in (self.generate, self.score, self.advantage, self.train):
+            table.validate()
 
 
-# run-level keys that change no stage's result
-NOT_IDENTITY = ("iterations", "in_process", "demo", "threads", "report_to", "run_name", "tracking_project")
+RENAMED = {  # old key -> new key: an old name is refused, naming the new one
+    "score.kl_coef": "score.kl_reward_coef",
+    "train.kl_coef": "train.kl_loss_coef",
+    "advantage.rows_per_shard": "advantage.rows_per_part",
+}
 PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
 
 
@@ -171,7 +251,10 @@ def load_config(
         _resolve_hub_ids(cfg)
     cfg.score.reward_paths = [str(base / Path(d).expanduser()) for d in cfg.score.reward_paths]
     cfg.__dict__["source_dir"] = str(base)  # not a field: where the file is changes no result
-    _check(cfg, where)
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     return cfg
 
 
@@ -214,6 +297,8 @@ def _build(cls: type, raw: dict[str, Any], where: str, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in raw:
+        if f"{prefix}{key}" in RENAMED:
+            raise ConfigError(f"{where}: '{prefix}{key}' was renamed to '{RENAMED[prefix + key]}'")
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
@@ -285,45 +370,3 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
         *tables, last = key.split(".")
         node = cfg.generate if tables else cfg
         setattr(node, last, fix(getattr(node, last)))
-
-
-def _check(cfg: Config, where: str) -> None:
-    def need(ok: bool, key: str, what: str) -> None:
-        if not ok:
-            raise ConfigError(f"{where}: '{key}' {what}")
-
-    g, s, a, t = cfg.generate, cfg.score, cfg.advantage, cfg.train
-    need(cfg.iterations >= 1, "iterations", "must be >= 1")
-    need(cfg.threads >= 0, "threads", "must be >= 0")
-    need(not (gone := tracking.missing(cfg.report_to)), "report_to", f"asks for {gone}")
-    need(g.num_generations >= 1, "generate.num_generations", "must be >= 1")
-    need(g.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
-    need(g.temperature > 0, "generate.temperature", "must be > 0")
-    need(0 < g.top_p <= 1, "generate.top_p", "must be in (0, 1]")
-    need(g.top_k >= 0, "generate.top_k", "must be >= 0")
-    need(g.batch_size >= 1, "generate.batch_size", "must be >= 1")
-    need(g.prompts_per_part >= 1, "generate.prompts_per_part", "must be >= 1")
-    need(g.max_prompt_tokens >= 1, "generate.max_prompt_tokens", "must be >= 1")
-    need(
-        not s.reward_weights or len(s.reward_weights) == len(s.reward_functions),
-        "score.reward_weights",
-        f"has {len(s.reward_weights)} weights for {len(s.reward_functions)} reward_functions",
-    )
-    need(s.score_clip >= 0, "score.score_clip", "must be >= 0")
-    need(s.kl_coef >= 0, "score.kl_coef", "must be >= 0")
-    need(s.kl_target > 0, "score.kl_target", "must be > 0")
-    need(s.kl_horizon > 0, "score.kl_horizon", "must be > 0")
-    need(s.max_tokens_per_batch >= 1, "score.max_tokens_per_batch", "must be >= 1")
-    need(a.ddof in (0, 1), "advantage.ddof", "must be 0 or 1")
-    need(a.eps >= 0, "advantage.eps", "must be >= 0")
-    need(a.window >= 1, "advantage.window", "must be >= 1")
-    need(a.min_group_size >= 1, "advantage.min_group_size", "must be >= 1")
-    need(a.bucket_tokens >= 1, "advantage.bucket_tokens", "must be >= 1")
-    need(a.rows_per_shard >= 1, "advantage.rows_per_shard", "must be >= 1")
-    need(t.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
-    need(t.lr >= 0, "train.lr", "must be >= 0")
-    need(t.eps_low > 0, "train.eps_low", "must be > 0")
-    need(t.dual_clip == 0 or t.dual_clip > 1, "train.dual_clip", "must be 0 (off) or > 1")
-    need(t.tokens_per_step >= 1, "train.tokens_per_step", "must be >= 1")
-    need(t.max_tokens_per_batch >= 1, "train.max_tokens_per_batch", "must be >= 1")
-    need(0 < t.max_padding <= 1, "train.max_padding", "must be in (0, 1]")

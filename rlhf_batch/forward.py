@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from rlhf_batch.core.batching import token_budget_batches
 from rlhf_batch.core.logprobs import chunked_logprobs
 
 # Config keys of models whose logits are not plain `lm_head(hidden)` (Gemma 2/3, Cohere, Granite).
@@ -138,8 +140,6 @@ def shared_prefix_logprobs(
     position ids continuing each row's prompt. Same numbers as `response_logprobs` on the full
     sequences up to float rounding; only for `can_share_prefix` models.
     """
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     chunk = default_chunk_size(head.weight.shape[0])
@@ -156,16 +156,7 @@ def shared_prefix_logprobs(
         p_lens = [len(prompts[prompt_of[i]]) for i in rows]
         r_lens = [len(responses[i]) for i in rows]
         width = max(p_lens)
-        idx = torch.tensor(
-            [
-                [starts[prompt_of[i]] + min(t, p - 1) for t in range(width)]
-                for i, p in zip(rows, p_lens, strict=True)
-            ],
-            device=keys[0].device,
-        )  # [b, P] positions in the concatenated prompts (padding repeats a real one, masked out)
-        cache = DynamicCache()
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-            cache.update(k[:, idx].transpose(0, 1), v[:, idx].transpose(0, 1), layer)  # [b, kvh, P, d]
+        cache = _prompt_cache(keys, values, [starts[prompt_of[i]] for i in rows], p_lens)
         ids, r_attn = pad_right([responses[i] for i in rows], pad_id, device)  # [b, R]
         p_attn = (torch.arange(width)[None, :] < torch.tensor(p_lens)[:, None]).long().to(device)  # [b, P]
         pos = torch.tensor(p_lens, device=device)[:, None] + torch.arange(
@@ -191,14 +182,30 @@ def shared_prefix_logprobs(
     return out
 
 
+def _prompt_cache(
+    keys: list[torch.Tensor], values: list[torch.Tensor], starts: list[int], p_lens: list[int]
+) -> Any:
+    """A KV cache [b, kvh, P, d] per layer holding each row's prompt, gathered from the prompts'
+    concatenated keys and values [kvh, sum P, d] (row k's prompt starts at starts[k])."""
+    from transformers import DynamicCache
+
+    width = max(p_lens)
+    idx = torch.tensor(
+        [[s + min(t, p - 1) for t in range(width)] for s, p in zip(starts, p_lens, strict=True)],
+        device=keys[0].device,
+    )  # [b, P] positions in the concatenated prompts (padding repeats a real one, masked out)
+    cache = DynamicCache()
+    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        cache.update(k[:, idx].transpose(0, 1), v[:, idx].transpose(0, 1), layer)  # [b, kvh, P, d]
+    return cache
+
+
 def _prefill(
     decoder: Any, prompts: Sequence[Sequence[int]], pad_id: int, max_tokens: int, device: Any
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Each prompt once through the decoder: per layer keys and values [kvh, sum P, d] (prompts
     concatenated in order) and the last prompt position's hidden state [n, H]."""
     from transformers import DynamicCache
-
-    from rlhf_batch.core.batching import token_budget_batches
 
     n_layers = decoder.config.num_hidden_layers
     ks: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n_layers)]
@@ -238,3 +245,74 @@ def _response_batches(r_lens: Sequence[int], p_lens: Sequence[int], max_tokens: 
     if cur:
         batches.append(cur)
     return batches
+
+
+def batched_logprobs(
+    model: Any,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    temperature: float,
+    *,
+    pad_id: int,
+    max_tokens: int,
+    progress: Any = None,
+) -> list[np.ndarray]:
+    """Log-probs [len(response)] float32 of every row's response tokens, in input order.
+
+    Rows that share their prompt (the G samples of a group) run it through the model once
+    (shared_prefix_logprobs, for the model families it supports); otherwise token-budget
+    batches over length-sorted rows (response_logprobs)."""
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
+    out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(lengths)
+    uniq: dict[tuple[int, ...], int] = {}
+    prompt_of = [uniq.setdefault(tuple(p), len(uniq)) for p in prompt_ids]
+    with torch.inference_mode():
+        if len(uniq) < len(prompt_ids) and can_share_prefix(model):
+            for rows in _prompt_chunks(prompt_of, [len(p) for p in uniq], 8 * max_tokens):
+                local: dict[int, int] = {}  # prompt index -> its index among this chunk's prompts
+                for r in rows:
+                    local.setdefault(prompt_of[r], len(local))
+                first = {j: r for r in reversed(rows) for j in [prompt_of[r]]}  # a row of each prompt
+                lps = shared_prefix_logprobs(
+                    model,
+                    [prompt_ids[first[j]] for j in local],
+                    [response_ids[i] for i in rows],
+                    [local[prompt_of[i]] for i in rows],
+                    temperature,
+                    pad_id=pad_id,
+                    max_tokens=max_tokens,
+                )
+                for i, lp in zip(rows, lps, strict=True):
+                    if len(response_ids[i]):
+                        out[i] = lp.cpu().numpy()
+                if progress is not None:
+                    progress(sum(lengths[i] for i in rows))
+            return out
+        for batch in token_budget_batches(lengths, max_tokens):
+            seqs = [prompt_ids[i] + response_ids[i] for i in batch]
+            logp, _, _ = response_logprobs(
+                model, seqs, [len(prompt_ids[i]) for i in batch], temperature, pad_id=pad_id
+            )  # [b, T]
+            logp_np = logp.cpu().numpy()  # [b, T]
+            for j, i in enumerate(batch):
+                out[i] = logp_np[j, : len(response_ids[i])].copy()  # [T_i]
+            if progress is not None:
+                progress(sum(lengths[i] for i in batch))
+    return out
+
+
+def _prompt_chunks(prompt_of: list[int], p_lens: list[int], max_prompt_tokens: int) -> list[list[int]]:
+    """Rows cut into chunks of whole groups whose distinct prompts hold <= max_prompt_tokens
+    tokens (one group at least): the prompts' keys and values of a chunk are kept in memory."""
+    groups: dict[int, list[int]] = {}
+    for i, j in enumerate(prompt_of):
+        groups.setdefault(j, []).append(i)
+    chunks: list[list[int]] = []
+    held = max_prompt_tokens
+    for j, rows in groups.items():
+        if held + p_lens[j] > max_prompt_tokens:
+            chunks.append([])
+            held = 0
+        chunks[-1].extend(rows)
+        held += p_lens[j]
+    return chunks

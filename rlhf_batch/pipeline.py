@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,12 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 from rlhf_batch.config import Config, load_config
 from rlhf_batch.errors import StageError, UserError
-
-STAGES = (("generate", "rollouts"), ("score", "scores"), ("advantage", "advantages"), ("train", "train"))
-LOCK = ".run.lock"
+from rlhf_batch.executor import execute
+from rlhf_batch.layout import LOCK
 
 
 class RunLock:
@@ -64,20 +62,10 @@ class RunLock:
             self.file.close()
 
 
-def stage_done(cfg: Config, it: int, stage: str, folder: str) -> bool:
-    """Complete with this config, or rollouts that were imported. A complete stage written with
-    another config is left to the stage itself, which refuses it with a clear error."""
-    import importlib
-
-    m = shards.manifest(shards.stage_dir(cfg.run_dir, it, folder))
-    if m is None:
-        return False
-    if stage == "generate" and "import" in m.get("config", {}):
-        return True
-    return m.get("config") == importlib.import_module(f"rlhf_batch.stages.{stage}").identity(cfg)
-
-
 def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -> None:
+    from rlhf_batch.executor import is_done
+    from rlhf_batch.stages.registry import pipeline
+
     cfg = load_config(config_path, overrides)
     with RunLock(Path(cfg.run_dir)):
         if cfg.in_process:
@@ -85,25 +73,16 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
 
             set_threads(cfg.threads)
         for it in range(cfg.iterations):
-            for stage, folder in STAGES:
-                if stage_done(cfg, it, stage, folder):
-                    if stage == "train":  # checkpoints a kill between train's manifest and its cleanup left
-                        shutil.rmtree(
-                            shards.stage_dir(cfg.run_dir, it, "train") / "checkpoint", ignore_errors=True
-                        )
+            for stage_class in pipeline():
+                stage = stage_class(cfg, it)
+                if is_done(stage):
                     continue
-                _say(f"iteration {it}: {stage}", quiet)
+                _say(f"iteration {it}: {stage.name}", quiet)
                 if cfg.in_process:
-                    _run_here(cfg, stage, it, quiet)
+                    execute(stage, quiet=quiet)
                 else:
-                    _run_child(config_path, overrides, stage, it, quiet)
+                    _run_child(config_path, overrides, stage.name, it, quiet)
     print_summary(cfg)
-
-
-def _run_here(cfg: Config, stage: str, it: int, quiet: bool) -> None:
-    import importlib
-
-    importlib.import_module(f"rlhf_batch.stages.{stage}").run(cfg, it, quiet=quiet)
 
 
 def _run_child(config_path: Path, overrides: list[str], stage: str, it: int, quiet: bool) -> None:
@@ -143,10 +122,10 @@ def reward_by_iteration(cfg: Config) -> list[dict[str, Any]]:
 
     out = []
     for it in range(cfg.iterations):
-        sdir = shards.stage_dir(cfg.run_dir, it, "scores")
-        if shards.manifest(sdir) is None:
+        sdir = layout.folder(cfg.run_dir, it, "scores")
+        if manifests.manifest(sdir) is None:
             break
-        t = shards.read_stage(sdir, SCORES, ["score", "reward"])
+        t = manifests.read_complete(sdir, SCORES, ["score", "reward"])
         out.append({"iter": it, "score": pc.mean(t["score"]).as_py(), "reward": pc.mean(t["reward"]).as_py()})
     return out
 

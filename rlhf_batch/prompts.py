@@ -11,7 +11,6 @@ verl `reward_model` struct also gives its `ground_truth` field as a column of th
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pyarrow as pa
 
 from rlhf_batch.config import GenerateConfig
 from rlhf_batch.errors import StageError
+from rlhf_batch.ids import prompt_hash
 from rlhf_batch.schemas import ROLLOUTS
 
 
@@ -186,7 +186,7 @@ def _ids(table: pa.Table, texts: list[str], id_column: str, where: str) -> list[
     if id_column in table.column_names:
         ids = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
     else:
-        ids = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in texts]
+        ids = [prompt_hash(t) for t in texts]
     seen: dict[str, int] = {}
     for i, pid in enumerate(ids):
         if pid is None or pid == "":

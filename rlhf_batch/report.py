@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rlhf_batch import shards
+from rlhf_batch import atomic, layout, manifests
 from rlhf_batch.errors import StageError
 from rlhf_batch.schemas import METRICS, ROLLOUTS, SCORES
 
@@ -29,9 +29,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
     last = None
     for it in iterations(run_dir):
         row: dict[str, Any] = {"iter": it}
-        sdir = shards.stage_dir(run_dir, it, "scores")
-        if shards.manifest(sdir) is not None:
-            t = shards.read_stage(sdir, SCORES, ["score", "reward", "kl_sum"])
+        sdir = layout.folder(run_dir, it, "scores")
+        if manifests.manifest(sdir) is not None:
+            t = manifests.read_complete(sdir, SCORES, ["score", "reward", "kl_sum"])
             row.update(
                 score=_mean(t["score"]),
                 score_std=_std(t["score"]),
@@ -39,21 +39,21 @@ def collect(run_dir: Path) -> dict[str, Any]:
                 kl=_mean(t["kl_sum"]),
             )
             last = it
-        rdir = shards.stage_dir(run_dir, it, "rollouts")
-        if shards.manifest(rdir) is not None:
+        rdir = layout.folder(run_dir, it, "rollouts")
+        if manifests.manifest(rdir) is not None:
             lengths = pc.list_value_length(
-                shards.read_stage(rdir, ROLLOUTS, ["response_ids"])["response_ids"]
+                manifests.read_complete(rdir, ROLLOUTS, ["response_ids"])["response_ids"]
             )
             row["length"] = _mean(lengths)
-        adv = shards.manifest(shards.stage_dir(run_dir, it, "advantages"))
+        adv = manifests.manifest(layout.folder(run_dir, it, "advantages"))
         if adv is not None:
             c = adv.get("counts", {})
             total = c.get("groups_total", 0)
             dropped = c.get("groups_dropped_zero_variance", 0) + c.get("groups_dropped_small", 0)
             row["filtered"] = dropped / total if total else None
-        metrics = shards.stage_dir(run_dir, it, "train") / "metrics.parquet"
-        if metrics.exists() and shards.manifest(metrics.parent) is not None:
-            m = shards.read_part(metrics, METRICS)
+        metrics = layout.folder(run_dir, it, "train") / "metrics.parquet"
+        if metrics.exists() and manifests.manifest(metrics.parent) is not None:
+            m = manifests.read_part(metrics, METRICS)
             steps.append(m.append_column("iter", pa.array([it] * m.num_rows, pa.int32())))
         per_iter.append(row)
     return {"iters": per_iter, "steps": pa.concat_tables(steps) if steps else None, "last": last}
@@ -81,7 +81,7 @@ def write_report(
     plots = _plots(data, out)
     examples = _examples(run_dir, data["last"], n_examples) if data["last"] is not None else []
     page = out / "report.html"
-    shards.write_json_atomic(out / "summary.json", data["iters"])
+    atomic.write_json_atomic(out / "summary.json", data["iters"])
     page.write_text(_html(run_dir, data, plots, examples))
     if tensorboard:
         _tensorboard(data, out / "tensorboard")
@@ -142,9 +142,9 @@ def _plots(data: dict[str, Any], out: Path) -> list[str]:
 
 
 def _examples(run_dir: Path, it: int, n: int) -> list[dict[str, Any]]:
-    scores = shards.read_stage(shards.stage_dir(run_dir, it, "scores"), SCORES, ["rollout_id", "score"])
-    rollouts = shards.read_stage(
-        shards.stage_dir(run_dir, it, "rollouts"), ROLLOUTS, ["rollout_id", "prompt", "response"]
+    scores = manifests.read_complete(layout.folder(run_dir, it, "scores"), SCORES, ["rollout_id", "score"])
+    rollouts = manifests.read_complete(
+        layout.folder(run_dir, it, "rollouts"), ROLLOUTS, ["rollout_id", "prompt", "response"]
     )
     joined = rollouts.join(scores, "rollout_id").filter(pc.is_valid(pc.field("score")))
     ordered = joined.sort_by([("score", "descending"), ("rollout_id", "ascending")]).to_pylist()

@@ -31,29 +31,11 @@ def sample(
     """Per row: (response token ids, behaviour log-probs, finish reason 'stop' | 'length').
 
     `max_new_tokens` is one budget for every row or one per row."""
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
-    n, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)  # [B, L] left-padded
-    attn = torch.zeros((n, width), dtype=torch.long)  # [B, L]
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.as_tensor(p)
-        attn[i, width - len(p) :] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    n = len(prompts)
+    logits, cache, attn, next_pos = _prefill(model, prompts, pad_id, device)
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     stops = torch.as_tensor(sorted(stop_ids or set()), dtype=torch.long, device=device)  # [S]
-    cache = DynamicCache()
-    logits = model(
-        input_ids=ids,
-        attention_mask=attn,
-        position_ids=pos,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]  # [B, V]
-    next_pos = attn.sum(-1)  # [B]
     live = torch.arange(n, device=device)  # [b] original row of each running row
     budget = torch.as_tensor(
         [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens), device=device
@@ -89,3 +71,28 @@ def sample(
         ).logits[:, -1]  # [b, V]
         next_pos = next_pos + 1
     return [(tokens[i], logps[i], reasons[i]) for i in range(n)]
+
+
+def _prefill(model: Any, prompts: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[Any, ...]:
+    """The left-padded prompts through the model once: (last logits [B, V], the KV cache, the
+    attention mask [B, L], each row's next position [B])."""
+    from transformers import DynamicCache
+
+    n, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)  # [B, L] left-padded
+    attn = torch.zeros((n, width), dtype=torch.long)  # [B, L]
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.as_tensor(p)
+        attn[i, width - len(p) :] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    cache = DynamicCache()
+    logits = model(
+        input_ids=ids,
+        attention_mask=attn,
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]  # [B, V]
+    return logits, cache, attn, attn.sum(-1)

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlhf_batch.layout import METRICS_FILE
+
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")
 _MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow"}
 _TOP_NUMBERS = ("rows", "kl_coef", "mean_kl_sum", "batch_std")  # manifest keys worth a curve
@@ -124,11 +126,12 @@ def open_run(cfg: Any, iteration: int) -> Run:
 
 def steps_before(run_dir: str, iteration: int) -> int:
     """Optimizer steps of the train stages of iterations before `iteration` (from their manifests)."""
-    from rlhf_batch import shards
+    from rlhf_batch import layout
+    from rlhf_batch.manifests import manifest
 
     total = 0
     for it in range(iteration):
-        m = shards.manifest(shards.stage_dir(run_dir, it, "train")) or {}
+        m = manifest(layout.folder(run_dir, it, layout.TRAIN)) or {}
         total += int((m.get("counts") or {}).get("steps", 0))
     return total
 
@@ -170,8 +173,8 @@ def headline(sdir: Path, manifest: dict[str, Any]) -> dict[str, float]:
     elif stage == "scores" and files:
         t = _concat([pq.read_table(f, columns=["score", "reward", "kl_sum"]) for f in files])
         out.update({f"{c}_mean": pc.mean(t[c]).as_py() for c in ("score", "reward", "kl_sum")})
-    elif stage == "train" and (sdir / "metrics.parquet").exists():
-        loss = pq.read_table(sdir / "metrics.parquet", columns=["loss"])["loss"]
+    elif stage == "train" and (sdir / METRICS_FILE).exists():
+        loss = pq.read_table(sdir / METRICS_FILE, columns=["loss"])["loss"]
         if len(loss):
             out["loss_mean"] = pc.mean(loss).as_py()
             out["loss_last"] = loss[-1].as_py()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW = ROOT / ".venv-airflow" / "bin" / "airflow"
@@ -43,11 +43,11 @@ def test_dag_runs_two_iterations_of_the_demo(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for it in (0, 1):
         for stage in ("rollouts", "scores", "advantages", "train"):
-            m = shards.manifest(shards.stage_dir(run_dir, it, stage))
+            m = manifests.manifest(layout.folder(run_dir, it, stage))
             assert m is not None, f"iteration {it} {stage} is not complete"
-        rollouts = shards.manifest(shards.stage_dir(run_dir, it, "rollouts"))
+        rollouts = manifests.manifest(layout.folder(run_dir, it, "rollouts"))
         assert rollouts is not None and rollouts["rows"] == 256 * 8  # the demo's 256 prompts x G = 8
-        assert (shards.policy_dir(run_dir, it) / "config.json").exists()
-    assert not shards.iter_dir(run_dir, 2).exists()  # exactly the two iterations the Variable asked for
+        assert (layout.policy_dir(run_dir, it) / "config.json").exists()
+    assert not layout.iter_dir(run_dir, 2).exists()  # exactly the two iterations the Variable asked for
     # iteration 1 sampled from iteration 0's policy
-    assert rollouts["policy"] == str(shards.policy_dir(run_dir, 0))
+    assert rollouts["policy"] == str(layout.policy_dir(run_dir, 0))

@@ -1,3 +1,4 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,43 @@ def test_missing_file(tmp_path: Path) -> None:
         load_config(tmp_path / "nope.toml")
 
 
-def test_stage_dict_holds_run_keys_and_one_stage() -> None:
-    d = Config().stage_dict("score")
-    assert "score" in d and "generate" not in d and d["seed"] == 0
+def test_identity_holds_the_keys_each_field_declares() -> None:
+    cfg = Config()
+    score = cfg.identity("score")
+    assert "max_tokens_per_batch" not in score["score"]  # a resume may lower the budget
+    assert score["generate"] == {"temperature": 1.0} and score["reward_model"] == ""
+    assert cfg.identity("advantage") == {"seed": 0, "advantage": dataclasses.asdict(cfg.advantage)}
+    generate = cfg.identity("generate")
+    assert "reward_model" not in generate and "ref_model" not in generate and "score" not in generate
+    assert "ref_model" not in cfg.identity("train") and cfg.identity("train")["train"]["kl_loss_coef"] == 0.0
+    for stage in ("generate", "import", "score", "advantage", "train"):
+        assert not {"iterations", "threads", "in_process", "demo"} & cfg.identity(stage).keys()
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "needle"),
+    [
+        ("[score]\nkl_coef = 0.1\n", [], "'score.kl_coef' was renamed to 'score.kl_reward_coef'"),
+        ("", ["train.kl_coef=0.1"], "'train.kl_coef' was renamed to 'train.kl_loss_coef'"),
+        (
+            "[advantage]\nrows_per_shard = 8\n",
+            [],
+            "'advantage.rows_per_shard' was renamed to 'advantage.rows_per_part'",
+        ),
+    ],
+)
+def test_renamed_keys_are_refused_naming_the_new_name(
+    tmp_path: Path, text: str, overrides: list[str], needle: str
+) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text), overrides)
+    assert needle in str(e.value)
+
+
+def test_each_table_validates_itself() -> None:
+    from rlhf_batch.config import ScoreConfig, TrainConfig
+
+    with pytest.raises(ConfigError, match="'score.kl_reward_coef' must be >= 0"):
+        ScoreConfig(kl_reward_coef=-1.0).validate()
+    with pytest.raises(ConfigError, match="'train.dual_clip' must be 0 \\(off\\) or > 1"):
+        TrainConfig(dual_clip=0.5).validate()

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from rlhf_batch.forward import (
+    _prompt_chunks,
     _response_batches,
+    batched_logprobs,
     can_share_prefix,
     default_chunk_size,
     response_logprobs,
@@ -17,7 +19,6 @@ from rlhf_batch.forward import (
 )
 from rlhf_batch.models import load_model
 from rlhf_batch.sampler import sample
-from rlhf_batch.stages.score import _prompt_chunks, batched_logprobs
 from rlhf_batch.tiny import init_model
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]

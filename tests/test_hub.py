@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 from rlhf_batch.config import load_config
 from rlhf_batch.errors import ModelError
 from rlhf_batch.stages import generate
@@ -43,7 +43,7 @@ def test_a_hub_id_resolves_to_the_cache_and_its_revision_is_in_the_manifest(
     assert Path(cfg.policy_model) == offline_cache
     m = generate.run(cfg, 0, quiet=True)
     assert m["rows"] == 12
-    hub = shards.manifest(shards.stage_dir(cfg.run_dir, 0, "rollouts"))["inputs"]["policy"]["hub"]
+    hub = manifests.manifest(layout.folder(cfg.run_dir, 0, "rollouts"))["inputs"]["policy"]["hub"]
     assert hub == {"id": "tiny-org/tiny-policy", "revision": REVISION}
     # a revision given after @ resolves to that snapshot
     _, cfg = make_config(name="r.toml", policy_model=f"tiny-org/tiny-policy@{REVISION}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 from rlhf_batch.pipeline import reward_by_iteration
 from rlhf_batch.report import write_report
 
@@ -29,7 +29,7 @@ def test_run_in_subprocesses_then_again_does_nothing_and_more_iterations_extend(
     assert first.returncode == 0, first.stderr
     for it in (0, 1):
         for stage in ("rollouts", "scores", "advantages", "train"):
-            m = shards.manifest(shards.stage_dir(cfg.run_dir, it, stage))
+            m = manifests.manifest(layout.folder(cfg.run_dir, it, stage))
             assert m is not None
             assert m["resolved_config"] == cfg.to_dict()  # the whole config, paths resolved, each stage
     assert "iter  mean score  mean reward" in first.stdout and "report: " in first.stdout
@@ -134,3 +134,18 @@ def test_the_shortened_demo_learns_and_would_not_with_a_zero_learning_rate(tmp_p
         gains[lr] = scores[-1] - scores[0]
     assert gains["5e-3"] > 0.1  # measured: ~0.19 (0.004 -> 0.19)
     assert abs(gains["0.0"]) < 0.02  # the same test with lr = 0 fails the learning assertion
+
+
+def test_run_cli_and_airflow_dag_use_the_registry_order() -> None:
+    import ast
+
+    from rlhf_batch.cli import app
+    from rlhf_batch.stages.registry import pipeline, stages
+
+    names = [s.name for s in pipeline()]
+    assert names == ["generate", "score", "advantage", "train"]
+    dag = ast.parse((ROOT / "pipelines" / "airflow_dag.py").read_text())
+    (value,) = [n.value for n in dag.body if isinstance(n, ast.Assign) and n.targets[0].id == "STAGES"]  # type: ignore[attr-defined]
+    assert list(ast.literal_eval(value)) == names  # the DAG runs in Airflow's own venv: a copy, checked
+    commands = {c.name or c.callback.__name__ for c in app.registered_commands}  # type: ignore[union-attr]
+    assert {s.name for s in stages()} <= commands

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 
 SCRIPT = Path(__file__).resolve().parents[1] / "pipelines" / "torchrun_multi_gpu.sh"
 
@@ -28,11 +28,11 @@ def test_script_runs_one_iteration_on_two_processes(make_config, tmp_path: Path)
     assert done.returncode == 0, done.stderr[-4000:]
     assert not Path(cfg.run_dir).exists()
     for stage in ("rollouts", "scores", "advantages", "train"):
-        m = shards.manifest(shards.stage_dir(run_dir, 0, stage))
+        m = manifests.manifest(layout.folder(run_dir, 0, stage))
         assert m is not None, f"{stage} is not complete"
         if stage in ("rollouts", "scores"):  # written by both ranks: part-00000-* and part-00001-*
             assert {p["file"][5:10] for p in m["parts"]} == {"00000", "00001"}, stage
-    rollouts = shards.manifest(shards.stage_dir(run_dir, 0, "rollouts"))
+    rollouts = manifests.manifest(layout.folder(run_dir, 0, "rollouts"))
     assert rollouts is not None and rollouts["rows"] == 12 * 4  # 12 prompts x G = 4
-    assert (shards.policy_dir(run_dir, 0) / "model.safetensors").exists()
-    assert not shards.iter_dir(run_dir, 1).exists()  # ITERATIONS = 1
+    assert (layout.policy_dir(run_dir, 0) / "model.safetensors").exists()
+    assert not layout.iter_dir(run_dir, 1).exists()  # ITERATIONS = 1

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import tomli_w
 
-from rlhf_batch import shards, tracking
+from rlhf_batch import layout, manifests, tracking
 from rlhf_batch.config import load_config
 from rlhf_batch.errors import ConfigError
 
@@ -79,21 +79,19 @@ def expected(cfg) -> dict[str, dict[int, float]]:
     out: dict[str, dict[int, float]] = {}
     offset = 0
     for it in (0, 1):
-        scores = [
-            pq.read_table(p) for p in sorted(shards.stage_dir(cfg.run_dir, it, "scores").glob("part-*"))
-        ]
+        scores = [pq.read_table(p) for p in sorted(layout.folder(cfg.run_dir, it, "scores").glob("part-*"))]
         reward = np.concatenate([t["reward"].to_numpy() for t in scores])
         out.setdefault("scores/reward_mean", {})[it] = float(reward.mean())
         kl_sum = np.concatenate([t["kl_sum"].to_numpy() for t in scores])
         out.setdefault("scores/kl_sum_mean", {})[it] = float(kl_sum.mean())
-        rollouts = pq.read_table(shards.stage_dir(cfg.run_dir, it, "rollouts"), columns=["response_ids"])
+        rollouts = pq.read_table(layout.folder(cfg.run_dir, it, "rollouts"), columns=["response_ids"])
         tokens = sum(len(r) for r in rollouts["response_ids"].to_pylist())
         out.setdefault("rollouts/response_tokens", {})[it] = float(tokens)
-        adv = shards.manifest(shards.stage_dir(cfg.run_dir, it, "advantages"))
+        adv = manifests.manifest(layout.folder(cfg.run_dir, it, "advantages"))
         out.setdefault("advantages/groups_out", {})[it] = float(adv["counts"]["groups_out"])
-        roll = shards.manifest(shards.stage_dir(cfg.run_dir, it, "rollouts"))
+        roll = manifests.manifest(layout.folder(cfg.run_dir, it, "rollouts"))
         out.setdefault("rollouts/rows", {})[it] = float(roll["rows"])
-        metrics = pq.read_table(shards.stage_dir(cfg.run_dir, it, "train") / "metrics.parquet").to_pylist()
+        metrics = pq.read_table(layout.folder(cfg.run_dir, it, "train") / "metrics.parquet").to_pylist()
         out.setdefault("train/steps", {})[it] = float(len(metrics))
         out.setdefault("train/loss_mean", {})[it] = float(np.mean([r["loss"] for r in metrics]))
         for row in metrics:
@@ -322,7 +320,7 @@ def test_a_tracker_failing_during_train_leaves_the_stage_complete_and_unchanged(
         pq.read_table(tmp_path / n / "run" / "iter=0000" / "train" / "metrics.parquet") for n in results
     ]
     assert tables[1].drop(["tokens_per_s"]).equals(tables[0].drop(["tokens_per_s"]))
-    assert shards.manifest(tmp_path / "failing" / "run" / "iter=0000" / "train") is not None
+    assert manifests.manifest(tmp_path / "failing" / "run" / "iter=0000" / "train") is not None
     losses = []
     for events in (tmp_path / "failing" / "run" / "tracking" / "tensorboard").glob("events.out.tfevents.*"):
         acc = EventAccumulator(str(events))

@@ -24,7 +24,7 @@ ranks, so that summing the micro-batch losses gives exactly the big-batch loss.
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorClass
@@ -50,9 +50,7 @@ class GRPOLossOutput(TensorClass):
     kl_approx: torch.Tensor  # masked mean of r - 1 - log r: k3 of KL(behaviour || current)
     kl_to_ref: torch.Tensor  # masked mean of k3(logp, ref)
     entropy: torch.Tensor  # masked mean of entropy
-    ess: torch.Tensor  # normalised effective sample size of sequence weights, in (0, 1]
     ratio_mean: torch.Tensor  # masked mean of the token ratio
-    ratio_max: torch.Tensor  # max of the token ratio over real tokens
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -117,14 +115,37 @@ def _validate(
         raise ValueError(f"denominator must be > 0, got {denominator}")
 
 
-def _ess(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(sum w)^2 / (n sum w^2) over non-empty sequences, w_i = exp(sum_t log_ratio), in log space."""
-    nonempty = mask.any(-1)  # [B]
-    n = int(nonempty.sum())
-    if n == 0:
-        return log_ratio.new_zeros(())  # []
-    log_w = torch.where(nonempty, log_ratio.sum(-1), -math.inf)  # [B], padding already 0
-    return torch.exp(2 * torch.logsumexp(log_w, 0) - torch.logsumexp(2 * log_w, 0) - math.log(n))  # []
+def _penalties(
+    logprobs: torch.Tensor,
+    old: torch.Tensor,
+    mask: torch.Tensor,
+    agg: Callable[[torch.Tensor], torch.Tensor],
+    ref_logprobs: torch.Tensor | None,
+    kl_coef: float,
+    kl_to_inference_coef: float,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+) -> tuple[torch.Tensor, ...]:
+    """(loss_kl_to_ref, kl_to_ref, loss_kl_to_inference, loss_entropy, entropy metric), each []."""
+    dtype = logprobs.dtype
+    zero = logprobs.new_zeros(())  # []
+    loss_kl_to_ref, kl_to_ref = zero, zero
+    if ref_logprobs is not None:
+        kl_ref_tok = k3(logprobs, ref_logprobs.detach().to(dtype), mask)  # [B, T]
+        kl_to_ref = masked_mean(kl_ref_tok, mask).detach()  # []
+        if kl_coef != 0.0:
+            loss_kl_to_ref = kl_coef * agg(kl_ref_tok)  # []
+    loss_kl_to_inference = zero
+    if kl_to_inference_coef != 0.0:
+        loss_kl_to_inference = kl_to_inference_coef * agg(k3(logprobs, old, mask))  # []
+    loss_entropy, entropy_metric = zero, zero
+    if entropy is not None:
+        ent = entropy.to(dtype)  # [B, T]
+        entropy_metric = masked_mean(ent, mask).detach()  # []
+        if entropy_coef != 0.0:
+            loss_entropy = -entropy_coef * agg(ent)  # []
+
+    return loss_kl_to_ref, kl_to_ref, loss_kl_to_inference, loss_entropy, entropy_metric
 
 
 def grpo_loss(
@@ -182,23 +203,9 @@ def grpo_loss(
         loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -dual_clip * adv), loss_tok)  # [B, T]
     loss_objective = agg(loss_tok)  # []
 
-    zero = logprobs.new_zeros(())  # []
-    loss_kl_to_ref, kl_to_ref = zero, zero
-    if ref_logprobs is not None:
-        kl_ref_tok = k3(logprobs, ref_logprobs.detach().to(dtype), mask)  # [B, T]
-        kl_to_ref = masked_mean(kl_ref_tok, mask).detach()  # []
-        if kl_coef != 0.0:
-            loss_kl_to_ref = kl_coef * agg(kl_ref_tok)  # []
-    loss_kl_to_inference = zero
-    if kl_to_inference_coef != 0.0:
-        loss_kl_to_inference = kl_to_inference_coef * agg(k3(logprobs, old, mask))  # []
-    loss_entropy, entropy_metric = zero, zero
-    if entropy is not None:
-        ent = entropy.to(dtype)  # [B, T]
-        entropy_metric = masked_mean(ent, mask).detach()  # []
-        if entropy_coef != 0.0:
-            loss_entropy = -entropy_coef * agg(ent)  # []
-
+    loss_kl_to_ref, kl_to_ref, loss_kl_to_inference, loss_entropy, entropy_metric = _penalties(
+        logprobs, old, mask, agg, ref_logprobs, kl_coef, kl_to_inference_coef, entropy, entropy_coef
+    )
     loss = loss_objective + loss_kl_to_ref + loss_kl_to_inference + loss_entropy  # []
     ratio, log_ratio = ratio.detach(), log_ratio.detach()  # [B, T], metrics only below
     binds = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))  # [B, T]
@@ -212,7 +219,5 @@ def grpo_loss(
         kl_approx=masked_mean(ratio - 1.0 - log_ratio, mask),
         kl_to_ref=kl_to_ref,
         entropy=entropy_metric,
-        ess=_ess(log_ratio, mask),
         ratio_mean=masked_mean(ratio, mask),
-        ratio_max=torch.where(mask, ratio, 0.0).amax(),
     )

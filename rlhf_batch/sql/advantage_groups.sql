@@ -1,12 +1,12 @@
 -- advantage, step 3: one row per prompt_id over the pooled rows that enter the statistics
 -- (`used`: non-null reward, and not truncated when advantage.truncated = 'drop').
--- Semantics of rlhf_batch.core.advantages (its twin): float64; std with ddof (stddev_samp for
+-- Semantics of tests/core/advantages_oracle.py (its twin, the tests' oracle): float64; std with ddof (stddev_samp for
 -- ddof = 1, stddev_pop for ddof = 0); a constant group (max = min, which includes groups of one)
 -- gets mean = the common value and std = 0 exactly, so its advantages are exactly 0.
 --   $iter: the current iteration (`current`: the group has training rows)
 --   $ddof, $min_group_size, $drop_zero_variance: advantage.* config
 -- The float statistics run over each group's rewards sorted into a list (list_avg, list_stddev_*),
--- so they do not depend on thread scheduling: a resumed run rewrites shards bit-identical to an
+-- so they do not depend on thread scheduling: a resumed run rewrites parts bit-identical to an
 -- uninterrupted one. (3x faster than avg(reward ORDER BY reward) on 10M rows, same values.)
 -- `dropped` is the first filter that removes the group: 'small' (n < min_group_size), then
 -- 'zero_variance' (max = min, when drop_zero_variance); NULL: kept.

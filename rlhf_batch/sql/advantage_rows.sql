@@ -1,4 +1,4 @@
--- advantage, step 6: the training rows of the current iteration ($iter), in shard order.
+-- advantage, step 6: the training rows of the current iteration ($iter), in part order.
 --   $rollout_files, $score_files: the current iteration's parts only
 --   $estimator ('grpo' | 'drgrpo' | 'rloo'), $scale ('group' | 'batch' | 'none'), $eps,
 --   $batch_std, $zero_truncated (advantage.truncated = 'zero'), $drop_truncated

@@ -1,4 +1,4 @@
--- status: headline numbers of one iteration's training shards ($files: its parts).
+-- status: headline numbers of one iteration's training parts ($files).
 SELECT
     count(DISTINCT prompt_id) AS groups,
     avg(reward) AS mean_reward,

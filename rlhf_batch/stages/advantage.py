@@ -1,10 +1,10 @@
-"""advantage: group advantages by prompt in DuckDB, filters, length-bucketed training shards.
+"""advantage: group advantages by prompt in DuckDB, filters, length-bucketed training parts.
 
 Reads iter=K/rollouts and iter=K/scores (both complete) and writes iter=K/advantages: one row
 per training rollout with exactly the columns of schemas.ADVANTAGES. The SQL lives in
-rlhf_batch/sql/advantage_*.sql; rlhf_batch.core.advantages is its pure-torch twin (same
+rlhf_batch/sql/advantage_*.sql; tests/core/advantages_oracle.py is its pure-torch twin (same
 semantics, tested equal). Nothing is fetched row by row into Python: DuckDB sorts and streams
-Arrow batches that are cut into shards.
+Arrow batches that are cut into parts.
 
 Semantics (config [advantage]):
 
@@ -27,10 +27,10 @@ Semantics (config [advantage]):
   sampling: `groups_dropped_zero_variance`). n counts the rewards used.
 * Output order: bucket b = len(input_ids) // bucket_tokens; buckets in a seeded shuffled order
   (md5 of '{seed}:{iter}:bucket:{b}'), rows inside a bucket in a seeded hash order (md5 of
-  '{seed}:{iter}:row:{rollout_id}'). Shard n (part-00000-NNNNN.parquet) holds rows
-  [n * rows_per_shard, (n + 1) * rows_per_shard) of that order, so reading shards in order gives
-  length-homogeneous runs. Shard content depends only on n: a resumed run rewrites only the
-  missing shards, identical to an uninterrupted run.
+  '{seed}:{iter}:row:{rollout_id}'). Part n (part-00000-NNNNN.parquet) holds rows
+  [n * rows_per_part, (n + 1) * rows_per_part) of that order, so reading parts in order gives
+  length-homogeneous runs. Part content depends only on n: a resumed run rewrites only the
+  missing parts, identical to an uninterrupted run.
 * Manifest `counts`: rows_in, unscored, truncated, truncated_dropped, truncated_zeroed,
   rows_dropped_small, rows_dropped_zero_variance, rows_out, pooled_rows, groups_total,
   groups_dropped_small, groups_dropped_zero_variance, groups_out (current iteration only;
@@ -53,7 +53,6 @@ Semantics (config [advantage]):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import shutil
 from pathlib import Path
@@ -63,63 +62,75 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_batch import shards
+from rlhf_batch import faults, layout, manifests
 from rlhf_batch.config import Config
 from rlhf_batch.core.batching import aligned_chunks
 from rlhf_batch.errors import SchemaError, StageError
-from rlhf_batch.inspect import NAN_SAFE, quote, sql_text
+from rlhf_batch.executor import StageOutput, execute
 from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate
+from rlhf_batch.sql import NAN_SAFE, quote, sql_text
+from rlhf_batch.stages.base import Part, Stage
 
-STAGE = "advantages"
 MEMORY_LIMIT = "1GB"  # DuckDB's own budget (default: 80% of RAM); the process adds Python + Arrow
 
 
-def identity(cfg: Config) -> dict[str, Any]:
-    """The config that decides this stage's result (recorded in, and compared with, its manifest)."""
-    return {"seed": cfg.seed, "advantage": dataclasses.asdict(cfg.advantage)}
+class Advantage(Stage):
+    """Rank 0 sorts in DuckDB and streams every part out of one query (`single_writer`)."""
+
+    name, folder, single_writer = "advantage", layout.ADVANTAGES, True
+
+    def __init__(self, cfg: Config, iteration: int):
+        super().__init__(cfg, iteration)
+        self.con: Any = None
+
+    def inputs(self) -> dict[str, Any]:
+        if self.iteration < 0:
+            raise StageError(f"--iter must be >= 0, got {self.iteration}")
+        self.window = _window(self.cfg, self.iteration)
+        return {
+            f"iter={it:04d}/{folder}": manifests.file_fingerprint(
+                layout.folder(self.cfg.run_dir, it, folder) / layout.MANIFEST
+            )
+            for it in self.window
+            for folder in (layout.ROLLOUTS, layout.SCORES)
+        }
+
+    def check(self) -> None:
+        """Pool, check and count in DuckDB: bad or empty input fails before the folder is started."""
+        self.tmp = layout.iter_dir(self.cfg.run_dir, self.iteration) / ".advantages-duckdb.tmp"
+        self.con = _connect(self.tmp)
+        self.params = _prepare(self.con, self.cfg, self.iteration, self.window)
+        faults.fault_point("advantages:pool")
+        self.counts = _counts(self.con, self.cfg, self.iteration)
+
+    def plan(self) -> int:
+        return math.ceil(self.counts["rows_out"] / self.cfg.advantage.rows_per_part)
+
+    def write_parts(self, todo: list[int], out: StageOutput, bar: Any) -> None:
+        _write_parts(self.con, out, self.cfg, self.iteration, self.params, todo, bar)
+
+    def manifest_extra(self) -> dict[str, Any]:
+        return {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
+
+    def close(self) -> None:
+        if self.con is not None:
+            self.con.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
-    if iteration < 0:
-        raise StageError(f"--iter must be >= 0, got {iteration}")
-    sdir = shards.stage_dir(cfg.run_dir, iteration, STAGE)
-    window = _window(cfg, iteration)
-    config = identity(cfg)
-    inputs = {
-        f"iter={it:04d}/{stage}": shards.file_fingerprint(
-            shards.stage_dir(cfg.run_dir, it, stage) / shards.MANIFEST
-        )
-        for it in window
-        for stage in ("rollouts", "scores")
-    }
-    if not force and shards.manifest(sdir) is not None:
-        shards.StageRun(sdir, STAGE, config, inputs)  # refuses a manifest written with other config/inputs
-        return shards.manifest(sdir) or {}
-    tmp = shards.iter_dir(cfg.run_dir, iteration) / ".advantages-duckdb.tmp"
-    con = _connect(tmp)
-    try:
-        params = _prepare(con, cfg, iteration, window)
-        shards.fault_point("advantages:pool")
-        counts = _counts(con, cfg, iteration)
-        stage = shards.StageRun(sdir, STAGE, config, inputs, force, cfg.to_dict())
-        n_parts = math.ceil(counts["rows_out"] / cfg.advantage.rows_per_shard)
-        if stage.rank == 0:  # one process sorts and writes every shard
-            _write_shards(con, stage, cfg, iteration, params, n_parts, quiet)
-        extra = {"counts": counts, "window_iters": window, "batch_std": params["batch_std"]}
-        return stage.finish(n_parts, extra) or shards.manifest(sdir) or {}
-    finally:
-        con.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+    """Advantages of iteration `iteration`; returns the manifest (existing one if complete)."""
+    return execute(Advantage(cfg, iteration), force=force, quiet=quiet)
 
 
 def _window(cfg: Config, iteration: int) -> list[int]:
     """The iterations pooled for the statistics: iteration K (required) and the complete ones
     among the W - 1 before it."""
     for stage, command in (("rollouts", "generate"), ("scores", "score")):
-        sdir = shards.stage_dir(cfg.run_dir, iteration, stage)
-        if shards.manifest(sdir) is None:
+        sdir = layout.folder(cfg.run_dir, iteration, stage)
+        if manifests.manifest(sdir) is None:
             raise StageError(
-                f"{sdir}: {stage} of iteration {iteration} is not complete (no {shards.MANIFEST}); "
+                f"{sdir}: {stage} of iteration {iteration} is not complete (no {layout.MANIFEST}); "
                 f"run `rlhf-batch {command} --iter {iteration}` first"
             )
     older = range(max(0, iteration - cfg.advantage.window + 1), iteration)
@@ -127,22 +138,22 @@ def _window(cfg: Config, iteration: int) -> list[int]:
         it
         for it in older
         if all(
-            shards.manifest(shards.stage_dir(cfg.run_dir, it, s)) is not None for s in ("rollouts", "scores")
+            manifests.manifest(layout.folder(cfg.run_dir, it, s)) is not None for s in ("rollouts", "scores")
         )
     ]
     return [*complete, iteration]
 
 
 def _where(cfg: Config, iteration: int) -> str:
-    return f"iteration {iteration} ({shards.iter_dir(cfg.run_dir, iteration)})"
+    return f"iteration {iteration} ({layout.iter_dir(cfg.run_dir, iteration)})"
 
 
 def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema) -> list[tuple[str, int]]:
     """(path, rows) of the parts a complete stage's manifest lists, schema-checked (errors name
     file and column); rows from the file's footer."""
-    sdir = shards.stage_dir(run_dir, it, stage)
+    sdir = layout.folder(run_dir, it, stage)
     out = []
-    for p in (shards.manifest(sdir) or {}).get("parts", []):
+    for p in (manifests.manifest(sdir) or {}).get("parts", []):
         path = sdir / p["file"]
         try:
             meta = pq.ParquetFile(path).metadata
@@ -171,7 +182,7 @@ def _prepare(con: Any, cfg: Config, iteration: int, window: list[int]) -> dict[s
     rollouts = {it: _parts(cfg.run_dir, it, "rollouts", ROLLOUTS) for it in window}
     scores = {it: _parts(cfg.run_dir, it, "scores", SCORES) for it in window}
     for stage in ("rollouts", "scores"):
-        if not (shards.manifest(shards.stage_dir(cfg.run_dir, iteration, stage)) or {}).get("rows"):
+        if not (manifests.manifest(layout.folder(cfg.run_dir, iteration, stage)) or {}).get("rows"):
             raise StageError(
                 f"{_where(cfg, iteration)}: {stage} are empty (0 rows); nothing to compute advantages from"
             )
@@ -248,7 +259,7 @@ def _check(con: Any, run_dir: str) -> None:
         if row[key]:
             it = row[f"{key}_iter"]
             raise StageError(
-                f"{shards.iter_dir(run_dir, it)}: {row[key]} {what} (e.g. rollout_id {row[f'{key}_id']!r}); "
+                f"{layout.iter_dir(run_dir, it)}: {row[key]} {what} (e.g. rollout_id {row[f'{key}_id']!r}); "
                 f"re-run {fix} of iteration {it} with --force"
             )
 
@@ -287,21 +298,11 @@ def _why(c: dict[str, int], cfg: Config) -> str:
     return "; ".join(why) or "no group has a scored rollout"
 
 
-def _write_shards(
-    con: Any,
-    stage: shards.StageRun,
-    cfg: Config,
-    iteration: int,
-    params: dict[str, Any],
-    n_parts: int,
-    quiet: bool,
+def _write_parts(
+    con: Any, out: StageOutput, cfg: Config, iteration: int, params: dict[str, Any], todo: list[int], bar: Any
 ) -> None:
-    """Stream the ordered rows out of DuckDB and write the shards that are not on disk yet."""
-    from rlhf_batch.progress import progress_bar as tqdm
-
+    """Stream the ordered rows out of DuckDB and write the parts `todo` (those not on disk yet)."""
     a = cfg.advantage
-    have = {shards.part_number(p) for p in shards.list_parts(stage.sdir)}
-    todo = {n for n in range(n_parts) if n not in have}
     if not todo:
         return
     values = {
@@ -317,15 +318,14 @@ def _write_shards(
         "bucket_tokens": a.bucket_tokens,
         "seed": cfg.seed,
     }
-    reader = con.sql(sql_text("advantage_rows"), params=values).to_arrow_reader(min(a.rows_per_shard, 65536))
-    bar = tqdm(total=len(todo), unit="shard", desc="advantage", disable=quiet, leave=False)
-    for n, table in enumerate(_chunks(reader, a.rows_per_shard)):
-        if n in todo:
-            stage.write(n, table, ADVANTAGES)
+    reader = con.sql(sql_text("advantage_rows"), params=values).to_arrow_reader(min(a.rows_per_part, 65536))
+    wanted = set(todo)
+    for n, table in enumerate(_chunks(reader, a.rows_per_part)):
+        if n in wanted:
+            out.write(n, Part(table, ADVANTAGES))
             bar.update(1)
         if n >= max(todo):
             break
-    bar.close()
     reader.close()
 
 

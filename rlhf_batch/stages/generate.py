@@ -10,90 +10,133 @@ of each sampled token is log_softmax(logits / temperature) over the full vocabul
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 
-from rlhf_batch import dist, shards
+from rlhf_batch import dist, layout
 from rlhf_batch.config import Config, GenerateConfig
 from rlhf_batch.errors import StageError
+from rlhf_batch.executor import execute
+from rlhf_batch.faults import fault_point
+from rlhf_batch.ids import rollout_id, row_seed
+from rlhf_batch.manifests import file_fingerprint
 from rlhf_batch.prompts import Prompts, check_path, load_prompts
 from rlhf_batch.schemas import ROLLOUTS, with_extra
+from rlhf_batch.stages.base import Part, Stage, start_policy
 
 
-def policy_for(cfg: Config, iteration: int) -> str:
-    """Iteration 0 samples from the configured model, iteration K from train's output of K-1."""
-    if iteration < 0:
-        raise StageError(f"--iter must be >= 0, got {iteration}")
-    if iteration == 0:
-        from rlhf_batch.models import check_model_dir
+class Generate(Stage):
+    name, folder, unit = "generate", layout.ROLLOUTS, "rollout"
 
-        return str(check_model_dir(cfg.policy_model, "policy_model"))
-    prev = shards.policy_dir(cfg.run_dir, iteration - 1)
-    if shards.manifest(shards.stage_dir(cfg.run_dir, iteration - 1, "train")) is None or not prev.is_dir():
-        raise StageError(
-            f"iteration {iteration}: iteration {iteration - 1} has no trained policy ({prev}); "
-            f"run train --iter {iteration - 1} first"
+    def inputs(self) -> dict[str, Any]:
+        from rlhf_batch.models import model_fingerprint
+
+        if self.cfg.demo:
+            from rlhf_batch.tiny import ensure_demo_assets
+
+            ensure_demo_assets(self.cfg)
+        self.policy = start_policy(self.cfg, self.iteration)
+        return {
+            "prompts": file_fingerprint(check_path(self.cfg.generate.prompts)),
+            "policy": model_fingerprint(self.policy, "policy"),
+            "iteration": self.iteration,
+        }
+
+    def plan(self) -> int:
+        from rlhf_batch.models import load_tokenizer
+
+        self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
+        self.prompts = load_prompts(self.cfg.generate, self.tok)
+        return math.ceil(len(self.prompts.ids) / self.cfg.generate.prompts_per_part)
+
+    def progress_total(self, todo: list[int]) -> int:
+        """The rollouts these parts will hold (the last part may hold fewer prompts)."""
+        g, n_prompts = self.cfg.generate, len(self.prompts.ids)
+        return (
+            sum(min(g.prompts_per_part, n_prompts - n * g.prompts_per_part) for n in todo) * g.num_generations
         )
-    return str(prev)
 
+    def open(self, todo: list[int]) -> None:
+        # the one engine so far; another (vLLM) is a class with the same `sample`, chosen here
+        self.engine: Engine = HFEngine(self.cfg, self.policy, self.tok, self.prompts)
 
-def rollout_id(iteration: int, prompt_id: str, sample_idx: int) -> str:
-    return f"{iteration:04d}-{prompt_id}-{sample_idx}"
+    def write_part(self, n: int, bar: Any) -> Part:
+        table = generate_part(
+            self.engine, self.tok, self.prompts, n, self.cfg, self.iteration, self.policy, bar
+        )
+        schema = with_extra(ROLLOUTS, self.prompts.carried.schema)
+        return Part(table, schema, {"rollouts": table.num_rows})
 
-
-def row_seed(seed: int, rid: str) -> int:
-    return int(hashlib.sha256(f"{seed}:{rid}".encode()).hexdigest()[:15], 16)
-
-
-def identity(cfg: Config) -> dict[str, Any]:
-    """The config that decides this stage's result (recorded in, and compared with, its manifest)."""
-    return cfg.stage_dict("generate")
+    def manifest_extra(self) -> dict[str, Any]:
+        return {"prompt_counts": self.prompts.counts, "policy": self.policy}
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
-    from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
+    """Generate iteration `iteration`'s rollouts; returns the manifest (existing one if complete)."""
+    return execute(Generate(cfg, iteration), force=force, quiet=quiet)
 
-    if cfg.demo:
-        from rlhf_batch.tiny import ensure_demo_assets
 
-        ensure_demo_assets(cfg)
-    policy = policy_for(cfg, iteration)
-    g = cfg.generate
-    sdir = shards.stage_dir(cfg.run_dir, iteration, "rollouts")
-    inputs = {
-        "prompts": shards.file_fingerprint(check_path(g.prompts)),
-        "policy": model_fingerprint(policy, "policy"),
-        "iteration": iteration,
-    }
-    stage = shards.StageRun(sdir, "rollouts", identity(cfg), inputs, force, cfg.to_dict())
-    if stage.complete:
-        return shards.manifest(sdir) or {}
-    tok = load_tokenizer(policy, cfg.trust_remote_code)
-    prompts = load_prompts(g, tok)
-    n_parts = math.ceil(len(prompts.ids) / g.prompts_per_part)
-    todo = stage.todo(n_parts)
-    if todo:
-        model = load_model(
+class Engine(Protocol):
+    """What generate needs from a generation engine: per prompt (and seed), one sampled row
+    (response_ids, behavior_logprobs, finish_reason 'stop' | 'length'), in input order, with
+    behaviour log-probs defined as forward.py defines them; `bar` counts finished rows."""
+
+    def sample(
+        self, prompts: list[list[int]], seeds: list[int], bar: Any
+    ) -> list[tuple[list[int], list[float], str]]: ...
+
+
+class HFEngine:
+    """The `hf` engine: our sampler over the transformers model (KV cache, rows leave the batch
+    when they finish, batches of similar prompt length). An engine turns prompts into
+    (response_ids, behavior_logprobs, finish_reason) rows; every engine writes the same schema."""
+
+    def __init__(self, cfg: Config, policy: str, tok: Any, prompts: Prompts):
+        from rlhf_batch.models import load_model
+
+        self.g = cfg.generate
+        self.model = load_model(
             policy,
             "policy",
             device=dist.stage_device(cfg.device),
             dtype=cfg.dtype,
             trust_remote_code=cfg.trust_remote_code,
         )
-        shards.fault_point("rollouts:model-loaded")
-        _check_lengths(model, prompts, g)
-        schema = with_extra(ROLLOUTS, prompts.carried.schema)
-        n_rows = sum(min(g.prompts_per_part, len(prompts.ids) - n * g.prompts_per_part) for n in todo)
-        bar = _progress(n_rows * g.num_generations, quiet)
-        for n in todo:
-            table = generate_part(model, tok, prompts, n, cfg, iteration, policy, bar)
-            stage.write(n, table, schema, {"rollouts": table.num_rows})
-        bar.close()
-    return stage.finish(n_parts, extra={"prompt_counts": prompts.counts, "policy": policy}) or {}
+        fault_point("rollouts:model-loaded")
+        _check_lengths(self.model, prompts, self.g)
+        self.stop_ids, self.pad_id = _stop_ids(self.model, tok), tok.pad_token_id
+
+    def sample(
+        self, prompts: list[list[int]], seeds: list[int], bar: Any
+    ) -> list[tuple[list[int], list[float], str]]:
+        """One row per prompt (and seed), in input order; longest prompts are decoded first."""
+        from rlhf_batch.sampler import sample
+
+        g = self.g
+        order = sorted(range(len(prompts)), key=lambda r: (-len(prompts[r]), r))
+        results: list[Any] = [None] * len(prompts)
+        for start in range(0, len(order), g.batch_size):
+            batch = order[start : start + g.batch_size]
+            t0 = time.perf_counter()
+            out = sample(
+                self.model,
+                [prompts[r] for r in batch],
+                [seeds[r] for r in batch],
+                max_new_tokens=g.max_new_tokens,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                top_k=g.top_k,
+                stop_ids=self.stop_ids,
+                pad_id=self.pad_id,
+            )
+            for r, res in zip(batch, out, strict=True):
+                results[r] = res
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{sum(len(o[0]) for o in out) / (time.perf_counter() - t0):.0f}")
+        return results
 
 
 def _check_lengths(model: Any, prompts: Prompts, g: GenerateConfig) -> None:
@@ -107,41 +150,20 @@ def _check_lengths(model: Any, prompts: Prompts, g: GenerateConfig) -> None:
 
 
 def generate_part(
-    model: Any, tok: Any, prompts: Prompts, n: int, cfg: Config, iteration: int, policy: str, bar: Any
+    engine: Engine, tok: Any, prompts: Prompts, n: int, cfg: Config, iteration: int, policy: str, bar: Any
 ) -> pa.Table:
     """All rollouts of the prompts in part n, in (prompt, sample) order."""
-    from rlhf_batch.sampler import sample
-
     g = cfg.generate
     idx = list(range(n * g.prompts_per_part, min((n + 1) * g.prompts_per_part, len(prompts.ids))))
     rows = [(i, s) for i in idx for s in range(g.num_generations)]  # (prompt index, sample index)
     rids = [rollout_id(iteration, prompts.ids[i], s) for i, s in rows]
-    order = sorted(range(len(rows)), key=lambda r: (-len(prompts.tokens[rows[r][0]]), r))
-    results: list[Any] = [None] * len(rows)
-    stop_ids = _stop_ids(model, tok)
-    for start in range(0, len(order), g.batch_size):
-        batch = order[start : start + g.batch_size]
-        t0 = time.perf_counter()
-        out = sample(
-            model,
-            [prompts.tokens[rows[r][0]] for r in batch],
-            [row_seed(cfg.seed, rids[r]) for r in batch],
-            max_new_tokens=g.max_new_tokens,
-            temperature=g.temperature,
-            top_p=g.top_p,
-            top_k=g.top_k,
-            stop_ids=stop_ids,
-            pad_id=tok.pad_token_id,
-        )
-        for r, res in zip(batch, out, strict=True):
-            if not all(map(math.isfinite, res[1])):
-                raise StageError(
-                    f"{policy}: non-finite behaviour log-prob in rollout {rids[r]} (the model's "
-                    f"logits overflow in {cfg.dtype}?); nothing of part {n} was written"
-                )
-            results[r] = res
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{sum(len(o[0]) for o in out) / (time.perf_counter() - t0):.0f}")
+    results = engine.sample([prompts.tokens[i] for i, _ in rows], [row_seed(cfg.seed, r) for r in rids], bar)
+    for rid, (_, logps, _) in zip(rids, results, strict=True):
+        if not all(map(math.isfinite, logps)):
+            raise StageError(
+                f"{policy}: non-finite behaviour log-prob in rollout {rid} (the model's "
+                f"logits overflow in {cfg.dtype}?); nothing of part {n} was written"
+            )
     columns = {
         "rollout_id": rids,
         "prompt_id": [prompts.ids[i] for i, _ in rows],
@@ -166,9 +188,3 @@ def _stop_ids(model: Any, tok: Any) -> set[int]:
     extra = getattr(model.generation_config, "eos_token_id", None)
     ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
     return ids
-
-
-def _progress(total: int, quiet: bool) -> Any:
-    from rlhf_batch.progress import progress_bar as tqdm
-
-    return tqdm(total=total, unit="rollout", desc="generate", disable=quiet, leave=False)

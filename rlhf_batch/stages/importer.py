@@ -22,7 +22,6 @@ receive it. Decisions:
 
 from __future__ import annotations
 
-import hashlib
 import math
 from pathlib import Path
 from typing import Any
@@ -32,62 +31,74 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from rlhf_batch import dist
+from rlhf_batch import dist, layout
 from rlhf_batch.config import Config
 from rlhf_batch.errors import ConfigError, SchemaError, StageError
+from rlhf_batch.executor import execute
+from rlhf_batch.forward import batched_logprobs
+from rlhf_batch.ids import prompt_hash, rollout_id
+from rlhf_batch.manifests import file_fingerprint
 from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
-from rlhf_batch.progress import progress_bar as tqdm
 from rlhf_batch.schemas import LOGPROBS, ROLLOUTS, TOKENS, with_extra
-from rlhf_batch.shards import StageRun, file_fingerprint, manifest, stage_dir
-from rlhf_batch.stages.generate import policy_for
-from rlhf_batch.stages.score import batched_logprobs
+from rlhf_batch.stages.base import Part, Stage, start_policy
 
 COMPUTED = set(ROLLOUTS.names) - {"prompt", "response", "prompt_id", "finish_reason"}
+
+
+class Import(Stage):
+    """Rollouts from a file instead of generate: parts of `score.rows_per_part` rows in file order."""
+
+    name, folder, unit, in_pipeline = "import", layout.ROLLOUTS, "row", False
+
+    def __init__(self, cfg: Config, iteration: int, file: str | Path):
+        super().__init__(cfg, iteration)
+        self.path = Path(file)
+
+    def identity(self) -> dict[str, Any]:
+        self.rows = prepare(read_rows(self.path), self.path, self.iteration)  # bad files fail first
+        self.policy = start_policy(self.cfg, self.iteration)
+        return {**super().identity(), "import": str(self.path.resolve()), "policy": self.policy}
+
+    def inputs(self) -> dict[str, Any]:
+        return {
+            "file": file_fingerprint(self.path),
+            "policy": model_fingerprint(self.policy, f"policy of iteration {self.iteration}"),
+        }
+
+    def plan(self) -> int:
+        return math.ceil(self.rows.num_rows / self.cfg.score.rows_per_part)
+
+    def progress_total(self, todo: list[int]) -> int:
+        per_part = self.cfg.score.rows_per_part
+        return sum(min(per_part, self.rows.num_rows - n * per_part) for n in todo)
+
+    def open(self, todo: list[int]) -> None:
+        cfg = self.cfg
+        self.tok = load_tokenizer(self.policy, cfg.trust_remote_code)
+        self.model = load_model(
+            self.policy,
+            f"policy of iteration {self.iteration}",
+            device=dist.stage_device(cfg.device),
+            dtype=cfg.dtype,
+            trust_remote_code=cfg.trust_remote_code,
+        )
+
+    def write_part(self, n: int, bar: Any) -> Part:
+        per_part = self.cfg.score.rows_per_part
+        part = self.rows.slice(n * per_part, per_part)
+        table, counts = tokenize_part(part, self.tok, self.model, self.cfg, self.policy, str(self.path))
+        bar.update(part.num_rows)
+        return Part(table, with_extra(ROLLOUTS, self.rows.schema), counts)
+
+    def manifest_extra(self) -> dict[str, Any]:
+        return {"source": str(self.path.resolve())}
 
 
 def import_rollouts(
     cfg: Config, file: str | Path, iteration: int, *, force: bool = False, quiet: bool = False
 ) -> dict[str, Any]:
     """Write iter=`iteration`/rollouts from `file`; returns the manifest (existing one if complete)."""
-    path = Path(file)
-    rows = prepare(read_rows(path), path, iteration)
-    policy = policy_for(cfg, iteration)
-    per_part = cfg.score.rows_per_part
-    sdir = stage_dir(cfg.run_dir, iteration, "rollouts")
-    config = {
-        "import": str(path.resolve()),
-        "policy": policy,
-        "temperature": cfg.generate.temperature,
-        "dtype": cfg.dtype,
-        "rows_per_part": per_part,
-    }
-    inputs = {
-        "file": file_fingerprint(path),
-        "policy": model_fingerprint(policy, f"policy of iteration {iteration}"),
-    }
-    stage = StageRun(sdir, "rollouts", config, inputs, force, cfg.to_dict())
-    if stage.complete:
-        return manifest(sdir) or {}
-    n_parts = math.ceil(rows.num_rows / per_part)
-    todo = stage.todo(n_parts)
-    if todo:
-        tok = load_tokenizer(policy, cfg.trust_remote_code)
-        model = load_model(
-            policy,
-            f"policy of iteration {iteration}",
-            device=dist.stage_device(cfg.device),
-            dtype=cfg.dtype,
-            trust_remote_code=cfg.trust_remote_code,
-        )
-        schema = with_extra(ROLLOUTS, rows.schema)
-        total = sum(min(per_part, rows.num_rows - n * per_part) for n in todo)
-        with tqdm(total=total, unit="row", desc="import", disable=quiet, dynamic_ncols=True) as bar:
-            for n in todo:
-                part = rows.slice(n * per_part, per_part)
-                table, counts = tokenize_part(part, tok, model, cfg, policy, str(path))
-                stage.write(n, table, schema, counts)
-                bar.update(part.num_rows)
-    return stage.finish(n_parts, {"source": str(path.resolve())}) or manifest(sdir) or {}
+    return execute(Import(cfg, iteration, file), force=force, quiet=quiet)
 
 
 def read_rows(path: Path) -> pa.Table:
@@ -124,10 +135,7 @@ def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
         if "prompt_id" in t.column_names
         else [None] * len(prompts)
     )
-    ids = [
-        g if g is not None else hashlib.sha256(p.encode()).hexdigest()[:16]
-        for g, p in zip(given, prompts, strict=True)
-    ]
+    ids = [g if g is not None else prompt_hash(p) for g, p in zip(given, prompts, strict=True)]
     first: dict[str, tuple[int, str]] = {}
     seen: dict[str, int] = {}
     sample_idx = []
@@ -150,7 +158,7 @@ def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
             )
     out = t.drop_columns([c for c in ("prompt_id", "finish_reason") if c in t.column_names])
     out = out.append_column(
-        "rollout_id", pa.array([f"{iteration:04d}-{p}-{k}" for p, k in zip(ids, sample_idx, strict=True)])
+        "rollout_id", pa.array([rollout_id(iteration, p, k) for p, k in zip(ids, sample_idx, strict=True)])
     )
     out = out.append_column("prompt_id", pa.array(ids, pa.string()))
     out = out.append_column("sample_idx", pa.array(sample_idx, pa.int32()))

@@ -17,7 +17,7 @@ they are copied instead of recomputed: ``kl`` is exactly 0 and no reference forw
 other rollout gets a full forward pass of the reference; a copy of the policy under another
 path then gives |kl| ~1e-6 (rounding of KV-cached sampling vs one full forward).
 
-KL coefficient: the constant controller always uses ``score.kl_coef``. The adaptive one starts
+KL coefficient: the constant controller always uses ``score.kl_reward_coef``. The adaptive one starts
 from it at iteration 0; iteration K uses the state that iteration K-1 left in its manifest
 (``iter=K-1/scores/_manifest.json`` "kl_controller"), so a re-run sees the same beta. After
 scoring, the controller is updated with this iteration's mean ``kl_sum`` and number of rollouts
@@ -29,7 +29,6 @@ be resumed with a smaller budget.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -40,78 +39,105 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from rlhf_batch import dist
+from rlhf_batch import dist, layout
 from rlhf_batch.config import Config, reward_search_path
-from rlhf_batch.core.batching import token_budget_batches
-from rlhf_batch.core.kl import KLController, controller_from_state, kl_estimate, make_controller
+from rlhf_batch.core.kl import (
+    KLController,
+    controller_from_state,
+    kl_estimate,
+    kl_shaped_reward,
+    make_controller,
+    sequence_kl,
+)
 from rlhf_batch.errors import ConfigError, StageError
-from rlhf_batch.forward import can_share_prefix, response_logprobs, shared_prefix_logprobs
+from rlhf_batch.executor import execute
+from rlhf_batch.faults import fault_point
+from rlhf_batch.forward import batched_logprobs
+from rlhf_batch.manifests import manifest, read_complete
 from rlhf_batch.models import load_model, model_fingerprint
-from rlhf_batch.progress import progress_bar as tqdm
 from rlhf_batch.rewards import RM_COLUMN, RewardFunction, clip, load_reward_functions, weighted_sum
 from rlhf_batch.rewards.conventions import evaluate
 from rlhf_batch.schemas import ROLLOUTS, SCORES, with_extra
-from rlhf_batch.shards import StageRun, fault_point, list_parts, manifest, part_number, read_stage, stage_dir
+from rlhf_batch.stages.base import Part, Stage
 from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_dir
 
 
-def identity(cfg: Config) -> dict[str, Any]:
-    """The config that decides this stage's result (recorded in, and compared with, its manifest).
-    The token budget changes no result (up to rounding): a resume may lower it after an OOM."""
-    return {
-        "score": {k: v for k, v in dataclasses.asdict(cfg.score).items() if k != "max_tokens_per_batch"},
-        "ref_model": cfg.ref,
-        "reward_model": cfg.reward_model,
-        "temperature": cfg.generate.temperature,
-        "dtype": cfg.dtype,
-    }
+class Score(Stage):
+    name, folder, unit, unit_scale = "score", layout.SCORES, "tok", True
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "ref_model": self.cfg.ref}
+
+    def inputs(self) -> dict[str, Any]:
+        cfg, it = self.cfg, self.iteration
+        self._load_reward_functions()  # a config without any reward fails before anything is read
+        self.rdir = layout.folder(cfg.run_dir, it, layout.ROLLOUTS)
+        rollouts_manifest = manifest(self.rdir)
+        if rollouts_manifest is None:
+            raise StageError(
+                f"{self.rdir}: rollouts are not complete; run generate (or import) for iteration {it}"
+            )
+        self.rollouts_manifest = rollouts_manifest
+        self.ctl = kl_controller_for(cfg, it)
+        self.kl_coef = self.ctl.value if cfg.score.kl_in_reward else 0.0
+        return {
+            "rollouts": {k: self.rollouts_manifest[k] for k in ("key", "rows")},
+            "ref_model": model_fingerprint(cfg.ref, "ref_model"),
+            "reward_model": model_fingerprint(cfg.reward_model, "reward_model") if cfg.reward_model else None,
+            "kl_controller": self.ctl.state_dict(),
+            "kl_coef": self.kl_coef,
+        }
+
+    def _load_reward_functions(self) -> None:
+        s = self.cfg.score
+        self.fns = load_reward_functions(
+            s.reward_functions, s.reward_weights, SCORES.names, reward_search_path(self.cfg)
+        )
+        if not self.fns and not self.cfg.reward_model:
+            raise ConfigError(
+                "score: set score.reward_functions and/or reward_model; nothing would give a reward"
+            )
+
+    def plan(self) -> int:
+        return math.ceil(self.rollouts_manifest["rows"] / self.cfg.score.rows_per_part)
+
+    def open(self, todo: list[int]) -> None:
+        self.rollouts = read_complete(self.rdir, ROLLOUTS)
+        policies = pc.unique(self.rollouts["policy"].drop_null()).to_pylist()
+        self.scorer = Scorer(self.cfg, policies, self.fns, self.kl_coef)
+
+    def progress_total(self, todo: list[int]) -> int:
+        if not todo:  # every part is on disk: only the manifest is missing
+            return 0
+        rows, t = self.cfg.score.rows_per_part, self.rollouts
+        lengths = pc.add(pc.list_value_length(t["prompt_ids"]), pc.list_value_length(t["response_ids"]))
+        total = sum(int(pc.sum(lengths.slice(n * rows, rows)).as_py() or 0) for n in todo)
+        return total * (2 if self.cfg.reward_model else 1)  # the reward model reads every token once more
+
+    def write_part(self, n: int, bar: Any) -> Part:
+        rows = self.cfg.score.rows_per_part
+        part = self.rollouts.slice(n * rows, rows)
+        where = f"{self.rdir} (rows {n * rows}..{n * rows + part.num_rows - 1})"
+        table, counts = self.scorer.score_part(part, where, bar.update)
+        return Part(table, table.schema, counts)
+
+    def manifest_extra(self) -> dict[str, Any]:
+        extra = controller_extra(self.sdir, self.plan(), self.ctl, self.kl_coef)
+        return {**extra, "max_tokens_per_batch": self.cfg.score.max_tokens_per_batch}
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Score iteration `iteration`'s rollouts; returns the manifest (existing one if complete)."""
-    s = cfg.score
-    fns = load_reward_functions(s.reward_functions, s.reward_weights, SCORES.names, reward_search_path(cfg))
-    if not fns and not cfg.reward_model:
-        raise ConfigError(
-            "score: set score.reward_functions and/or reward_model; nothing would give a reward"
-        )
-    rdir = stage_dir(cfg.run_dir, iteration, "rollouts")
-    rollouts_manifest = manifest(rdir)
-    if rollouts_manifest is None:
-        raise StageError(
-            f"{rdir}: rollouts are not complete; run generate (or import) for iteration {iteration}"
-        )
-    ctl = kl_controller_for(cfg, iteration)
-    kl_coef = ctl.value if s.kl_in_reward else 0.0
-    sdir = stage_dir(cfg.run_dir, iteration, "scores")
-    inputs = {
-        "rollouts": {k: rollouts_manifest[k] for k in ("key", "rows")},
-        "ref_model": model_fingerprint(cfg.ref, "ref_model"),
-        "reward_model": model_fingerprint(cfg.reward_model, "reward_model") if cfg.reward_model else None,
-        "kl_controller": ctl.state_dict(),
-        "kl_coef": kl_coef,
-    }
-    stage = StageRun(sdir, "scores", identity(cfg), inputs, force, cfg.to_dict())
-    if stage.complete:
-        return manifest(sdir) or {}
-    n_parts = math.ceil(rollouts_manifest["rows"] / s.rows_per_part)
-    todo = stage.todo(n_parts)
-    if todo:
-        rollouts = read_stage(rdir, ROLLOUTS)
-        scorer = Scorer(cfg, pc.unique(rollouts["policy"].drop_null()).to_pylist(), fns, kl_coef)
-        scorer.score_parts(stage, rollouts, todo, str(rdir), quiet)
-    dist.barrier()
-    extra = {**controller_extra(sdir, n_parts, ctl, kl_coef), "max_tokens_per_batch": s.max_tokens_per_batch}
-    return stage.finish(n_parts, extra) or manifest(sdir) or {}
+    return execute(Score(cfg, iteration), force=force, quiet=quiet)
 
 
 def kl_controller_for(cfg: Config, iteration: int) -> KLController:
     """The controller whose value is this iteration's beta (see the module docstring)."""
     s = cfg.score
-    ctl = make_controller(s.kl_controller, s.kl_coef, s.kl_target, s.kl_horizon)
+    ctl = make_controller(s.kl_controller, s.kl_reward_coef, s.kl_target, s.kl_horizon)
     if s.kl_controller == "constant" or iteration == 0:
         return ctl
-    prev = stage_dir(cfg.run_dir, iteration - 1, "scores")
+    prev = layout.folder(cfg.run_dir, iteration - 1, layout.SCORES)
     m = manifest(prev)
     if m is None:
         raise StageError(
@@ -127,8 +153,8 @@ def kl_controller_for(cfg: Config, iteration: int) -> KLController:
 def controller_extra(sdir: Path, n_parts: int, ctl: KLController, kl_coef: float) -> dict[str, Any]:
     """Manifest entries: beta used, mean kl_sum over all rows, controller state after the update."""
     first: dict[int, Path] = {}
-    for p in list_parts(sdir):
-        first.setdefault(part_number(p), p)
+    for p in layout.list_parts(sdir):
+        first.setdefault(layout.part_number(p), p)
     sums = [
         pq.read_table(first[n], columns=["kl_sum"])["kl_sum"].to_numpy() for n in range(n_parts) if n in first
     ]
@@ -137,77 +163,6 @@ def controller_extra(sdir: Path, n_parts: int, ctl: KLController, kl_coef: float
     after = controller_from_state(ctl.state_dict())
     after.update(mean_kl, int(kl_sums.size))
     return {"kl_coef": kl_coef, "mean_kl_sum": mean_kl, "kl_controller": after.state_dict()}
-
-
-def batched_logprobs(
-    model: Any,
-    prompt_ids: list[list[int]],
-    response_ids: list[list[int]],
-    temperature: float,
-    *,
-    pad_id: int,
-    max_tokens: int,
-    progress: Any = None,
-) -> list[np.ndarray]:
-    """Log-probs [len(response)] float32 of every row's response tokens, in input order.
-
-    Rows that share their prompt (the G samples of a group) run it through the model once
-    (forward.shared_prefix_logprobs, for the model families it supports); otherwise token-budget
-    batches over length-sorted rows (forward.response_logprobs)."""
-    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids, strict=True)]
-    out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(lengths)
-    uniq: dict[tuple[int, ...], int] = {}
-    prompt_of = [uniq.setdefault(tuple(p), len(uniq)) for p in prompt_ids]
-    with torch.inference_mode():
-        if len(uniq) < len(prompt_ids) and can_share_prefix(model):
-            for rows in _prompt_chunks(prompt_of, [len(p) for p in uniq], 8 * max_tokens):
-                local: dict[int, int] = {}  # prompt index -> its index among this chunk's prompts
-                for r in rows:
-                    local.setdefault(prompt_of[r], len(local))
-                first = {j: r for r in reversed(rows) for j in [prompt_of[r]]}  # a row of each prompt
-                lps = shared_prefix_logprobs(
-                    model,
-                    [prompt_ids[first[j]] for j in local],
-                    [response_ids[i] for i in rows],
-                    [local[prompt_of[i]] for i in rows],
-                    temperature,
-                    pad_id=pad_id,
-                    max_tokens=max_tokens,
-                )
-                for i, lp in zip(rows, lps, strict=True):
-                    if len(response_ids[i]):
-                        out[i] = lp.cpu().numpy()
-                if progress is not None:
-                    progress(sum(lengths[i] for i in rows))
-            return out
-        for batch in token_budget_batches(lengths, max_tokens):
-            seqs = [prompt_ids[i] + response_ids[i] for i in batch]
-            logp, _, _ = response_logprobs(
-                model, seqs, [len(prompt_ids[i]) for i in batch], temperature, pad_id=pad_id
-            )  # [b, T]
-            logp_np = logp.cpu().numpy()  # [b, T]
-            for j, i in enumerate(batch):
-                out[i] = logp_np[j, : len(response_ids[i])].copy()  # [T_i]
-            if progress is not None:
-                progress(sum(lengths[i] for i in batch))
-    return out
-
-
-def _prompt_chunks(prompt_of: list[int], p_lens: list[int], max_prompt_tokens: int) -> list[list[int]]:
-    """Rows cut into chunks of whole groups whose distinct prompts hold <= max_prompt_tokens
-    tokens (one group at least): the prompts' keys and values of a chunk are kept in memory."""
-    groups: dict[int, list[int]] = {}
-    for i, j in enumerate(prompt_of):
-        groups.setdefault(j, []).append(i)
-    chunks: list[list[int]] = []
-    held = max_prompt_tokens
-    for j, rows in groups.items():
-        if held + p_lens[j] > max_prompt_tokens:
-            chunks.append([])
-            held = 0
-        chunks[-1].extend(rows)
-        held += p_lens[j]
-    return chunks
 
 
 class Scorer:
@@ -246,25 +201,6 @@ class Scorer:
             fault_point("scores:model-loaded")
         return self._ref_model
 
-    def score_parts(
-        self, stage: StageRun, rollouts: pa.Table, todo: list[int], where: str, quiet: bool
-    ) -> None:
-        rows = self.cfg.score.rows_per_part
-        lengths = pc.add(
-            pc.list_value_length(rollouts["prompt_ids"]), pc.list_value_length(rollouts["response_ids"])
-        )
-        total = sum(int(pc.sum(lengths.slice(n * rows, rows)).as_py() or 0) for n in todo)
-        total *= 2 if self.rm is not None else 1  # the reward model reads every token once more
-        with tqdm(
-            total=total, unit="tok", unit_scale=True, desc="score", disable=quiet, dynamic_ncols=True
-        ) as bar:
-            for n in todo:
-                part = rollouts.slice(n * rows, rows)
-                table, counts = self.score_part(
-                    part, f"{where} (rows {n * rows}..{n * rows + part.num_rows - 1})", bar.update
-                )
-                stage.write(n, table, table.schema, counts)
-
     def score_part(self, t: pa.Table, where: str, progress: Any) -> tuple[pa.Table, dict[str, int]]:
         check_rollouts(t, where, self.vocab_size)
         rid, prompt_ids, response_ids = (
@@ -277,11 +213,10 @@ class Scorer:
         r_len = np.array([len(r) for r in response_ids], dtype=np.int64)  # [B]
         beh = pc.list_flatten(t["behavior_logprobs"]).to_numpy().astype(np.float32)  # [N]
         ref = self.ref_logprobs(t, prompt_ids, response_ids, beh, r_len, progress)  # [N]
-        row = torch.repeat_interleave(torch.arange(len(rid)), torch.from_numpy(r_len))  # [N]
         kl = kl_estimate(
             torch.from_numpy(beh).double(), torch.from_numpy(ref).double(), self.cfg.score.kl_estimator
         )  # [N] float64
-        kl_sum = torch.zeros(len(rid), dtype=torch.float64).index_add_(0, row, kl).tolist()  # [B]
+        kl_sum = _sequence_sums(kl, r_len)  # [B] float64
         weights = {rf.column: rf.weight for rf in self.fns}
         if self.rm is not None:
             weights[RM_COLUMN] = self.cfg.score.reward_model_weight
@@ -295,11 +230,9 @@ class Scorer:
             "score": score,
             "ref_logprobs": pa.ListArray.from_arrays(offsets, pa.array(ref, pa.float32())),
             "kl": pa.ListArray.from_arrays(offsets, pa.array(kl.float().numpy() + 0.0, pa.float32())),
-            "kl_sum": kl_sum,
+            "kl_sum": kl_sum.tolist(),
             "kl_coef": [self.kl_coef] * len(rid),
-            "reward": [
-                None if s is None else s - self.kl_coef * k for s, k in zip(score, kl_sum, strict=True)
-            ],
+            "reward": _shaped(score, kl_sum, self.kl_coef),
             **values,
             **extra,
         }
@@ -361,3 +294,20 @@ class Scorer:
             for i, lp in zip(need, lps, strict=True):
                 ref[offsets[i] : offsets[i + 1]] = lp
         return ref
+
+
+def _sequence_sums(kl: torch.Tensor, r_len: np.ndarray) -> torch.Tensor:
+    """Per-row sums [B] of flat per-token values [N] (row i holds r_len[i] tokens): core.kl.sequence_kl
+    over the [B, T] right-padded layout."""
+    lens = torch.from_numpy(r_len)  # [B]
+    mask = torch.arange(int(lens.max()) if len(lens) else 0)[None, :] < lens[:, None]  # [B, T]
+    padded = kl.new_zeros(mask.shape)  # [B, T]
+    padded[mask] = kl
+    return sequence_kl(padded, mask)  # [B]
+
+
+def _shaped(score: list[float | None], kl_sum: torch.Tensor, beta: float) -> list[float | None]:
+    """reward = score - beta * kl_sum (core.kl.kl_shaped_reward); null where the score is null."""
+    s = torch.tensor([math.nan if x is None else x for x in score], dtype=torch.float64)  # [B]
+    reward = kl_shaped_reward(s, kl_sum, beta).tolist()  # [B]
+    return [None if x is None else r for x, r in zip(score, reward, strict=True)]

@@ -19,166 +19,230 @@ batch per step is the same as on one rank; train_data). DistributedDataParallel 
 gradients; rank 0 writes checkpoints, the policy and the manifest. The run dir must be on a
 filesystem every rank sees. DDP keeps a full copy of the model, gradients and AdamW state on
 every rank. With `train.fsdp` (and N > 1; on one process it is a no-op) FSDP2 shards them
-instead (`_shard`): each rank still loads the full float32 model first (and runs
+instead (`_fsdp`): each rank still loads the full float32 model first (and runs
 `recompute_old` on it), then keeps 1/N of it; checkpoints and the policy are full state dicts
 gathered on rank 0's CPU (checkpoint.gather), the policy saved through a CPU copy of the model.
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import os
 import shutil
-import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rlhf_batch import checkpoint, dist, shards, tracking
+from rlhf_batch import atomic, checkpoint, dist, faults, layout, manifests, tracking
 from rlhf_batch.config import Config
 from rlhf_batch.errors import StageError
-from rlhf_batch.models import check_model_dir, model_fingerprint
-from rlhf_batch.stages.train_data import load_shards
+from rlhf_batch.executor import StageOutput, execute
+from rlhf_batch.models import model_fingerprint
+from rlhf_batch.stages.base import Stage, start_policy
+from rlhf_batch.stages.train_data import TrainRows, load_rows
 
-METRICS_FILE = "metrics.parquet"
-CHECKPOINT_DIR = "checkpoint"
+if TYPE_CHECKING:
+    from rlhf_batch.stages.train_data import Step
+    from rlhf_batch.stages.train_step import Trainer
+
+
+class Train(Stage):
+    """No parts: the policy dir, metrics.parquet and the manifest, with checkpoints meanwhile."""
+
+    name, folder, unit = "train", layout.TRAIN, "step"
+
+    @property
+    def progress_desc(self) -> str:
+        return f"train iter={self.iteration}"
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "norm_const": norm_const(self.cfg)}
+
+    def inputs(self) -> dict[str, Any]:
+        cfg, it = self.cfg, self.iteration
+        self.adv_dir = layout.folder(cfg.run_dir, it, layout.ADVANTAGES)
+        adv = manifests.manifest(self.adv_dir)
+        if adv is None:
+            raise StageError(
+                f"{self.adv_dir}: advantages are missing or incomplete (no {layout.MANIFEST}); "
+                f"run `rlhf-batch advantage --iter {it}` first"
+            )
+        self.start = start_policy(cfg, it)
+        if it == 0:
+            return {"advantages": adv["key"], "policy": model_fingerprint(self.start, "policy_model")}
+        prev = manifests.manifest(layout.folder(cfg.run_dir, it - 1, layout.TRAIN)) or {}
+        return {"advantages": adv["key"], "policy": prev.get("key")}
+
+    def check(self) -> None:
+        self.data = load_rows(self.adv_dir)  # bad input fails before the folder is marked started
+
+    def plan(self) -> int:
+        return 0
+
+    def write_parts(self, todo: list[int], out: StageOutput, bar: Any) -> None:
+        self.result = _train(self.cfg, self.iteration, self.start, out, self.data, bar)
+
+    def manifest_extra(self) -> dict[str, Any]:
+        return self.result.manifest_extra()
+
+    def on_complete(self) -> None:
+        checkpoint.remove(layout.checkpoint_dir(self.cfg.run_dir, self.iteration))
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Train iteration `iteration`; returns the manifest (the existing one if already complete)."""
-    sdir = shards.stage_dir(cfg.run_dir, iteration, "train")
-    adv_dir = shards.stage_dir(cfg.run_dir, iteration, "advantages")
-    start, inputs = _inputs(cfg, iteration, adv_dir)
-    # read (and check) the shards first: bad input fails before the stage is marked started
-    data = load_shards(adv_dir) if force or shards.manifest(sdir) is None else None
-    stage = shards.StageRun(sdir, "train", identity(cfg), inputs, force, cfg.to_dict())
-    rank, world = dist.rank_world()
-    if stage.complete:
-        if rank == 0:
-            checkpoint.remove(sdir / CHECKPOINT_DIR)  # left by a kill just after the manifest
-        return shards.manifest(sdir) or {}
-    if force and rank == 0:
-        checkpoint.remove(sdir / CHECKPOINT_DIR)
-        (sdir / METRICS_FILE).unlink(missing_ok=True)
-    dist.barrier()
-    return _train(cfg, iteration, start, stage, data if data is not None else load_shards(adv_dir), quiet)
-
-
-def _inputs(cfg: Config, iteration: int, adv_dir: Path) -> tuple[str, dict[str, Any]]:
-    """The starting policy and the fingerprints of what the stage reads."""
-    adv = shards.manifest(adv_dir)
-    if adv is None:
-        raise StageError(
-            f"{adv_dir}: advantages are missing or incomplete (no {shards.MANIFEST}); "
-            f"run `rlhf-batch advantage --iter {iteration}` first"
-        )
-    if iteration == 0:
-        start = str(check_model_dir(cfg.policy_model, "policy_model"))
-        return start, {"advantages": adv["key"], "policy": model_fingerprint(start, "policy_model")}
-    prev_dir = shards.stage_dir(cfg.run_dir, iteration - 1, "train")
-    prev = shards.manifest(prev_dir)
-    if prev is None:
-        raise StageError(
-            f"{prev_dir}: train of iteration {iteration - 1} is not complete; its policy is the start"
-        )
-    start = str(check_model_dir(str(shards.policy_dir(cfg.run_dir, iteration - 1)), "policy"))
-    return start, {"advantages": adv["key"], "policy": prev["key"]}
+    return execute(Train(cfg, iteration), force=force, quiet=quiet)
 
 
 def norm_const(cfg: Config) -> float:
     return cfg.train.norm_const or float(cfg.generate.max_new_tokens)
 
 
-def identity(cfg: Config) -> dict[str, Any]:
-    """The config that decides this stage's result (recorded in, and compared with, its manifest)."""
-    return {**cfg.stage_dict("train"), "temperature": cfg.generate.temperature, "norm_const": norm_const(cfg)}
+@dataclass
+class TrainResult:
+    """What a finished train run reports in its manifest."""
+
+    rows: list[dict[str, Any]]  # metrics, one per optimizer step
+    epochs: int
+    sequences: int
+    start: str
+    world: int
+
+    def manifest_extra(self) -> dict[str, Any]:
+        counts = {
+            "steps": len(self.rows),
+            "epochs": self.epochs,
+            "sequences": self.sequences,
+            "tokens": int(sum(r["tokens"] for r in self.rows)),
+        }
+        return {
+            "rows": len(self.rows),
+            "counts": counts,
+            "files": [layout.METRICS_FILE],
+            "policy": f"../{layout.POLICY_DIR}",
+            "start_policy": self.start,
+            "world_size": self.world,
+        }
 
 
-def _seed(cfg: Config, iteration: int) -> tuple[int, int]:
-    return (cfg.seed % 2**32, iteration)
-
-
-def _train(cfg: Config, iteration: int, start: str, stage: Any, data: Any, quiet: bool) -> dict[str, Any]:
+def _train(
+    cfg: Config, iteration: int, start: str, out: StageOutput, data: TrainRows, bar: Any
+) -> TrainResult:
     import torch
 
-    from rlhf_batch.progress import progress_bar as tqdm
     from rlhf_batch.stages.train_data import plan_steps
-    from rlhf_batch.stages.train_step import recompute_old
 
     tc = cfg.train
     torch.manual_seed(cfg.seed * 1_000_003 + iteration)
+    seed = (cfg.seed % 2**32, iteration)
     steps = plan_steps(
         data.resp_lens,
         data.seq_lens,
         tc.tokens_per_step,
         tc.max_tokens_per_batch,
         tc.ppo_epochs,
-        _seed(cfg, iteration),
+        seed,
         tc.max_padding,
     )
-    trainer, tok = _build(cfg, start, data, len(steps))
-    shards.fault_point("train:model-loaded")
-    if tc.recompute_old:
-        recompute_old(trainer, steps)
-    sharded = tc.fsdp and trainer.world > 1
-    if sharded:
-        _shard(trainer, tc)
+    trainer = build_trainer(cfg, start, data, steps)
+    faults.fault_point("train:model-loaded")
+    ckpt_dir = out.sdir / layout.CHECKPOINT_DIR
     ckpt = checkpoint.load_latest(
-        stage.sdir / CHECKPOINT_DIR, trainer.model, trainer.optimizer, stage.key, trainer.device, sharded
+        ckpt_dir, trainer.model, trainer.optimizer, out.key, trainer.device, trainer.sharded
     )
     rows: list[dict[str, Any]] = ckpt["metrics"] if ckpt else []
     first = ckpt["next_step"] if ckpt else 0
-    if not sharded:
-        _wrap_ddp(trainer)
-    bar = tqdm(
-        total=len(steps),
-        initial=first,
-        desc=f"train iter={iteration}",
-        unit="step",
-        file=sys.stderr,
-        disable=quiet or trainer.rank != 0,
-        dynamic_ncols=True,
-    )
+    bar.total, bar.initial, bar.n = len(steps), first, first
+    bar.refresh()
     live = tracking.open_run(cfg, iteration)  # live trackers (report_to): one log per optimizer step
     for step in steps[first:]:
-        row = trainer.step(step)
-        rows.append(row)
-        live.log_step(row)
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{row['loss']:.4g}",
-            clip=f"{row['clip_fraction']:.3f}",
-            kl=f"{row['kl_approx']:.2e}",
-            tok_s=f"{row['tokens_per_s']:.0f}",
-        )
+        rows.append(trainer.step(step))
+        live.log_step(rows[-1])
+        _show(bar, rows[-1])
         done = step.index + 1
         if tc.checkpoint_every and done % tc.checkpoint_every == 0 and done < len(steps):
-            full = checkpoint.gather(trainer.model, trainer.optimizer) if sharded else None
-            if trainer.rank == 0:
-                state = {"key": stage.key, "epoch": step.epoch, "world": trainer.world, "metrics": rows}
-                checkpoint.save(
-                    stage.sdir / CHECKPOINT_DIR, done, trainer.model, trainer.optimizer, state, full
-                )
-                shards.fault_point(f"train:checkpoint-{done}")
-            dist.barrier()
+            _checkpoint(trainer, ckpt_dir, done, {"key": out.key, "epoch": step.epoch, "metrics": rows})
     bar.close()
     live.close()
-    return _finish(cfg, iteration, stage, trainer, tok, start, rows, data, sharded)
+    _save(cfg, iteration, trainer, start, rows)
+    return TrainResult(rows, tc.ppo_epochs, len(data), start, trainer.world)
 
 
-def _build(cfg: Config, start: str, data: Any, total_steps: int) -> tuple[Any, Any]:
-    """Load the starting policy (float32, train mode, no dropout) and its AdamW optimizer."""
+def _show(bar: Any, row: dict[str, Any]) -> None:
+    bar.update(1)
+    bar.set_postfix(
+        loss=f"{row['loss']:.4g}",
+        clip=f"{row['clip_fraction']:.3f}",
+        kl=f"{row['kl_approx']:.2e}",
+        tok_s=f"{row['tokens_per_s']:.0f}",
+    )
+
+
+def _checkpoint(trainer: Trainer, root: Path, done: int, state: dict[str, Any]) -> None:
+    """Every rank takes part (FSDP gathers the full state); rank 0 writes."""
+    full = checkpoint.gather(trainer.model, trainer.optimizer) if trainer.sharded else None
+    if trainer.rank == 0:
+        checkpoint.save(root, done, trainer.model, trainer.optimizer, {**state, "world": trainer.world}, full)
+        faults.fault_point(f"train:checkpoint-{done}")
+    dist.barrier()
+
+
+def _save(cfg: Config, iteration: int, trainer: Trainer, start: str, rows: list[dict[str, Any]]) -> None:
+    """Rank 0: the policy, then metrics.parquet (the executor writes the manifest last)."""
+    import pyarrow as pa
+
+    from rlhf_batch.schemas import METRICS
+
+    dist.barrier()
+    weights = checkpoint.gather(trainer.model)[0] if trainer.sharded else None
+    if trainer.rank == 0:
+        model = trainer.model if weights is None else _unsharded(cfg, start, weights)
+        checkpointing = cfg.train.gradient_checkpointing and weights is None
+        out = layout.policy_dir(cfg.run_dir, iteration)
+        _write_policy(model, trainer.tokenizer, out, _saved_dtype(start), checkpointing)
+        table = pa.Table.from_pylist([{k: r[k] for k in METRICS.names} for r in rows], schema=METRICS)
+        sdir = layout.folder(cfg.run_dir, iteration, layout.TRAIN)
+        atomic.write_parquet_atomic(sdir / layout.METRICS_FILE, table, METRICS)
+
+
+def build_trainer(cfg: Config, start: str, data: TrainRows, steps: list[Step]) -> Trainer:
+    """The trainer of `steps`, fully wired: the starting policy (float32, train mode, no dropout),
+    its old log-probs recomputed when asked (on the full model), then sharded with FSDP2
+    (`train.fsdp`, world > 1) or wrapped in DDP (world > 1), and AdamW over what it trains."""
     import torch
 
     from rlhf_batch.models import load_model, load_tokenizer, resolve_dtype
-    from rlhf_batch.stages.train_step import LogProbs, Trainer
+    from rlhf_batch.stages.train_step import LogProbs, Trainer, recompute_old
 
-    tc, rank, world = cfg.train, *dist.rank_world()
+    tc, (rank, world) = cfg.train, dist.rank_world()
     device = dist.stage_device(cfg.device)
     model = load_model(
         start, "policy", device=device, dtype="float32", trust_remote_code=cfg.trust_remote_code
     )
     tok = load_tokenizer(start, cfg.trust_remote_code)
+    _train_mode(model, tc.gradient_checkpointing)
+    bf16 = tc.autocast_bf16 and resolve_dtype(cfg.dtype, device) == torch.bfloat16
+    net = LogProbs(model, cfg.generate.temperature, tok.pad_token_id)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    trainer = Trainer(
+        model, net, optimizer, data, tc, _loss_kwargs(cfg), len(steps), str(device), world, rank, bf16, tok
+    )
+    if tc.recompute_old:
+        recompute_old(trainer, steps)  # on the full model, before it is sharded
+    if world > 1 and tc.fsdp:
+        sharded = _fsdp(model, net, str(device), world)
+        # AdamW over the sharded parameters (the one above has no state yet)
+        adamw = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        return dataclasses.replace(trainer, net=sharded, optimizer=adamw, sharded=True)
+    if world > 1:
+        return dataclasses.replace(trainer, net=_ddp(net, str(device)))
+    return trainer
+
+
+def _train_mode(model: Any, gradient_checkpointing: bool) -> None:
+    import torch
+
     model.train()
     for m in model.modules():
         if isinstance(m, torch.nn.Dropout):
@@ -186,23 +250,22 @@ def _build(cfg: Config, start: str, data: Any, total_steps: int) -> tuple[Any, A
         if isinstance(getattr(m, "attention_dropout", None), float):
             m.attention_dropout = 0.0
     model.config.use_cache = False
-    if tc.gradient_checkpointing:
+    if gradient_checkpointing:
         _activation_checkpointing(model, True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-    loss_kwargs = {
+
+
+def _loss_kwargs(cfg: Config) -> dict[str, Any]:
+    tc = cfg.train
+    return {
         "eps_low": tc.eps_low,
         "eps_high": tc.eps_high or tc.eps_low,
         "dual_clip": tc.dual_clip or None,
         "aggregation": tc.aggregation,
-        "kl_coef": tc.kl_coef,
+        "kl_coef": tc.kl_loss_coef,
         "entropy_coef": tc.entropy_coef,
         "norm_const": norm_const(cfg),
         "kl_to_inference_coef": tc.kl_to_inference_coef,
     }
-    bf16 = tc.autocast_bf16 and resolve_dtype(cfg.dtype, device) == torch.bfloat16
-    net = LogProbs(model, cfg.generate.temperature, tok.pad_token_id)
-    trainer = Trainer(model, net, optimizer, data, tc, loss_kwargs, total_steps, device, world, rank, bf16)
-    return trainer, tok
 
 
 def _activation_checkpointing(model: Any, on: bool) -> None:
@@ -214,36 +277,29 @@ def _activation_checkpointing(model: Any, on: bool) -> None:
         model.gradient_checkpointing_enable(kwargs) if on else model.gradient_checkpointing_disable()
 
 
-def _wrap_ddp(trainer: Any) -> None:
-    if trainer.world > 1:
-        from torch.nn.parallel import DistributedDataParallel
+def _ddp(net: Any, device: str) -> Any:
+    from torch.nn.parallel import DistributedDataParallel
 
-        ids = [dist.local_rank()] if str(trainer.device).startswith("cuda") else None
-        trainer.net = DistributedDataParallel(trainer.net, device_ids=ids, broadcast_buffers=False)
+    ids = [dist.local_rank()] if device.startswith("cuda") else None
+    return DistributedDataParallel(net, device_ids=ids, broadcast_buffers=False)
 
 
-def _shard(trainer: Any, tc: Any) -> None:
+def _fsdp(model: Any, net: Any, device: str, world: int) -> Any:
     """FSDP2 over all ranks: each decoder layer (the model's `_no_split_modules` classes) is one
     unit; the root unit, holding the embeddings, final norm and LM head, is the LogProbs module,
-    whose forward runs the decoder and the chunked LM head. AdamW is rebuilt over the sharded
-    parameters (the one `_build` made has no state yet)."""
+    whose forward runs the decoder and the chunked LM head."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = trainer.model
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         raise StageError(f"train.fsdp: {type(model).__name__} names no decoder layer class to shard")
-    mesh = init_device_mesh(torch.device(trainer.device).type, (trainer.world,))
+    mesh = init_device_mesh(torch.device(device).type, (world,))
     for layer in layers:
         fully_shard(layer, mesh=mesh)
-    fully_shard(trainer.net, mesh=mesh)
-    # gradients are reduce-scattered after every micro-batch: keeping them unsharded until the
-    # step's last one, as DDP's no_sync does, would hold full gradients on every rank
-    trainer.net.no_sync = contextlib.nullcontext
-    trainer.optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    return fully_shard(net, mesh=mesh)
 
 
 def _unsharded(cfg: Config, start: str, weights: dict[str, Any]) -> Any:
@@ -281,54 +337,8 @@ def _write_policy(model: Any, tok: Any, out: Path, dtype: Any, gradient_checkpoi
         checkpoint.fsync_tree(tmp)
     except (OSError, SafetensorError) as e:  # a full disk, as each writer reports it
         shutil.rmtree(tmp, ignore_errors=True)
-        raise shards.write_error(out, e) from e
-    shards.fault_point("train:policy:tmp")
+        raise atomic.write_error(out, e) from e
+    faults.fault_point("train:policy:tmp")
     if out.exists():  # from a run killed after its rename but before the manifest
         shutil.rmtree(out)
     os.replace(tmp, out)
-
-
-def _finish(
-    cfg: Config,
-    iteration: int,
-    stage: Any,
-    trainer: Any,
-    tok: Any,
-    start: str,
-    rows: list[dict[str, Any]],
-    data: Any,
-    sharded: bool,
-) -> dict[str, Any]:
-    """Rank 0: the policy, then metrics.parquet, then the manifest (last); drop the checkpoints."""
-    import pyarrow as pa
-
-    from rlhf_batch.schemas import METRICS
-
-    dist.barrier()
-    weights = checkpoint.gather(trainer.model)[0] if sharded else None
-    if trainer.rank == 0:
-        out = shards.policy_dir(cfg.run_dir, iteration)
-        model = trainer.model if weights is None else _unsharded(cfg, start, weights)
-        checkpointing = cfg.train.gradient_checkpointing and weights is None
-        _write_policy(model, tok, out, _saved_dtype(start), checkpointing)
-        table = pa.Table.from_pylist([{k: r[k] for k in METRICS.names} for r in rows], schema=METRICS)
-        shards.write_parquet_atomic(stage.sdir / METRICS_FILE, table, METRICS)
-    counts = {
-        "steps": len(rows),
-        "epochs": cfg.train.ppo_epochs,
-        "sequences": len(data),
-        "tokens": int(sum(r["tokens"] for r in rows)),
-    }
-    extra = {
-        "rows": len(rows),
-        "counts": counts,
-        "files": [METRICS_FILE],
-        "policy": "../policy",
-        "start_policy": start,
-        "world_size": trainer.world,
-    }
-    result = stage.finish(0, extra)
-    shards.fault_point("train:manifest:done")
-    if trainer.rank == 0:
-        checkpoint.remove(stage.sdir / CHECKPOINT_DIR)
-    return result or shards.manifest(stage.sdir) or {}

@@ -1,6 +1,6 @@
-"""The train stage's data: the advantages shards as flat arrays, the step plan, micro-batches.
+"""The train stage's data: the advantages parts as flat arrays, the step plan, micro-batches.
 
-The plan is a pure function of the shard rows, the config and the seed, so a resumed run
+The plan is a pure function of the advantages rows, the config and the seed, so a resumed run
 replays exactly the same steps and the data position in a checkpoint is just a step index:
 
 * Epoch 0 keeps the row order the advantage stage wrote (length-bucketed, seeded). The rows
@@ -31,14 +31,14 @@ import pyarrow.compute as pc
 
 from rlhf_batch.core.batching import token_budget_batches
 from rlhf_batch.errors import StageError
+from rlhf_batch.manifests import read_complete as read_stage
 from rlhf_batch.schemas import ADVANTAGES
-from rlhf_batch.shards import read_stage
 
 COLUMNS = ["rollout_id", "input_ids", "prompt_len", "behavior_logprobs", "ref_logprobs", "advantage"]
 
 
 @dataclass
-class Shards:
+class TrainRows:
     """The advantages table, flat: row i's tokens are ids[ids_off[i]:ids_off[i + 1]]."""
 
     rollout_ids: list[str]
@@ -70,7 +70,7 @@ def _flat(arr: pa.ListArray, dtype: Any) -> np.ndarray:
     return np.asarray(arr.flatten().to_numpy(zero_copy_only=False), dtype=dtype)
 
 
-def load_shards(sdir: Path) -> Shards:
+def load_rows(sdir: Path) -> TrainRows:
     """Read and check a complete advantages stage; errors name the directory, rollout and column."""
     table = read_stage(sdir, ADVANTAGES, columns=COLUMNS).combine_chunks()
     if table.num_rows == 0:
@@ -102,7 +102,7 @@ def load_shards(sdir: Path) -> Shards:
         if bad.size:
             row = int(np.searchsorted(resp_off, bad[0], side="right")) - 1
             raise StageError(f"{sdir}: rollout {rids[row]}: column '{name}' has a NaN or inf log-prob")
-    return Shards(
+    return TrainRows(
         rollout_ids=rids,
         ids=_flat(chunk["input_ids"], np.int64),
         ids_off=_offsets(seq),
@@ -204,7 +204,7 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return 1.0
 
 
-def micro_batch(s: Shards, rows: Sequence[int], device: Any) -> Any:
+def micro_batch(s: TrainRows, rows: Sequence[int], device: Any) -> Any:
     """Rows -> TensorDict [B] of right-padded input_ids [B, L], old/ref log-probs [B, T], ..."""
     import torch
     from tensordict import TensorDict

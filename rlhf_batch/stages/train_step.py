@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
+from rlhf_batch.config import TrainConfig
 from rlhf_batch.core.losses import grpo_loss
 from rlhf_batch.errors import StageError
 from rlhf_batch.forward import response_logprobs
-from rlhf_batch.stages.train_data import Shards, Step, lr_factor, micro_batch, sequences
+from rlhf_batch.stages.train_data import Step, TrainRows, lr_factor, micro_batch, sequences
 
 LOSSES = ("loss", "loss_objective", "loss_kl_to_ref", "loss_kl_to_inference", "loss_entropy")
 TOKEN_MEANS = ("clip_fraction", "kl_approx", "kl_to_ref", "entropy", "ratio_mean")
@@ -90,17 +91,30 @@ class StepMetrics:
 
 @dataclass
 class Trainer:
-    model: Any  # the Hugging Face model (float32 master weights)
-    net: torch.nn.Module  # LogProbs(model), wrapped in DDP when world > 1
+    """Built by `train.build_trainer`, fully wired: `net` is already wrapped in DDP (world > 1) or
+    sharded with FSDP2 (`sharded`), and `optimizer` holds the parameters `net` trains."""
+
+    model: torch.nn.Module  # the Hugging Face model (float32 master weights)
+    net: torch.nn.Module  # LogProbs(model), wrapped in DDP or sharded
     optimizer: torch.optim.Optimizer
-    data: Shards
-    tcfg: Any  # TrainConfig
+    data: TrainRows
+    tcfg: TrainConfig
     loss_kwargs: dict[str, Any]
     total_steps: int
-    device: Any
+    device: str
     world: int
     rank: int
     bf16: bool
+    tokenizer: Any  # the policy's tokenizer, saved with it
+    sharded: bool = False
+
+    def _accumulate(self, last: bool) -> Any:
+        """DDP: no gradient sync before the step's last micro-batch. FSDP reduce-scatters after
+        every micro-batch: keeping gradients unsharded until the last one, as DDP's no_sync
+        does, would hold full gradients on every rank."""
+        if last or self.world == 1 or self.sharded:
+            return contextlib.nullcontext()
+        return self.net.no_sync()  # type: ignore[operator]
 
     def forward(self, td: Any) -> tuple[torch.Tensor, ...]:
         seqs, prompt_lens = sequences(td)
@@ -119,8 +133,7 @@ class Trainer:
         for j, (rows, weight) in enumerate(work):
             td = micro_batch(self.data, rows, self.device)
             last = j == len(work) - 1
-            sync = contextlib.nullcontext() if last or self.world == 1 else self.net.no_sync()  # type: ignore[operator]
-            with sync:
+            with self._accumulate(last):
                 logp, mask, ent = self.forward(td)  # [B, T] each
                 out = grpo_loss(
                     logp,

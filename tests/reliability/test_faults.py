@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 from rlhf_batch.pipeline import LOCK
 from tests.reliability.harness import (
     KILLS,
@@ -50,19 +50,19 @@ def test_a_full_disk_leaves_no_partial_file_and_a_rerun_completes(
     # 4 KB: the first rollouts part (~12 KB) cannot be written
     res = run(assets, run_dir, iterations=1, preexec=file_size_limit(4096))
     line = one_line_error(res.stderr)
-    rollouts = shards.stage_dir(run_dir, 0, "rollouts")
+    rollouts = layout.folder(run_dir, 0, "rollouts")
     assert res.returncode == 1
-    assert f"{rollouts / shards.part_name(0, 0)}: cannot write (File too large); free disk space" in line
-    assert shards.list_parts(rollouts) == [] and leftovers(run_dir) == ["iter=0000/rollouts/_started.json"]
+    assert f"{rollouts / layout.part_name(0, 0)}: cannot write (File too large); free disk space" in line
+    assert layout.list_parts(rollouts) == [] and leftovers(run_dir) == ["iter=0000/rollouts/_started.json"]
     # 100 KB: every table fits, the train checkpoint's weights (~330 KB) do not
     res = run(assets, run_dir, iterations=1, preexec=file_size_limit(100_000))
     line = one_line_error(res.stderr)
-    train = shards.stage_dir(run_dir, 0, "train")
+    train = layout.folder(run_dir, 0, "train")
     assert res.returncode == 1 and f"{train / 'checkpoint' / 'step-00000002'}: cannot write (" in line
     for stage in ("rollouts", "scores", "advantages"):
-        assert shards.manifest(shards.stage_dir(run_dir, 0, stage)) is not None
-    assert not any((train / "checkpoint").iterdir()) and not shards.policy_dir(run_dir, 0).exists()
-    assert shards.manifest(train) is None
+        assert manifests.manifest(layout.folder(run_dir, 0, stage)) is not None
+    assert not any((train / "checkpoint").iterdir()) and not layout.policy_dir(run_dir, 0).exists()
+    assert manifests.manifest(train) is None
     # space freed: the run completes with the rows and weights of the uninterrupted run
     run_to_completion(assets, run_dir, iterations=1)
     assert_same_as_reference(run_dir, reference, iterations=1)
@@ -105,11 +105,11 @@ def test_same_config_and_seed_give_byte_identical_tables_and_weights(
     run_dir = tmp_path / "run"  # another directory: the tables hold no path of it in iteration 0
     run_to_completion(assets, run_dir, iterations=1)
     for stage in ("rollouts", "scores", "advantages"):
-        files = [shards.stage_dir(d, 0, stage) for d in (run_dir, reference)]
-        names = [sorted(p.name for p in shards.list_parts(f)) for f in files]
+        files = [layout.folder(d, 0, stage) for d in (run_dir, reference)]
+        names = [sorted(p.name for p in layout.list_parts(f)) for f in files]
         assert names[0] == names[1] and names[0]
         for name in names[0]:
             assert (files[0] / name).read_bytes() == (files[1] / name).read_bytes(), f"{stage}/{name}"
-    got, want = weights(shards.policy_dir(run_dir, 0)), weights(shards.policy_dir(reference, 0))
+    got, want = weights(layout.policy_dir(run_dir, 0)), weights(layout.policy_dir(reference, 0))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
     assert read_metrics(run_dir, 0).equals(read_metrics(reference, 0))

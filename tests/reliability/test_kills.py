@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 from tests.reliability.harness import (
     KILLS,
     Assets,
@@ -91,7 +91,7 @@ def kill_run_during_generate(assets: Assets, run_dir: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    wait_for(lambda: (shards.stage_dir(run_dir, 0, "rollouts") / shards.STARTED).exists())
+    wait_for(lambda: (layout.folder(run_dir, 0, "rollouts") / layout.STARTED).exists())
     children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
     assert children, "no stage process"
     os.kill(proc.pid, signal.SIGKILL)
@@ -100,7 +100,7 @@ def kill_run_during_generate(assets: Assets, run_dir: Path) -> None:
     wait_for(lambda: all(_state(c) in ("gone", "Z") for c in children), timeout=10)
     time.sleep(1.0)
     assert (
-        shards.manifest(shards.stage_dir(run_dir, 0, "rollouts")) is None
+        manifests.manifest(layout.folder(run_dir, 0, "rollouts")) is None
     )  # nothing finished behind our back
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 from rlhf_batch.models import load_tokenizer
 from rlhf_batch.rewards.model import RewardModel
 from rlhf_batch.schemas import ROLLOUTS, SCORES
@@ -81,8 +81,8 @@ def test_score_stage_with_a_reward_model_of_another_tokenizer(make_config, perm_
     _, cfg = make_config(reward_model=str(perm_rm), generate={"num_generations": 2})
     generate.run(cfg, 0, quiet=True)
     score.run(cfg, 0, quiet=True)
-    rollouts = shards.read_stage(shards.stage_dir(cfg.run_dir, 0, "rollouts"), ROLLOUTS).to_pylist()
-    got = shards.read_stage(shards.stage_dir(cfg.run_dir, 0, "scores"), SCORES)["rm_score"].to_pylist()
+    rollouts = manifests.read_complete(layout.folder(cfg.run_dir, 0, "rollouts"), ROLLOUTS).to_pylist()
+    got = manifests.read_complete(layout.folder(cfg.run_dir, 0, "scores"), SCORES)["rm_score"].to_pylist()
     rm, own = RewardModel(str(perm_rm), dtype="float32"), load_tokenizer(str(perm_rm))
     for r, g in zip(rollouts, got, strict=True):  # each row alone, tokenised here by hand
         ids = own(r["prompt"] + r["response"], add_special_tokens=False)["input_ids"]

@@ -1,4 +1,4 @@
-"""The advantage stage: DuckDB SQL over real Parquet written through the shards API, with
+"""The advantage stage: DuckDB SQL over real Parquet written through executor.claim, with
 behaviour / reference log-probs from the real tiny model. Expected numbers are worked out by
 hand in the comments; `math.sqrt` only spells out a root the comment derives."""
 
@@ -18,13 +18,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlhf_batch import shards
-from rlhf_batch.core.advantages import group_advantages, group_stats
+from rlhf_batch import executor, layout, manifests
 from rlhf_batch.errors import StageError
 from rlhf_batch.forward import response_logprobs
 from rlhf_batch.models import load_model, load_tokenizer
 from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate, with_extra
 from rlhf_batch.stages import advantage
+from tests.core.advantages_oracle import group_advantages, group_stats
 
 NAN = float("nan")
 EXTRA = pa.schema([("letter", pa.string()), ("count", pa.int64())])  # a prompt dataset's columns
@@ -97,10 +97,10 @@ def tables(lm: tuple[Any, Any], it: int, rows: list[R]) -> tuple[pa.Table, pa.Ta
 def write_stage(
     run_dir: str, it: int, stage: str, table: pa.Table, schema: pa.Schema, parts: int = 2
 ) -> None:
-    st = shards.StageRun(shards.stage_dir(run_dir, it, stage), stage, {"test": 1}, {})
+    st = executor.claim(layout.folder(run_dir, it, stage), stage, {"test": 1}, {})
     step = math.ceil(table.num_rows / parts)
     for n in range(parts):
-        st.write(n, table.slice(n * step, step), schema)
+        st.write_table(n, table.slice(n * step, step), schema)
     st.finish(parts)
 
 
@@ -112,7 +112,7 @@ def write_iteration(run_dir: str, it: int, rows: list[R], lm: tuple[Any, Any], s
 
 
 def result(cfg: Any, it: int = 0) -> dict[str, dict]:
-    table = shards.read_stage(shards.stage_dir(cfg.run_dir, it, "advantages"), ADVANTAGES)
+    table = manifests.read_complete(layout.folder(cfg.run_dir, it, "advantages"), ADVANTAGES)
     return {row["rollout_id"]: row for row in table.to_pylist()}
 
 
@@ -220,7 +220,9 @@ def test_sql_matches_core_on_random_data(make_config: Any, lm: Any, seed: int) -
     rows = random_rows(seed)
     _, cfg = make_config()
     write_iteration(cfg.run_dir, 0, rows, lm)
-    rids = shards.read_stage(shards.stage_dir(cfg.run_dir, 0, "rollouts"), ROLLOUTS)["rollout_id"].to_pylist()
+    rids = manifests.read_complete(layout.folder(cfg.run_dir, 0, "rollouts"), ROLLOUTS)[
+        "rollout_id"
+    ].to_pylist()
     r = torch.tensor([NAN if x.reward is None else x.reward for x in rows], dtype=torch.float64)
     gid = [x.prompt_id for x in rows]
     scored = [i for i in range(len(rows)) if not math.isnan(r[i])]
@@ -308,8 +310,8 @@ def test_nan_reward_in_a_file_without_nulls(make_config: Any, lm: Any) -> None:
     roll, score = tables(lm, 0, rewards("p", [1.0, NAN, 1.0]) + rewards("q", [0.0, 2.0]))
     write_stage(cfg.run_dir, 0, "rollouts", roll, with_extra(ROLLOUTS, EXTRA), parts=1)
     write_stage(cfg.run_dir, 0, "scores", score.slice(0, 3), SCORES, parts=1)
-    st = shards.StageRun(shards.stage_dir(cfg.run_dir, 0, "scores"), "scores", {"test": 1}, {})
-    st.write(1, score.slice(3), SCORES)
+    st = executor.claim(layout.folder(cfg.run_dir, 0, "scores"), "scores", {"test": 1}, {})
+    st.write_table(1, score.slice(3), SCORES)
     st.finish(2)
     m = advantage.run(cfg, 0, quiet=True)
     # p without the NaN is {1, 1}: constant -> dropped (zero variance); q {0, 2} kept
@@ -380,7 +382,7 @@ def test_all_filtered_is_a_clear_error_and_relaxing_works(make_config: Any, lm: 
     msg = str(e.value)
     assert "drop_zero_variance=false" in msg and "min_group_size=2" in msg and "\n" not in msg
     # nothing was left behind, so the relaxed config runs without --force
-    assert not shards.stage_dir(cfg.run_dir, 0, "advantages").exists()
+    assert not layout.folder(cfg.run_dir, 0, "advantages").exists()
     _, relaxed = make_config("[advantage]\ndrop_zero_variance = false\nmin_group_size = 1", name="r.toml")
     assert advantage.run(relaxed, 0, quiet=True)["rows"] == 3
 
@@ -457,7 +459,7 @@ def test_same_result_whatever_the_order_and_parts_of_the_scores(
         write_stage(cfg.run_dir, 0, "scores", scores, SCORES, parts=parts)
         m = advantage.run(cfg, 0, quiet=True)
         results.append(
-            (shards.read_stage(shards.stage_dir(cfg.run_dir, 0, "advantages"), ADVANTAGES), m["counts"])
+            (manifests.read_complete(layout.folder(cfg.run_dir, 0, "advantages"), ADVANTAGES), m["counts"])
         )
     assert results[0][0].num_rows == 12
     assert all(t.equals(results[0][0]) and c == results[0][1] for t, c in results[1:])
@@ -494,7 +496,7 @@ def test_window_skips_incomplete_older_iterations(make_config: Any, lm: Any) -> 
     assert result(cfg, 1)["0001-p-0"]["group_mean"] == 2.0  # (1 + 3) / 2, iteration 0 not pooled
 
 
-# ---------------------------------------------------------------- shards: layout, order, readers, resume
+# ---------------------------------------------------------------- parts: layout, order, readers, resume
 
 SHARD_ROWS = [R(f"p{i % 5}", float(i % 3), response="ab" * (1 + i % 7)) for i in range(23)]
 
@@ -514,12 +516,12 @@ def documented_order(
     return sorted(res_ids, key=key)
 
 
-def test_shards_layout_order_and_readers(make_config: Any, lm: Any) -> None:
+def test_parts_layout_order_and_readers(make_config: Any, lm: Any) -> None:
     cfg, m = setup(
-        make_config, lm, SHARD_ROWS, "rows_per_shard = 4\nbucket_tokens = 4\ndrop_zero_variance = false"
+        make_config, lm, SHARD_ROWS, "rows_per_part = 4\nbucket_tokens = 4\ndrop_zero_variance = false"
     )
-    sdir = shards.stage_dir(cfg.run_dir, 0, "advantages")
-    # 23 rows -> shards of 4, 4, 4, 4, 4, 3
+    sdir = layout.folder(cfg.run_dir, 0, "advantages")
+    # 23 rows -> parts of 4, 4, 4, 4, 4, 3
     assert [p["file"] for p in m["parts"]] == [f"part-00000-{n:05d}.parquet" for n in range(6)]
     assert [p["rows"] for p in m["parts"]] == [4, 4, 4, 4, 4, 3]
     assert sorted(q.name for q in sdir.iterdir()) == ["_manifest.json"] + [p["file"] for p in m["parts"]]
@@ -550,7 +552,7 @@ def test_shards_layout_order_and_readers(make_config: Any, lm: Any) -> None:
     assert got[0][0] == 23 and got[0][1] == sum(r["group_size"] for r in ordered)
 
 
-def test_order_depends_on_seed_not_on_shard_size(make_config: Any, lm: Any, tmp_path: Path) -> None:
+def test_order_depends_on_seed_not_on_part_size(make_config: Any, lm: Any, tmp_path: Path) -> None:
     def ids(extra: str, name: str, seed: int) -> list[str]:
         cfg, m = setup(
             make_config,
@@ -564,26 +566,26 @@ def test_order_depends_on_seed_not_on_shard_size(make_config: Any, lm: Any, tmp_
         return [
             r
             for p in m["parts"]
-            for r in pq.read_table(shards.stage_dir(cfg.run_dir, 0, "advantages") / p["file"])[
+            for r in pq.read_table(layout.folder(cfg.run_dir, 0, "advantages") / p["file"])[
                 "rollout_id"
             ].to_pylist()
         ]
 
-    base = ids("rows_per_shard = 4", "a", 0)
-    assert ids("rows_per_shard = 7", "b", 0) == base
-    assert ids("rows_per_shard = 4", "c", 1) != base
-    assert sorted(ids("rows_per_shard = 4", "d", 1)) == sorted(base)
+    base = ids("rows_per_part = 4", "a", 0)
+    assert ids("rows_per_part = 7", "b", 0) == base
+    assert ids("rows_per_part = 4", "c", 1) != base
+    assert sorted(ids("rows_per_part = 4", "d", 1)) == sorted(base)
 
 
 def test_rerun_resume_and_config_change(make_config: Any, lm: Any) -> None:
-    cfg, m = setup(make_config, lm, SHARD_ROWS, "rows_per_shard = 5\ndrop_zero_variance = false")
-    sdir = shards.stage_dir(cfg.run_dir, 0, "advantages")
+    cfg, m = setup(make_config, lm, SHARD_ROWS, "rows_per_part = 5\ndrop_zero_variance = false")
+    sdir = layout.folder(cfg.run_dir, 0, "advantages")
     parts = [sdir / p["file"] for p in m["parts"]]
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in parts}
     assert advantage.run(cfg, 0, quiet=True) == m  # complete: nothing is redone
     assert {p.name: p.stat().st_mtime_ns for p in parts} == {k: v[1] for k, v in before.items()}
-    # an interrupted run: no manifest, shard 2 missing -> only shard 2 is written, identical bytes
-    (sdir / shards.MANIFEST).unlink()
+    # an interrupted run: no manifest, part 2 missing -> only part 2 is written, identical bytes
+    (sdir / layout.MANIFEST).unlink()
     parts[2].unlink()
     m2 = advantage.run(cfg, 0, quiet=True)
     assert parts[2].read_bytes() == before[parts[2].name][0]
@@ -594,7 +596,7 @@ def test_rerun_resume_and_config_change(make_config: Any, lm: Any) -> None:
     with pytest.raises(StageError, match="different config"):
         advantage.run(other, 0, quiet=True)
     assert advantage.run(other, 0, quiet=True, force=True)["config"]["advantage"]["estimator"] == "rloo"
-    manifest = json.loads((sdir / shards.MANIFEST).read_text())
+    manifest = json.loads((sdir / layout.MANIFEST).read_text())
     assert manifest["stage"] == "advantages" and set(manifest["inputs"]) == {
         "iter=0000/rollouts",
         "iter=0000/scores",

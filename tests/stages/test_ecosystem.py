@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 from rlhf_batch.errors import RewardError
 from rlhf_batch.schemas import ROLLOUTS, SCORES
 from rlhf_batch.stages import generate, score
@@ -58,7 +58,7 @@ def verl_no_score(data_source, solution_str, ground_truth, extra_info=None):  # 
 
 
 def read(cfg: Any, folder: str, schema: pa.Schema) -> pa.Table:
-    return shards.read_stage(shards.stage_dir(cfg.run_dir, 0, folder), schema)
+    return manifests.read_complete(layout.folder(cfg.run_dir, 0, folder), schema)
 
 
 def generated(make_config, data: str, reward: str) -> tuple[Any, pa.Table]:
@@ -196,4 +196,4 @@ def test_reward_module_beside_the_config_imports_in_every_mode(make_config, tmp_
     cmd = [exe, "run", str(other), "--in-process", "-q", *(a for x in sets for a in ("--set", x))]
     proc = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert shards.manifest(shards.stage_dir(tmp_path / "run2", 0, "scores")) is not None
+    assert manifests.manifest(layout.folder(tmp_path / "run2", 0, "scores")) is not None

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rlhf_batch import shards
+from rlhf_batch import executor, faults, layout, manifests
 from rlhf_batch.errors import StageError
 from rlhf_batch.forward import response_logprobs
 from rlhf_batch.models import load_model, load_tokenizer
@@ -18,7 +18,7 @@ from rlhf_batch.tiny import init_model
 
 
 def rollouts(cfg, it: int = 0) -> pa.Table:
-    return shards.read_stage(shards.stage_dir(cfg.run_dir, it, "rollouts"), ROLLOUTS)
+    return manifests.read_complete(layout.folder(cfg.run_dir, it, "rollouts"), ROLLOUTS)
 
 
 def test_rollouts_table_ids_and_carried_columns(make_config) -> None:
@@ -82,7 +82,7 @@ def test_same_config_and_seed_give_identical_files_whatever_the_batch_size(
         generate.run(cfg, 0, quiet=True)
     ids = [rollouts(cfg).column("response_ids").to_pylist() for cfg in (a, b, c)]
     assert ids[0] == ids[1] == ids[2]
-    part = shards.part_name(0, 0)
+    part = layout.part_name(0, 0)
     assert (Path(a.run_dir) / "iter=0000/rollouts" / part).read_bytes() == (
         Path(c.run_dir) / "iter=0000/rollouts" / part
     ).read_bytes()
@@ -194,15 +194,15 @@ def test_resume_after_a_kill_mid_write_gives_the_rows_of_an_uninterrupted_run(
     path, cfg = make_config()
     env = {
         **os.environ,
-        shards.FAULT_ENV: "rollouts:part-1:tmp",
+        faults.FAULT_ENV: "rollouts:part-1:tmp",
     }  # SIGKILL between writing and renaming part 1
     cmd = [sys.executable, "-m", "rlhf_batch", "generate", str(path), "--quiet"]
     killed = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert killed.returncode == -9
-    assert len(list(shards.stage_dir(cfg.run_dir, 0, "rollouts").glob(".part-*.tmp"))) == 1
-    sdir = shards.stage_dir(cfg.run_dir, 0, "rollouts")
-    assert [p.name for p in shards.list_parts(sdir)] == [shards.part_name(0, 0)]
-    assert not (sdir / shards.MANIFEST).exists()
+    assert len(list(layout.folder(cfg.run_dir, 0, "rollouts").glob(".part-*.tmp"))) == 1
+    sdir = layout.folder(cfg.run_dir, 0, "rollouts")
+    assert [p.name for p in layout.list_parts(sdir)] == [layout.part_name(0, 0)]
+    assert not (sdir / layout.MANIFEST).exists()
     resumed = subprocess.run(cmd, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     _, clean = make_config(run_dir=str(tmp_path / "clean"), name="clean.toml")
@@ -276,9 +276,9 @@ def test_progress_bar_shows_rollouts_and_tokens_per_second_unless_quiet(make_con
 
 def test_iteration_k_samples_from_the_policy_trained_in_iteration_k_minus_1(make_config) -> None:
     _, cfg = make_config()
-    prev = shards.policy_dir(cfg.run_dir, 0)
+    prev = layout.policy_dir(cfg.run_dir, 0)
     init_model(prev, seed=7)  # another real model in train's output place (same tokenizer)
-    done = shards.StageRun(shards.stage_dir(cfg.run_dir, 0, "train"), "train", {"test": True}, {})
+    done = executor.claim(layout.folder(cfg.run_dir, 0, "train"), "train", {"test": True}, {})
     done.finish(0)  # iteration 0's train stage is complete
     generate.run(cfg, 1, quiet=True)
     t = rollouts(cfg, 1).to_pylist()
@@ -293,3 +293,17 @@ def test_iteration_k_samples_from_the_policy_trained_in_iteration_k_minus_1(make
     beh = [torch.tensor(r["behavior_logprobs"]) for r in rows]
     assert all(torch.allclose(lp_new[i][mask[i]], b, atol=1e-5) for i, b in enumerate(beh))
     assert not all(torch.allclose(lp_old[i][mask[i]], b, atol=1e-3) for i, b in enumerate(beh))
+
+
+def test_changing_reward_or_ref_model_does_not_refuse_complete_rollouts(make_config, tmp_path: Path) -> None:
+    # the rollouts depend on the policy, the prompts and [generate], not on what scores them
+    _, cfg = make_config()
+    m = generate.run(cfg, 0, quiet=True)
+    other = tmp_path / "other-model"
+    _, changed = make_config(name="b.toml", reward_model=str(other), ref_model=str(other))
+    assert generate.run(changed, 0, quiet=True) == m  # complete: nothing is redone, nothing refused
+    assert executor.is_done(generate.Generate(changed, 0))  # and `run` skips it
+    _, hotter = make_config(name="c.toml", generate={"temperature": 0.5})
+    assert not executor.is_done(generate.Generate(hotter, 0))
+    with pytest.raises(StageError, match=r"config.generate.temperature: 1.0 on disk, 0.5 now"):
+        generate.run(hotter, 0, quiet=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from rlhf_batch import dist, shards
+from rlhf_batch import dist, layout, manifests
 from rlhf_batch.config import load_config
 from rlhf_batch.schemas import ROLLOUTS, SCORES
 from rlhf_batch.stages import generate, score
@@ -33,8 +33,8 @@ def generate_and_score(config: str | Path) -> None:
 
 
 def rows(run_dir: str, stage: str, schema: pa.Schema) -> list[dict]:
-    sdir = shards.stage_dir(run_dir, 0, stage)
-    return shards.read_stage(sdir, schema).sort_by("rollout_id").to_pylist()
+    sdir = layout.folder(run_dir, 0, stage)
+    return manifests.read_complete(sdir, schema).sort_by("rollout_id").to_pylist()
 
 
 def test_two_ranks_write_the_rows_of_one_rank(make_config, tiny_model: Path, tmp_path: Path) -> None:
@@ -59,7 +59,7 @@ def test_two_ranks_write_the_rows_of_one_rank(make_config, tiny_model: Path, tmp
         torch.set_num_threads(threads)
 
     for stage, schema in (("rollouts", ROLLOUTS), ("scores", SCORES)):
-        m = shards.manifest(shards.stage_dir(two.run_dir, 0, stage))
+        m = manifests.manifest(layout.folder(two.run_dir, 0, stage))
         assert m is not None
         assert {p["file"][5:10] for p in m["parts"]} == {"00000", "00001"}  # part-RRRRR-: both ranks
         a, b = rows(two.run_dir, stage, schema), rows(one.run_dir, stage, schema)

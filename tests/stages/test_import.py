@@ -13,7 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rlhf_batch import shards
+from rlhf_batch import layout, manifests
 from rlhf_batch.cli import app
 from rlhf_batch.errors import ConfigError, SchemaError, StageError
 from rlhf_batch.forward import response_logprobs
@@ -41,7 +41,7 @@ def sha(prompt: str) -> str:
 
 
 def rollouts(cfg, it: int = 0) -> list[dict]:
-    return shards.read_stage(shards.stage_dir(cfg.run_dir, it, "rollouts"), ROLLOUTS).to_pylist()
+    return manifests.read_complete(layout.folder(cfg.run_dir, it, "rollouts"), ROLLOUTS).to_pylist()
 
 
 def test_import_tokenises_appends_eos_and_carries_columns(make_config, tmp_path: Path) -> None:
@@ -79,7 +79,7 @@ def test_imported_rollouts_score_with_zero_kl_and_carried_columns(make_config, t
     _, cfg = make_config()
     import_rollouts(cfg, write_jsonl(tmp_path / "ext.jsonl", ROWS), 0, quiet=True)
     m = score.run(cfg, 0, quiet=True)
-    got = shards.read_stage(shards.stage_dir(cfg.run_dir, 0, "scores"), SCORES).to_pylist()
+    got = manifests.read_complete(layout.folder(cfg.run_dir, 0, "scores"), SCORES).to_pylist()
     # letter_count: "aa" for a*2 -> 2/2; "bxb" for b*3 -> 2/3; "xa" -> 1/2; "c<|endoftext|>" for c*1 ->
     # 1 hit / max(1, 14 characters); "cccc" for c*1 -> 1/4
     assert [r["score"] for r in got] == pytest.approx([1.0, 2 / 3, 0.5, 1 / 14, 0.25], abs=1e-12)
@@ -181,12 +181,12 @@ def test_cli_import(make_config, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "ext.jsonl", ROWS)
     res = CliRunner().invoke(app, ["import", str(path), "--config", str(cfg_path), "--iter", "0", "--quiet"])
     assert res.exit_code == 0, res.output
-    assert shards.manifest(shards.stage_dir(cfg.run_dir, 0, "rollouts"))["rows"] == 5
+    assert manifests.manifest(layout.folder(cfg.run_dir, 0, "rollouts"))["rows"] == 5
     other = tmp_path / "other-run"  # --run-dir wins over the config's run_dir
     args = ["import", str(path), "-c", str(cfg_path), "--run-dir", str(other), "--quiet"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
-    assert shards.manifest(shards.stage_dir(str(other), 0, "rollouts"))["rows"] == 5
+    assert manifests.manifest(layout.folder(str(other), 0, "rollouts"))["rows"] == 5
     assert sorted(p.name for p in Path(cfg.run_dir).iterdir()) == ["iter=0000"]  # untouched besides
     bare = tmp_path / "bare-run"  # no config file: the defaults plus --set
     args = ["import", str(path), "--run-dir", str(bare), "--quiet"]
@@ -195,4 +195,28 @@ def test_cli_import(make_config, tmp_path: Path) -> None:
     assert not bare.exists()
     res = CliRunner().invoke(app, [*args, "--set", f"policy_model={cfg.policy_model}"])
     assert res.exit_code == 0, res.output
-    assert shards.read_stage(shards.stage_dir(str(bare), 0, "rollouts"), ROLLOUTS).num_rows == 5
+    assert manifests.read_complete(layout.folder(str(bare), 0, "rollouts"), ROLLOUTS).num_rows == 5
+
+
+def test_imported_rollouts_count_as_done_for_run_and_record_their_command(
+    make_config, tmp_path: Path
+) -> None:
+    from rlhf_batch.executor import is_done
+    from rlhf_batch.stages.generate import Generate
+    from rlhf_batch.stages.score import Score
+
+    _, cfg = make_config()
+    m = import_rollouts(cfg, write_jsonl(tmp_path / "ext.jsonl", ROWS), 0, quiet=True)
+    assert m["command"] == "import" and m["config"]["import"] == str((tmp_path / "ext.jsonl").resolve())
+    assert is_done(Generate(cfg, 0))  # `run` keeps imported rollouts: it does not generate over them
+    assert not is_done(Score(cfg, 0))
+    score.run(cfg, 0, quiet=True)
+    assert is_done(Score(cfg, 0))
+    # new rollouts (other inputs for score, same config): `run` no longer skips score, and score
+    # refuses, naming the changed input
+    import_rollouts(cfg, write_jsonl(tmp_path / "ext2.jsonl", ROWS[:3]), 0, force=True, quiet=True)
+    assert not is_done(Score(cfg, 0))
+    with pytest.raises(
+        StageError, match=r"complete with a different config or inputs \(inputs.rollouts.key changed"
+    ):
+        score.run(cfg, 0, quiet=True)

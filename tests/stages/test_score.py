@@ -1,6 +1,6 @@
 """The score stage on real Parquet rollouts and real tiny models.
 
-Rollouts are written here through the shards API (not by generate): 3 prompts x 4 fixed
+Rollouts are written here through executor.claim (not by generate): 3 prompts x 4 fixed
 responses, behaviour log-probs from a plain forward pass of the tiny policy, optionally shifted
 by `delta` per token to play a policy that is more (or less) likely than the reference.
 """
@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rlhf_batch import shards
+from rlhf_batch import executor, faults, layout, manifests
 from rlhf_batch.errors import ConfigError, ModelError, RewardError, SchemaError, StageError
 from rlhf_batch.forward import response_logprobs
 from rlhf_batch.models import load_model, load_tokenizer
@@ -91,18 +91,18 @@ def write_rollouts(
     if edit:
         edit(rows)
     schema = with_extra(ROLLOUTS, pa.schema([("letter", pa.string()), ("count", pa.int64())]))
-    stage = shards.StageRun(
-        shards.stage_dir(cfg.run_dir, it, "rollouts"), "rollouts", {"test": True}, {}, True
-    )
+    stage = executor.claim(layout.folder(cfg.run_dir, it, "rollouts"), "rollouts", {"test": True}, {}, True)
     n_parts = math.ceil(len(rows) / per_part)
     for n in range(n_parts):
-        stage.write(n, pa.Table.from_pylist(rows[n * per_part : (n + 1) * per_part], schema=schema), schema)
+        stage.write_table(
+            n, pa.Table.from_pylist(rows[n * per_part : (n + 1) * per_part], schema=schema), schema
+        )
     stage.finish(n_parts)
     return rows
 
 
 def scores(cfg, it=0) -> list[dict]:
-    return shards.read_stage(shards.stage_dir(cfg.run_dir, it, "scores"), SCORES).to_pylist()
+    return manifests.read_complete(layout.folder(cfg.run_dir, it, "scores"), SCORES).to_pylist()
 
 
 def by_id(rows: list[dict]) -> dict[str, dict]:
@@ -177,7 +177,7 @@ def test_none_is_recorded_excluded_and_counted(make_config) -> None:
 def test_a_raising_function_names_itself_and_the_rollout_and_keeps_written_parts(make_config) -> None:
     _, cfg = make_config(score={"reward_functions": [f"{HERE}:flaky_reward"], "rows_per_part": 4})
     write_rollouts(cfg)
-    sdir = shards.stage_dir(cfg.run_dir, 0, "scores")
+    sdir = layout.folder(cfg.run_dir, 0, "scores")
     FAIL_ON.add(("c*1=", "xc"))  # rollout 0000-p2-1, in part 2 (rows 8..11)
     try:
         with pytest.raises(
@@ -186,13 +186,14 @@ def test_a_raising_function_names_itself_and_the_rollout_and_keeps_written_parts
             score.run(cfg, 0, quiet=True)
     finally:
         FAIL_ON.clear()
-    written = {p.name: p.stat().st_mtime_ns for p in shards.list_parts(sdir)}
+    written = {p.name: p.stat().st_mtime_ns for p in layout.list_parts(sdir)}
     assert (
-        sorted(written) == [shards.part_name(0, 0), shards.part_name(0, 1)] and shards.manifest(sdir) is None
+        sorted(written) == [layout.part_name(0, 0), layout.part_name(0, 1)]
+        and manifests.manifest(sdir) is None
     )
     m = score.run(cfg, 0, quiet=True)  # the function is fixed: the re-run only writes part 2
     assert m["rows"] == 12
-    assert {p.name: p.stat().st_mtime_ns for p in shards.list_parts(sdir)}.items() >= written.items()
+    assert {p.name: p.stat().st_mtime_ns for p in layout.list_parts(sdir)}.items() >= written.items()
 
 
 def test_score_clip_clips_the_score_not_reward_raw(make_config) -> None:
@@ -271,7 +272,7 @@ def test_same_weights_under_another_path_recompute_to_within_1e_5(make_config, p
     ],
 )
 def test_kl_sign_and_estimators(make_config, estimator: str, delta: float, per_token: float) -> None:
-    _, cfg = make_config(score={"kl_estimator": estimator, "kl_coef": 0.1})
+    _, cfg = make_config(score={"kl_estimator": estimator, "kl_reward_coef": 0.1})
     write_rollouts(cfg, policy="some/other/policy", delta=delta)  # behaviour = reference + delta per token
     score.run(cfg, 0, quiet=True)
     for r in scores(cfg):
@@ -293,7 +294,7 @@ def test_kl_out_of_the_reward_keeps_kl_and_sets_kl_coef_0(make_config) -> None:
 
 
 def test_adaptive_controller_beta_carries_from_iteration_to_iteration(make_config) -> None:
-    extra = {"kl_controller": "adaptive", "kl_coef": 0.1, "kl_target": 1.0, "kl_horizon": 100}
+    extra = {"kl_controller": "adaptive", "kl_reward_coef": 0.1, "kl_target": 1.0, "kl_horizon": 100}
     _, cfg = make_config(score=extra)
     for it in (0, 1):
         write_rollouts(cfg, it, policy="other", delta=0.5, responses=EQUAL_LENGTHS)  # kl_sum = 3 x 0.5 = 1.5
@@ -310,13 +311,13 @@ def test_adaptive_controller_beta_carries_from_iteration_to_iteration(make_confi
         assert r["reward"] == pytest.approx(r["score"] - 0.1024 * r["kl_sum"], abs=1e-12)
     score.run(cfg, 1, force=True, quiet=True)  # a re-run sees the same beta
     assert [r["kl_coef"] for r in scores(cfg, 1)] == pytest.approx([0.1024] * 12, rel=1e-12)
-    assert shards.manifest(shards.stage_dir(cfg.run_dir, 1, "scores"))["kl_controller"][
+    assert manifests.manifest(layout.folder(cfg.run_dir, 1, "scores"))["kl_controller"][
         "beta"
     ] == pytest.approx(0.1024 * 1.024, rel=1e-12)  # updated once more with the same KL
 
 
 def test_constant_controller_keeps_kl_coef(make_config) -> None:
-    _, cfg = make_config(score={"kl_coef": 0.2})
+    _, cfg = make_config(score={"kl_reward_coef": 0.2})
     for it in (0, 1):
         write_rollouts(cfg, it, policy="other", delta=0.5)
         score.run(cfg, it, quiet=True)
@@ -357,8 +358,8 @@ def test_resume_after_sigkill_gives_the_rows_of_an_uninterrupted_run(
     )
     write_rollouts(cfg)
     write_rollouts(clean)
-    sdir = shards.stage_dir(cfg.run_dir, 0, "scores")
-    env = {**os.environ, shards.FAULT_ENV: "scores:part-2:done"}  # SIGKILL right after part 2 of 6 is written
+    sdir = layout.folder(cfg.run_dir, 0, "scores")
+    env = {**os.environ, faults.FAULT_ENV: "scores:part-2:done"}  # SIGKILL right after part 2 of 6 is written
     killed = subprocess.run(
         [sys.executable, "-m", "rlhf_batch", "score", str(path), "--quiet"],
         env=env,
@@ -366,8 +367,8 @@ def test_resume_after_sigkill_gives_the_rows_of_an_uninterrupted_run(
         text=True,
     )
     assert killed.returncode == -9, killed.stderr
-    assert [shards.part_number(p) for p in shards.list_parts(sdir)] == [0, 1, 2]
-    assert shards.manifest(sdir) is None
+    assert [layout.part_number(p) for p in layout.list_parts(sdir)] == [0, 1, 2]
+    assert manifests.manifest(sdir) is None
     m = score.run(cfg, 0, quiet=True)
     score.run(clean, 0, quiet=True)
     assert m["rows"] == 12 and len(m["parts"]) == 6
@@ -378,20 +379,20 @@ def test_rescoring_needs_force_and_leaves_rollouts_alone(make_config) -> None:
     _, cfg = make_config()
     write_rollouts(cfg)
     m = score.run(cfg, 0, quiet=True)
-    sdir = shards.stage_dir(cfg.run_dir, 0, "scores")
-    mtimes = {p: p.stat().st_mtime_ns for p in shards.list_parts(sdir)}
+    sdir = layout.folder(cfg.run_dir, 0, "scores")
+    mtimes = {p: p.stat().st_mtime_ns for p in layout.list_parts(sdir)}
     assert score.run(cfg, 0, quiet=True) == m  # complete: nothing is redone
     cfg.score.max_tokens_per_batch = 7  # a batching knob is not a reason to re-score
     assert score.run(cfg, 0, quiet=True) == m
-    assert {p: p.stat().st_mtime_ns for p in shards.list_parts(sdir)} == mtimes
-    rdir = shards.stage_dir(cfg.run_dir, 0, "rollouts")
-    before = shards.file_fingerprint(rdir)
+    assert {p: p.stat().st_mtime_ns for p in layout.list_parts(sdir)} == mtimes
+    rdir = layout.folder(cfg.run_dir, 0, "rollouts")
+    before = manifests.file_fingerprint(rdir)
     cfg.score.reward_functions = [f"{HERE}:length_reward"]
     with pytest.raises(StageError, match="--force"):
         score.run(cfg, 0, quiet=True)
     score.run(cfg, 0, force=True, quiet=True)
     assert "reward_length_reward" in scores(cfg)[0] and "reward_letter_count" not in scores(cfg)[0]
-    assert shards.file_fingerprint(rdir) == before
+    assert manifests.file_fingerprint(rdir) == before
 
 
 # --- checks ---------------------------------------------------------------------------------------

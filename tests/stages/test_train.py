@@ -1,4 +1,4 @@
-"""Tests of the train stage: real tiny model, real Parquet shards written with the shards API.
+"""Tests of the train stage: real tiny model, real Parquet parts written with executor.claim.
 
 Expected numbers are worked out by hand in the comments. The advantage stage is not used:
 `make_table` builds an advantages table whose behaviour log-probs come from the tiny model.
@@ -23,7 +23,7 @@ import tomli_w
 import torch
 from safetensors.torch import load_file
 
-from rlhf_batch import checkpoint, shards
+from rlhf_batch import checkpoint, executor, layout, manifests
 from rlhf_batch.errors import StageError
 from rlhf_batch.forward import response_logprobs
 from rlhf_batch.models import load_model
@@ -73,9 +73,9 @@ def make_table(
 
 
 def write_advantages(run_dir: str | Path, table: pa.Table, iteration: int = 0) -> Path:
-    sdir = shards.stage_dir(run_dir, iteration, "advantages")
-    stage = shards.StageRun(sdir, "advantage", {"test": True}, {"rows": table.num_rows})
-    stage.write(0, table, ADVANTAGES)
+    sdir = layout.folder(run_dir, iteration, "advantages")
+    stage = executor.claim(sdir, "advantage", {"test": True}, {"rows": table.num_rows})
+    stage.write_table(0, table, ADVANTAGES)
     stage.finish(1)
     return sdir
 
@@ -94,7 +94,7 @@ def train_toml(**train_keys: object) -> str:
 
 
 def metrics(run_dir: str | Path, iteration: int = 0) -> pa.Table:
-    return pq.read_table(shards.stage_dir(run_dir, iteration, "train") / "metrics.parquet")
+    return pq.read_table(layout.folder(run_dir, iteration, "train") / "metrics.parquet")
 
 
 def random_lengths(n: int, seed: int = 1) -> tuple[list[int], list[int]]:
@@ -220,12 +220,12 @@ def test_train_writes_policy_metrics_and_manifest(make_config, tiny_model: Path)
     assert first["ess"] == pytest.approx(1.0, abs=1e-5)
     assert table.column("ratio_mean").to_pylist()[-1] != pytest.approx(1.0, abs=1e-4)  # it did learn
 
-    sdir = shards.stage_dir(cfg.run_dir, 0, "train")
-    assert m == shards.manifest(sdir)
+    sdir = layout.folder(cfg.run_dir, 0, "train")
+    assert m == manifests.manifest(sdir)
     counts = m["counts"]  # 48 tokens x 2 epochs
     assert (m["rows"], counts["steps"], counts["sequences"], counts["tokens"]) == (6, 6, 12, 96)
     assert sorted(p.name for p in sdir.iterdir()) == ["_manifest.json", "metrics.parquet"]  # no checkpoint
-    assert max_diff(weights(shards.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) > 1e-3
+    assert max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) > 1e-3
 
 
 def test_policy_loads_with_transformers_and_generates(make_config, tiny_model: Path) -> None:
@@ -234,7 +234,7 @@ def test_policy_loads_with_transformers_and_generates(make_config, tiny_model: P
     _, cfg = make_config(train_toml(lr=1e-2))
     write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8)))
     train.run(cfg, 0, quiet=True)
-    out = shards.policy_dir(cfg.run_dir, 0)
+    out = layout.policy_dir(cfg.run_dir, 0)
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok("count the a", return_tensors="pt")
@@ -249,7 +249,7 @@ def test_lr_zero_leaves_the_weights_unchanged(make_config, tiny_model: Path) -> 
     _, cfg = make_config(train_toml(lr=0.0, weight_decay=0.1, tokens_per_step=8, ppo_epochs=2))
     write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8)))
     train.run(cfg, 0, quiet=True)
-    assert max_diff(weights(shards.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) == 0.0
+    assert max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) == 0.0
     assert all(g > 0 for g in metrics(cfg.run_dir).column("grad_norm").to_pylist())  # gradients were there
 
 
@@ -296,7 +296,7 @@ def test_grad_clipping_shrinks_the_update(make_config, tiny_model: Path, tmp_pat
         write_advantages(cfg.run_dir, table)
         train.run(cfg, 0, quiet=True)
         assert metrics(cfg.run_dir).num_rows == 1
-        moved[max_norm] = max_diff(weights(shards.policy_dir(cfg.run_dir, 0)), weights(tiny_model))
+        moved[max_norm] = max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(tiny_model))
     assert moved[0.0] > 0.009
     assert moved[1e-9] < 0.01 / 11 + 1e-6
 
@@ -336,7 +336,7 @@ def test_ess_and_clip_fraction_are_over_the_whole_step(make_config, tiny_model: 
 def test_kl_to_ref_and_entropy_in_the_loss(make_config, tiny_model: Path) -> None:
     # ref = policy - 0.3 on every token: k3 = e^-0.3 + 0.3 - 1 = 0.040818 ; loss term 0.5 * that
     table = make_table(tiny_model, *random_lengths(8), advantages=[0.0] * 8, ref_shift=-0.3)
-    _, cfg = make_config(train_toml(lr=0.0, kl_coef=0.5, entropy_coef=0.01))
+    _, cfg = make_config(train_toml(lr=0.0, kl_loss_coef=0.5, entropy_coef=0.01))
     write_advantages(cfg.run_dir, table)
     train.run(cfg, 0, quiet=True)
     row = metrics(cfg.run_dir).to_pylist()[0]
@@ -372,17 +372,17 @@ def test_kl_to_the_behaviour_policy_is_a_metric(make_config, tiny_model: Path) -
 
 
 def test_bf16_autocast_step_on_cpu(make_config, tiny_model: Path) -> None:
-    """dtype = bfloat16 switches autocast on (train._build: autocast_bf16 and the dtype resolves to
+    """dtype = bfloat16 switches autocast on (train.build_trainer: autocast_bf16 and the dtype resolves to
     bfloat16, which it does on any CPU when asked by name). One step against the float32 step."""
-    from rlhf_batch.stages.train_data import load_shards
+    from rlhf_batch.stages.train_data import load_rows
 
     _, cfg = make_config(train_toml(lr=1e-3))
-    data = load_shards(write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8))))
+    data = load_rows(write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8))))
     steps = plan_steps(data.resp_lens, data.seq_lens, 10**6, 10**6, 1, (0, 0))  # one step, one micro-batch
     out = {}
     for dtype in ("float32", "bfloat16"):
         _, cfg = make_config(train_toml(lr=1e-3), name=f"{dtype}.toml", dtype=dtype)
-        trainer, _ = train._build(cfg, str(tiny_model), data, len(steps))
+        trainer = train.build_trainer(cfg, str(tiny_model), data, steps)
         row = trainer.step(steps[0])
         params = list(trainer.model.parameters())
         out[dtype] = (trainer.bf16, row, {p.dtype for p in params}, {p.grad.dtype for p in params})
@@ -415,7 +415,7 @@ def test_micro_batching_does_not_change_a_step(
         _, cfg = make_config(train_toml(**keys), name=f"{name}.toml", run_dir=str(tmp_path / name))
         write_advantages(cfg.run_dir, table)
         train.run(cfg, 0, quiet=True)
-        results.append((metrics(cfg.run_dir).to_pylist(), weights(shards.policy_dir(cfg.run_dir, 0))))
+        results.append((metrics(cfg.run_dir).to_pylist(), weights(layout.policy_dir(cfg.run_dir, 0))))
     (rows_a, w_a), (rows_b, w_b) = results
     assert len(rows_a) == len(rows_b) == 2
     for a, b in zip(rows_a, rows_b, strict=True):
@@ -428,7 +428,7 @@ def test_rerun_is_skipped_other_config_refused_unless_force(make_config, tiny_mo
     _, cfg = make_config(train_toml(lr=0.0))
     write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(4)))
     first = train.run(cfg, 0, quiet=True)
-    policy = shards.policy_dir(cfg.run_dir, 0) / "model.safetensors"
+    policy = layout.policy_dir(cfg.run_dir, 0) / "model.safetensors"
     mtime = policy.stat().st_mtime_ns
     assert train.run(cfg, 0, quiet=True) == first
     assert policy.stat().st_mtime_ns == mtime
@@ -437,7 +437,7 @@ def test_rerun_is_skipped_other_config_refused_unless_force(make_config, tiny_mo
         train.run(other, 0, quiet=True)
     forced = train.run(other, 0, force=True, quiet=True)
     assert forced["config"]["train"]["lr"] == 1e-2
-    assert max_diff(weights(shards.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) > 1e-3
+    assert max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) > 1e-3
 
 
 def test_iteration_starts_from_the_previous_policy(make_config, tiny_model: Path) -> None:
@@ -450,7 +450,7 @@ def test_iteration_starts_from_the_previous_policy(make_config, tiny_model: Path
     train.run(cfg, 0, quiet=True)
     _, zero_lr = make_config(train_toml(lr=0.0), name="zero.toml")
     train.run(zero_lr, 1, quiet=True)
-    w0, w1 = weights(shards.policy_dir(cfg.run_dir, 0)), weights(shards.policy_dir(cfg.run_dir, 1))
+    w0, w1 = weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(cfg.run_dir, 1))
     assert max_diff(w1, w0) == 0.0 < max_diff(w1, weights(tiny_model))
 
 
@@ -478,7 +478,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
     keys = dict(lr=1e-2, tokens_per_step=4, ppo_epochs=2, checkpoint_every=4)
     path, cfg = make_config(train_toml(**keys))
     write_advantages(cfg.run_dir, table)
-    ckpt = shards.stage_dir(cfg.run_dir, 0, "train") / "checkpoint"
+    ckpt = layout.folder(cfg.run_dir, 0, "train") / "checkpoint"
     log = open(tmp_path / "killed.log", "w")  # noqa: SIM115
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.Popen(
@@ -494,7 +494,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
     proc.wait()
     saved = checkpoint.latest(ckpt)
     assert saved is not None, (tmp_path / "killed.log").read_text()
-    assert shards.manifest(ckpt.parent) is None  # killed before the end
+    assert manifests.manifest(ckpt.parent) is None  # killed before the end
     before = json.loads((saved / "state.json").read_text())["metrics"]
 
     train.run(cfg, 0, quiet=True)
@@ -505,7 +505,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
     write_advantages(ref.run_dir, table)
     train.run(ref, 0, quiet=True)
     assert (
-        max_diff(weights(shards.policy_dir(cfg.run_dir, 0)), weights(shards.policy_dir(ref.run_dir, 0)))
+        max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(ref.run_dir, 0)))
         < 1e-6
     )
 
@@ -518,7 +518,7 @@ def test_gradient_checkpointing_gives_the_same_steps(make_config, tiny_model: Pa
         _, cfg = make_config(train_toml(**keys), name=f"{on}.toml", run_dir=str(tmp_path / str(on)))
         write_advantages(cfg.run_dir, table)
         train.run(cfg, 0, quiet=True)
-        out.append((metrics(cfg.run_dir).to_pylist(), weights(shards.policy_dir(cfg.run_dir, 0))))
+        out.append((metrics(cfg.run_dir).to_pylist(), weights(layout.policy_dir(cfg.run_dir, 0))))
     (rows_off, w_off), (rows_on, w_on) = out
     assert [r["grad_norm"] for r in rows_on] == pytest.approx([r["grad_norm"] for r in rows_off], rel=1e-5)
     assert max_diff(w_on, w_off) < 1e-5 < 1e-4 < max_diff(w_on, weights(tiny_model))

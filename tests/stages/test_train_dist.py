@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_batch import checkpoint, shards
+from rlhf_batch import checkpoint, layout, manifests
 from rlhf_batch.stages import train
 from rlhf_batch.stages.train_data import plan_steps
 from tests.stages.test_train import (
@@ -35,7 +35,7 @@ KEYS = dict(
     ppo_epochs=2,
     recompute_old=True,
     gradient_checkpointing=True,
-    kl_coef=0.1,
+    kl_loss_coef=0.1,
     entropy_coef=0.01,
 )
 
@@ -71,8 +71,8 @@ def assert_same_training(two, one, n_steps: int, tiny_model: Path) -> None:
         for k in ("loss", "ratio_mean", "clip_fraction", "kl_to_ref", "entropy", "ess"):
             assert a[k] == pytest.approx(b[k], abs=1e-5), k
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    assert shards.manifest(shards.stage_dir(two.run_dir, 0, "train"))["world_size"] == 2
-    w_two, w_one = weights(shards.policy_dir(two.run_dir, 0)), weights(shards.policy_dir(one.run_dir, 0))
+    assert manifests.manifest(layout.folder(two.run_dir, 0, "train"))["world_size"] == 2
+    w_two, w_one = weights(layout.policy_dir(two.run_dir, 0)), weights(layout.policy_dir(one.run_dir, 0))
     assert max_diff(w_two, w_one) < 1e-5 < 1e-4 < max_diff(w_one, weights(tiny_model))
 
 
@@ -94,7 +94,7 @@ def test_fsdp_two_ranks_killed_and_resumed_match_one_rank(
     )
     killed = torchrun_train(path, RLHF_BATCH_FAULT="train:checkpoint-4")  # rank 0, once written
     assert killed.returncode != 0
-    ckpt = checkpoint.latest(shards.stage_dir(two.run_dir, 0, "train") / train.CHECKPOINT_DIR)
+    ckpt = checkpoint.latest(layout.checkpoint_dir(two.run_dir, 0))
     assert ckpt is not None and ckpt.name == "step-00000004" and n_steps > 4
     # written from the gathered full state dicts: AdamW state keyed by parameter name
     state = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
@@ -104,4 +104,4 @@ def test_fsdp_two_ranks_killed_and_resumed_match_one_rank(
     train.run(one, 0, quiet=True)
     assert_same_training(two, one, n_steps, tiny_model)
     # the policy is a plain Hugging Face model dir, written whole by rank 0
-    assert weights(shards.policy_dir(two.run_dir, 0)).keys() == weights(tiny_model).keys()
+    assert weights(layout.policy_dir(two.run_dir, 0)).keys() == weights(tiny_model).keys()

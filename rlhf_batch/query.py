@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import ConfigError, UserError
+from rlhf_batch.sql import NAN_SAFE, quote, sql_text
 
 VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.schemas)
     "rollouts": ("iter=*/rollouts/part-*.parquet", "ROLLOUTS"),
@@ -52,17 +53,9 @@ FROM (SELECT *, json_merge_patch(json, coalesce(json->'prompt_counts', '{}'), co
 """
 FORMATS = ("table", "csv", "json", "parquet")
 SUFFIXES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-# DuckDB folds isnan(x) to false from Parquet min/max statistics, which leave NaN out, so a NaN
-# would pass as a number; without statistics propagation isnan() looks at the values.
-NAN_SAFE = "SET disabled_optimizers = 'statistics_propagation'"
 READ_ONLY = (
     "only read queries (SELECT, FROM, WITH, VALUES, SHOW, DESCRIBE, SUMMARIZE) can run: the run is read-only"
 )
-
-
-def quote(text: str) -> str:
-    """A SQL string literal, for paths the code built (never for user SQL)."""
-    return "'" + text.replace("'", "''") + "'"
 
 
 def one_line(e: BaseException) -> str:
@@ -278,15 +271,15 @@ def _stage_status(con: Any, root: Path, it: int, stage: str) -> tuple[str, str, 
     import duckdb
     import pyarrow.parquet as pq
 
-    from rlhf_batch import shards
+    from rlhf_batch import layout, manifests
 
-    sdir = shards.stage_dir(root, it, stage)
-    m = shards.manifest(sdir)
+    sdir = layout.folder(root, it, stage)
+    m = manifests.manifest(sdir)
     if stage == "train":
         files = [f for f in [sdir / "metrics.parquet"] if f.exists()]
-        started = sdir.exists() or shards.policy_dir(root, it).exists()
+        started = sdir.exists() or layout.policy_dir(root, it).exists()
     else:
-        files = [sdir / p["file"] for p in m["parts"]] if m else shards.list_parts(sdir)
+        files = [sdir / p["file"] for p in m["parts"]] if m else layout.list_parts(sdir)
         started = sdir.exists()
     state = "complete" if m else "partial" if started else "missing"
     details = []
@@ -300,7 +293,7 @@ def _stage_status(con: Any, root: Path, it: int, stage: str) -> tuple[str, str, 
     if stage == "advantages" and m:
         c = m.get("counts", {})
         details.append(f"kept {c.get('groups_out', '?')}/{c.get('groups_total', '?')} groups")
-    if stage == "train" and (shards.policy_dir(root, it) / "config.json").exists():
+    if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
         details.append("policy saved")
     rows = m["rows"] if m and stage != "train" else sum(pq.read_metadata(f).num_rows for f in files)
     return state, str(rows) if files or m else "-", ", ".join(details)
@@ -310,10 +303,3 @@ def _fmt(v: Any) -> str:
     if v is None:
         return "-"
     return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
-def sql_text(name: str) -> str:
-    """The text of rlhf_batch/sql/<name>.sql (package data)."""
-    from importlib.resources import files
-
-    return files("rlhf_batch").joinpath("sql", f"{name}.sql").read_text()

@@ -1,4 +1,5 @@
-"""Group-relative advantage estimators (GRPO, Dr. GRPO, RLOO) over a flat batch of rewards.
+"""The test oracle of the advantage SQL: group-relative advantage estimators (GRPO, Dr. GRPO, RLOO)
+over a flat batch of rewards, in torch.
 
 Pure math: no I/O, no models, no autograd (inputs are detached). Everything is computed in
 float64 and vectorised over groups (``torch.unique`` + ``bincount``/``scatter_reduce``); there

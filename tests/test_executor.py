@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf_batch import shards
+from rlhf_batch import atomic, executor, layout, manifests
 from rlhf_batch.errors import SchemaError, StageError
 
 SCHEMA = pa.schema([("rollout_id", pa.string()), ("x", pa.list_(pa.float32()))])
@@ -20,51 +20,53 @@ def table(n: int, start: int = 0) -> pa.Table:
 
 
 def test_layout_names() -> None:
-    assert shards.stage_dir("/r", 3, "scores") == Path("/r/iter=0003/scores")
-    assert shards.part_name(1, 42) == "part-00001-00042.parquet"
-    assert shards.policy_dir("/r", 0) == Path("/r/iter=0000/policy")
+    assert layout.folder("/r", 3, "scores") == Path("/r/iter=0003/scores")
+    assert layout.part_name(1, 42) == "part-00001-00042.parquet"
+    assert layout.policy_dir("/r", 0) == Path("/r/iter=0000/policy")
 
 
 def test_stage_run_writes_parts_then_manifest_and_skips_when_complete(tmp_path: Path) -> None:
     sdir = tmp_path / "iter=0000" / "rollouts"
-    st = shards.StageRun(sdir, "rollouts", {"a": 1}, {"in": "x"}, resolved={"a": 1, "run_dir": "/r"})
+    st = executor.claim(sdir, "rollouts", {"a": 1}, {"in": "x"}, resolved={"a": 1, "run_dir": "/r"})
     assert not st.complete and st.todo(3) == [0, 1, 2]
     for n in range(3):
-        st.write(n, table(2, 2 * n), SCHEMA, {"rows": 2})
-    assert not (sdir / shards.MANIFEST).exists()  # written last, by finish()
+        st.write_table(n, table(2, 2 * n), SCHEMA, {"rows": 2})
+    assert not (sdir / layout.MANIFEST).exists()  # written last, by finish()
     m = st.finish(3)
     assert m is not None and m["rows"] == 6 and m["counts"] == {"rows": 6}
-    assert [p["file"] for p in m["parts"]] == [shards.part_name(0, n) for n in range(3)]
+    assert [p["file"] for p in m["parts"]] == [layout.part_name(0, n) for n in range(3)]
     assert m["config"] == {"a": 1} and "versions" in m
     assert m["resolved_config"] == {"a": 1, "run_dir": "/r"}  # recorded, not compared:
-    again = shards.StageRun(sdir, "rollouts", {"a": 1}, {"in": "x"}, resolved={"a": 1, "run_dir": "/s"})
+    again = executor.claim(sdir, "rollouts", {"a": 1}, {"in": "x"}, resolved={"a": 1, "run_dir": "/s"})
     assert again.complete
-    assert shards.read_stage(sdir, SCHEMA).column("rollout_id").to_pylist() == [f"r{i}" for i in range(6)]
+    assert manifests.read_complete(sdir, SCHEMA).column("rollout_id").to_pylist() == [
+        f"r{i}" for i in range(6)
+    ]
 
 
 def test_complete_stage_with_other_config_is_refused_unless_forced(tmp_path: Path) -> None:
     sdir = tmp_path / "s"
-    st = shards.StageRun(sdir, "scores", {"a": 1}, {})
-    st.write(0, table(1), SCHEMA)
+    st = executor.claim(sdir, "scores", {"a": 1}, {})
+    st.write_table(0, table(1), SCHEMA)
     st.finish(1)
     with pytest.raises(StageError, match="different config") as refused:
-        shards.StageRun(sdir, "scores", {"a": 2}, {})
+        executor.claim(sdir, "scores", {"a": 2}, {})
     assert "(config.a: 1 on disk, 2 now)" in str(refused.value)  # names what changed
-    forced = shards.StageRun(sdir, "scores", {"a": 2}, {}, force=True)
+    forced = executor.claim(sdir, "scores", {"a": 2}, {}, force=True)
     assert not forced.complete and forced.todo(1) == [0]
 
 
 def test_partial_stage_resumes_only_missing_parts_and_refuses_a_changed_config(tmp_path: Path) -> None:
     sdir = tmp_path / "s"
-    st = shards.StageRun(sdir, "rollouts", {"a": 1}, {})
-    st.write(1, table(1), SCHEMA)
+    st = executor.claim(sdir, "rollouts", {"a": 1}, {})
+    st.write_table(1, table(1), SCHEMA)
     (sdir / ".part-00000-00000.parquet.123.tmp").write_bytes(b"half a file")  # a killed writer's leftover
-    resumed = shards.StageRun(sdir, "rollouts", {"a": 1}, {})
+    resumed = executor.claim(sdir, "rollouts", {"a": 1}, {})
     assert resumed.todo(3) == [0, 2]
     with pytest.raises(
         StageError, match=r"partial run with a different config .*\(config.a: 1 on disk, 9 now\)"
     ):
-        shards.StageRun(sdir, "rollouts", {"a": 9}, {})
+        executor.claim(sdir, "rollouts", {"a": 9}, {})
     with pytest.raises(StageError, match=r"parts \[0, 2\] are missing"):
         resumed.finish(3)
 
@@ -76,11 +78,11 @@ def test_differences_name_the_changed_keys_first_three_only() -> None:
         "inputs": {"iter=0000/scores": "cd34"},
     }
     # sorted keys: config.extra (new), config.path (long value), config.s.lr, inputs... (4th: cut off)
-    assert shards.differences(old, new) == (
+    assert manifests.differences(old, new) == (
         "config.extra: missing on disk, true now; config.path changed; "
         "config.s.lr: 0.1 on disk, 0.2 now and 1 more"
     )
-    assert shards.differences(old, {**old, "inputs": {"iter=0000/scores": "cd34"}}) == (
+    assert manifests.differences(old, {**old, "inputs": {"iter=0000/scores": "cd34"}}) == (
         "inputs.iter=0000/scores changed"  # content hashes are not shown
     )
 
@@ -89,13 +91,13 @@ def test_temporary_files_are_never_read(tmp_path: Path) -> None:
     sdir = tmp_path / "s"
     sdir.mkdir()
     (sdir / ".part-00000-00000.parquet.1.tmp").write_bytes(b"x")
-    assert shards.list_parts(sdir) == []
+    assert layout.list_parts(sdir) == []
 
 
 def test_failed_write_leaves_no_part(tmp_path: Path) -> None:
     bad = pa.table({"rollout_id": ["a"], "x": [["not a float"]]})  # the cast to the schema fails
     with pytest.raises(pa.ArrowInvalid):
-        shards.write_parquet_atomic(tmp_path / "part-00000-00000.parquet", bad, SCHEMA)
+        atomic.write_parquet_atomic(tmp_path / "part-00000-00000.parquet", bad, SCHEMA)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -105,37 +107,37 @@ def test_schema_checked_reads_name_file_and_column(tmp_path: Path) -> None:
     with pytest.raises(
         SchemaError, match=r"part-00000-00000.parquet: column 'x' has type list<element: double>"
     ):
-        shards.read_part(p, SCHEMA)
+        manifests.read_part(p, SCHEMA)
     pq.write_table(pa.table({"x": pa.array([[1.0]], pa.list_(pa.float32()))}), p)
     with pytest.raises(SchemaError, match="missing column 'rollout_id'"):
-        shards.read_part(p, SCHEMA)
+        manifests.read_part(p, SCHEMA)
     p.write_bytes(b"PAR1 truncated")
     with pytest.raises(SchemaError, match="not a readable Parquet file"):
-        shards.read_part(p, SCHEMA)
+        manifests.read_part(p, SCHEMA)
 
 
 def test_parts_carry_the_schema_version_and_readers_check_it(tmp_path: Path) -> None:
     p = tmp_path / "part-00000-00000.parquet"
-    shards.write_parquet_atomic(p, table(2), SCHEMA)
+    atomic.write_parquet_atomic(p, table(2), SCHEMA)
     assert pq.read_schema(p).metadata[b"rlhf_batch.schema_version"] == b"1"
-    assert shards.read_part(p, SCHEMA).num_rows == 2
+    assert manifests.read_part(p, SCHEMA).num_rows == 2
     future = table(2).replace_schema_metadata({b"rlhf_batch.schema_version": b"2"})
     pq.write_table(future, p)
     with pytest.raises(SchemaError, match=r"part-00000-00000.parquet: written with table schema version 2; "):
-        shards.read_part(p, SCHEMA)
+        manifests.read_part(p, SCHEMA)
     pq.write_table(table(2), p)  # no version key: a file from another tool, read by its columns
-    assert shards.read_part(p, SCHEMA).num_rows == 2
+    assert manifests.read_part(p, SCHEMA).num_rows == 2
 
 
 def test_extra_columns_are_allowed(tmp_path: Path) -> None:
     p = tmp_path / "part-00000-00000.parquet"
     t = table(2).append_column("answer", pa.array(["1", "2"]))
     pq.write_table(t, p)
-    assert shards.read_part(p, SCHEMA).column_names == ["rollout_id", "x", "answer"]
+    assert manifests.read_part(p, SCHEMA).column_names == ["rollout_id", "x", "answer"]
 
 
 def test_json_is_atomic_and_readable(tmp_path: Path) -> None:
-    shards.write_json_atomic(tmp_path / "m.json", {"b": 1})
+    atomic.write_json_atomic(tmp_path / "m.json", {"b": 1})
     assert json.loads((tmp_path / "m.json").read_text()) == {"b": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
 
@@ -143,12 +145,12 @@ def test_json_is_atomic_and_readable(tmp_path: Path) -> None:
 def test_file_fingerprint_changes_with_content(tmp_path: Path) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text("a")
-    before = shards.file_fingerprint(f)
+    before = manifests.file_fingerprint(f)
     f.write_text("b")
-    after = shards.file_fingerprint(f)
+    after = manifests.file_fingerprint(f)
     assert after != before
     os.utime(f, (0, 0))  # touching the file does not change it
-    assert shards.file_fingerprint(f) == after
+    assert manifests.file_fingerprint(f) == after
 
 
 def test_a_full_disk_under_torch_save_is_named_as_such(tmp_path: Path) -> None:
@@ -158,7 +160,7 @@ def test_a_full_disk_under_torch_save_is_named_as_such(tmp_path: Path) -> None:
 
     import torch
 
-    from rlhf_batch.shards import write_error
+    from rlhf_batch.atomic import write_error
 
     mnt = tmp_path / "small"
     mnt.mkdir()

@@ -1,0 +1,199 @@
+"""The executor: the one place that runs a stage (stages/base.py) over its output folder.
+
+It alone owns what every stage has in common:
+
+* refusal: a folder complete (or partial) with another identity (config, input fingerprints,
+  schema version) is refused with the keys that differ; `--force` removes the folder first;
+* resume: only the parts not on disk are written; a complete folder is left as it is;
+* ranks: rank r writes the missing parts n with n % world == r (rank 0 all of them for a
+  single-writer stage);
+* progress: one bar per stage run, on rank 0, unless quiet;
+* the manifest, written last by rank 0 once every part is on disk.
+
+A part is written to a hidden temporary name, fsynced and renamed (atomic.py), so a reader never
+sees half a file; a re-run ends with exactly the rows of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlhf_batch import dist, layout, tracking
+from rlhf_batch.atomic import write_json_atomic, write_parquet_atomic
+from rlhf_batch.errors import StageError
+from rlhf_batch.faults import fault_point
+from rlhf_batch.manifests import differences, fingerprint, manifest, read_json, write_manifest, written_by
+from rlhf_batch.schemas import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from rlhf_batch.stages.base import Part, Stage
+
+
+class StageOutput:
+    """The output folder of one stage run, identified by `config` (what decides the result) and
+    `inputs` (fingerprints of what it reads). `record` (the whole resolved config) and `command`
+    are written into the manifest for the record; they are not compared."""
+
+    def __init__(
+        self,
+        sdir: Path,
+        folder: str,
+        config: dict,
+        inputs: dict,
+        record: dict | None = None,
+        command: str | None = None,
+    ):
+        self.sdir, self.folder, self.record, self.command = sdir, folder, record, command
+        self.rank, self.world = dist.rank_world()
+        self.identity = {"config": config, "inputs": inputs, "schema_version": SCHEMA_VERSION}
+        self.key = fingerprint(self.identity)
+        self.complete = False
+
+    def done(self) -> dict[str, Any] | None:
+        """The manifest when the folder is complete with this identity; None when not complete;
+        an error when it is complete with another one."""
+        m = manifest(self.sdir)
+        if m is not None and m.get("key") != self.key:
+            raise StageError(
+                f"{self.sdir}: stage is complete with a different config or inputs "
+                f"({differences(m, self.identity)}); re-run it with --force to replace it"
+            )
+        self.complete = m is not None
+        return m
+
+    def begin(self, force: bool = False) -> None:
+        """Claim the folder: with `force` remove it first (asked for, never silently); refuse the
+        parts of a partial run with another identity; record this identity in `_started.json`."""
+        if force and self.rank == 0 and self.sdir.exists():
+            shutil.rmtree(self.sdir)
+        dist.barrier()
+        if self.done() is not None:
+            return
+        started = self.sdir / layout.STARTED
+        # a run that failed before writing any part leaves nothing to protect: a new config takes over
+        before = read_json(started) if started.exists() else None
+        if before is not None and before.get("key") != self.key and layout.list_parts(self.sdir):
+            raise StageError(
+                f"{self.sdir}: a partial run with a different config or inputs is here "
+                f"({differences(before, self.identity)}); re-run with the same config, or with --force to start over"
+            )
+        if self.rank == 0:
+            self.sdir.mkdir(parents=True, exist_ok=True)
+            for tmp in self.sdir.glob(".*.tmp"):  # a killed writer's leftovers (parts, manifest, _started)
+                tmp.unlink(missing_ok=True)
+            write_json_atomic(started, {"key": self.key, **self.identity})
+        dist.barrier()
+
+    def todo(self, n_parts: int, single_writer: bool = False) -> list[int]:
+        """This rank's part numbers that are not on disk yet."""
+        have = {layout.part_number(p) for p in layout.list_parts(self.sdir)}
+        mine = (lambda n: self.rank == 0) if single_writer else (lambda n: n % self.world == self.rank)
+        return [n for n in range(n_parts) if mine(n) and n not in have]
+
+    def write(self, n: int, part: Part) -> Path:
+        return self.write_table(n, part.table, part.schema, part.counts)
+
+    def write_table(self, n: int, table: pa.Table, schema: pa.Schema, counts: dict | None = None) -> Path:
+        """Part `n` of this rank, written atomically; `counts` are summed into the manifest."""
+        path = self.sdir / layout.part_name(self.rank, n)
+        write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}")
+        fault_point(f"{self.folder}:part-{n}:done")
+        return path
+
+    def finish(self, n_parts: int, extra: Any = None) -> dict[str, Any] | None:
+        """After every rank is done: rank 0 checks the parts and writes the manifest. `extra` is
+        a dict of manifest entries, or a function returning one (called on rank 0 only)."""
+        dist.barrier()
+        result = None
+        if self.rank == 0:
+            fault_point(f"{self.folder}:manifest")
+            record: dict[str, Any] = {"resolved_config": self.record} if self.record is not None else {}
+            if self.command is not None:
+                record["command"] = self.command
+            more = extra() if callable(extra) else extra
+            result = write_manifest(
+                self.sdir, self.folder, n_parts, self.key, self.identity, {**record, **(more or {})}
+            )
+            tracking.log_stage(self.record, self.sdir, result)  # live trackers (report_to); never raises
+        dist.barrier()
+        return result
+
+
+def claim(
+    sdir: Path, folder: str, config: dict, inputs: dict, force: bool = False, resolved: dict | None = None
+) -> StageOutput:
+    """A StageOutput checked (`done`) and claimed (`begin`): for writing a folder by hand."""
+    out = StageOutput(sdir, folder, config, inputs, resolved)
+    if force or out.done() is None:
+        out.begin(force)
+    return out
+
+
+def output_of(stage: Stage) -> StageOutput:
+    return StageOutput(
+        stage.sdir, stage.folder, stage.identity(), stage.inputs(), stage.cfg.to_dict(), stage.name
+    )
+
+
+def execute(stage: Stage, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
+    """Run `stage` to completion (or see it is complete); returns its manifest."""
+    try:
+        out = output_of(stage)
+        if not force and (m := out.done()) is not None:
+            _tidy(stage, out)
+            return m
+        stage.check()
+        out.begin(force)
+        n_parts = stage.plan()
+        todo = out.todo(n_parts, stage.single_writer)
+        if todo:
+            stage.open(todo)
+        with _progress(stage, todo, quiet or out.rank != 0) as bar:
+            stage.write_parts(todo, out, bar)
+        result = out.finish(n_parts, stage.manifest_extra)
+        fault_point(f"{stage.folder}:manifest:done")
+        _tidy(stage, out)
+        return result or manifest(stage.sdir) or {}
+    finally:
+        stage.close()
+
+
+def is_done(stage: Stage) -> bool:
+    """Whether `run` may skip `stage`: its folder is complete with the stage's identity and inputs,
+    or was written on purpose by another stage (rollouts imported instead of generated). A stage
+    whose inputs are not there, or whose folder differs, is not done: running it says why."""
+    m = manifest(stage.sdir)
+    if m is None:
+        return False
+    if written_by(m) not in (None, stage.name):
+        return True
+    try:
+        out = output_of(stage)
+    except StageError:
+        return False
+    if m.get("key") != out.key:
+        return False
+    _tidy(stage, out)
+    return True
+
+
+def _tidy(stage: Stage, out: StageOutput) -> None:
+    if out.rank == 0:
+        stage.on_complete()
+
+
+def _progress(stage: Stage, todo: list[int], disable: bool) -> Any:
+    from rlhf_batch.progress import progress_bar
+
+    return progress_bar(
+        total=stage.progress_total(todo),
+        unit=stage.unit,
+        unit_scale=stage.unit_scale,
+        desc=stage.progress_desc,
+        disable=disable,
+        dynamic_ncols=True,
+    )

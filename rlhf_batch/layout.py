@@ -1,0 +1,62 @@
+"""Every folder and file name of a run, in one place (no I/O here beyond listing a folder).
+
+    RUN_DIR/.run.lock                                   held by `rlhf-batch run`
+    RUN_DIR/iter=0003/<folder>/part-RRRRR-NNNNN.parquet (R = writing rank, N = part number)
+    RUN_DIR/iter=0003/<folder>/_manifest.json           written last: the folder is complete
+    RUN_DIR/iter=0003/<folder>/_started.json            identity of a run in progress
+    RUN_DIR/iter=0003/policy/                           the policy train writes (HF model dir)
+    RUN_DIR/iter=0003/train/metrics.parquet             train's metrics, one row per step
+    RUN_DIR/iter=0003/train/checkpoint/step-N/          train's checkpoints while it runs
+
+A stage (a command: generate, import, score, advantage, train) writes one folder (rollouts,
+scores, advantages, train); the unit of work and of resume inside a folder is a *part*.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MANIFEST = "_manifest.json"
+STARTED = "_started.json"
+LOCK = ".run.lock"
+METRICS_FILE = "metrics.parquet"
+CHECKPOINT_DIR = "checkpoint"
+POLICY_DIR = "policy"
+ROLLOUTS, SCORES, ADVANTAGES, TRAIN = "rollouts", "scores", "advantages", "train"
+FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN)
+
+
+def iter_dir(run_dir: str | Path, it: int) -> Path:
+    return Path(run_dir) / f"iter={it:04d}"
+
+
+def folder(run_dir: str | Path, it: int, name: str) -> Path:
+    """The output folder `name` (rollouts, scores, advantages, train) of iteration `it`."""
+    return iter_dir(run_dir, it) / name
+
+
+def policy_dir(run_dir: str | Path, it: int) -> Path:
+    """Where `train` of iteration `it` writes the new policy (a Hugging Face model dir)."""
+    return iter_dir(run_dir, it) / POLICY_DIR
+
+
+def checkpoint_dir(run_dir: str | Path, it: int) -> Path:
+    return folder(run_dir, it, TRAIN) / CHECKPOINT_DIR
+
+
+def part_name(rank: int, n: int) -> str:
+    return f"part-{rank:05d}-{n:05d}.parquet"
+
+
+def part_number(path: Path) -> int:
+    return int(path.stem.split("-")[2])
+
+
+def list_parts(sdir: Path) -> list[Path]:
+    """Finished parts on disk (temporary files are hidden and never match)."""
+    return sorted(sdir.glob("part-*-*.parquet"), key=lambda p: (part_number(p), p.name))
+
+
+def tmp_name(path: Path, pid: int) -> Path:
+    """The hidden temporary name a file is written under before its rename."""
+    return path.with_name(f".{path.name}.{pid}.tmp")

@@ -1,0 +1,120 @@
+"""The stage interface: what a stage declares, and what the executor does with it.
+
+A stage (a command: generate, import, score, advantage, train) reads folders of earlier stages
+and writes one output folder of one iteration, cut into numbered parts whose content depends
+only on the part number. It declares:
+
+* `name` (the command), `folder` (its output folder, layout.FOLDERS);
+* `identity()`: the config that decides its result (config.Config.identity plus derived values);
+* `inputs()`: fingerprints of what it reads (raises StageError when an input is not complete);
+* `check()`: heavier validation of the inputs, run before the folder is marked started;
+* `plan()`: the number of parts; `write_part(n, bar)`: the content of part n (the executor
+  writes it atomically); `write_parts` for a stage that streams its parts or writes other files;
+* `manifest_extra()`: manifest entries beyond the parts and their summed counts;
+* `on_complete()`: tidy-up once the folder is complete (also when it already was).
+
+`rlhf_batch.executor.execute` owns everything they have in common: refusal and --force, resume
+of missing parts, rank slicing, progress and the manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from rlhf_batch import layout
+from rlhf_batch.config import Config
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from rlhf_batch.executor import StageOutput
+
+
+@dataclass
+class Part:
+    """One part's rows, the schema it is written with and the counts summed into the manifest."""
+
+    table: pa.Table
+    schema: pa.Schema
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class Stage:
+    name: ClassVar[str]  # the command
+    folder: ClassVar[str]  # the output folder below iter=K/
+    in_pipeline: ClassVar[bool] = True  # `run` runs it, in registry order
+    single_writer: ClassVar[bool] = False  # rank 0 writes every part (others only wait)
+    unit: ClassVar[str] = "part"  # of the progress bar
+    unit_scale: ClassVar[bool] = False
+
+    def __init__(self, cfg: Config, iteration: int):
+        self.cfg, self.iteration = cfg, iteration
+
+    @property
+    def sdir(self) -> Path:
+        return layout.folder(self.cfg.run_dir, self.iteration, self.folder)
+
+    @property
+    def progress_desc(self) -> str:
+        return self.name
+
+    def identity(self) -> dict[str, Any]:
+        return self.cfg.identity(self.name)
+
+    def inputs(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def check(self) -> None:
+        """Validate what the stage reads before its folder is marked started (default: nothing)."""
+
+    def plan(self) -> int:
+        raise NotImplementedError
+
+    def open(self, todo: list[int]) -> None:
+        """Load what writing the parts `todo` needs (models); called only when todo is not empty."""
+
+    def progress_total(self, todo: list[int]) -> int | None:
+        """The progress bar's total for the parts `todo` (after `open` when todo is not empty)."""
+        return len(todo)
+
+    def write_part(self, n: int, bar: Any) -> Part:
+        raise NotImplementedError
+
+    def write_parts(self, todo: list[int], out: StageOutput, bar: Any) -> None:
+        """This rank's missing parts, one by one; a stage that streams overrides this."""
+        for n in todo:
+            out.write(n, self.write_part(n, bar))
+
+    def manifest_extra(self) -> dict[str, Any]:
+        """Rank 0, after every part is on disk: manifest entries beyond parts and counts."""
+        return {}
+
+    def on_complete(self) -> None:
+        """Rank 0, once the folder is complete (also when it already was): tidy up."""
+
+    def close(self) -> None:
+        """Release what the stage holds (connections, temp files), however it ended."""
+
+
+def start_policy(cfg: Config, iteration: int) -> str:
+    """The policy iteration `iteration` starts from: the configured model for iteration 0, else
+    the policy train of the iteration before wrote (which must be complete)."""
+    from rlhf_batch.errors import StageError
+    from rlhf_batch.manifests import manifest
+    from rlhf_batch.models import check_model_dir
+
+    if iteration < 0:
+        raise StageError(f"--iter must be >= 0, got {iteration}")
+    if iteration == 0:
+        return str(check_model_dir(cfg.policy_model, "policy_model"))
+    prev = layout.policy_dir(cfg.run_dir, iteration - 1)
+    train_dir = layout.folder(cfg.run_dir, iteration - 1, layout.TRAIN)
+    why = "" if manifest(train_dir) is not None else f"; {train_dir} is not complete"
+    if why or not prev.is_dir():
+        raise StageError(
+            f"iteration {iteration}: iteration {iteration - 1} has no trained policy ({prev}{why}); "
+            f"run train --iter {iteration - 1} first"
+        )
+    return str(check_model_dir(str(prev), "policy"))
