@@ -103,6 +103,9 @@ class LineProgress:
             self.last = now
             self._write(self.line(now))
 
+    def refresh(self) -> None:
+        """tqdm's redraw after `total`, `n` or `initial` were set: the next line shows them."""
+
     def set_postfix(self, ordered_dict: dict[str, Any] | None = None, **kwargs: Any) -> None:
         items = {**(ordered_dict or {}), **kwargs}
         self.postfix = ", ".join(f"{k}={v}" for k, v in items.items())

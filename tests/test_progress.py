@@ -94,3 +94,17 @@ def test_a_stage_under_cron_writes_lines_not_bars(tmp_path: Path, tiny_model: Pa
     assert code == 0, text
     assert "\r" not in text
     assert "import: 5/5 row (100%)" in text and "import: done 5/5 row in " in text
+
+
+def test_line_progress_takes_a_total_and_start_set_after_creation(capsys) -> None:
+    """train opens its bar before it knows its steps, then sets total / initial / n and refreshes
+    (as a tqdm bar allows): the summary counts from the resumed step."""
+    from rlhf_batch.progress import LineProgress
+
+    bar = LineProgress(None, "train", "step", interval=3600)
+    bar.total, bar.initial, bar.n = 10, 4, 4
+    bar.refresh()
+    for _ in range(6):
+        bar.update(1)
+    bar.close()
+    assert "train: done 10/10 step" in capsys.readouterr().err
