@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -98,6 +99,7 @@ class ScoreConfig:
         _need(self.kl_target > 0, "score.kl_target", "must be > 0")
         _need(self.kl_horizon > 0, "score.kl_horizon", "must be > 0")
         _need(self.max_tokens_per_batch >= 1, "score.max_tokens_per_batch", "must be >= 1")
+        _need(self.rows_per_part >= 1, "score.rows_per_part", "must be >= 1")
 
 
 @dataclass
@@ -152,7 +154,13 @@ class TrainConfig:
 
     def validate(self) -> None:
         _need(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
-        _need(self.lr >= 0, "train.lr", "must be >= 0")
+        _need(0 <= self.lr <= 1, "train.lr", "must be in [0, 1]")
+        _need(self.weight_decay >= 0, "train.weight_decay", "must be >= 0")
+        _need(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _need(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0: no clipping)")
+        _need(self.eps_high >= 0, "train.eps_high", "must be >= 0 (0: same as eps_low)")
+        _need(self.norm_const >= 0, "train.norm_const", "must be >= 0")
+        _need(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
         _need(self.eps_low > 0, "train.eps_low", "must be > 0")
         _need(self.dual_clip == 0 or self.dual_clip > 1, "train.dual_clip", "must be 0 (off) or > 1")
         _need(self.tokens_per_step >= 1, "train.tokens_per_step", "must be >= 1")
@@ -239,13 +247,17 @@ def load_config(
         if not p.is_file():
             raise ConfigError(f"{p}: config file not found")
         try:
-            raw = tomllib.loads(p.read_text())
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p}: not a text file (not UTF-8); a config is TOML text") from None
         base = p.resolve().parent
     for item in overrides or []:
         _apply_override(raw, item)
     cfg = _build(Config, raw, where, "")
+    if not cfg.run_dir.strip():  # "" would write iter=0000 into the current directory
+        raise ConfigError(f"{where}: 'run_dir' must not be empty")
     _resolve_paths(cfg, base)
     if resolve_models:
         _resolve_hub_ids(cfg)
@@ -331,6 +343,8 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
         raise ConfigError(f"{where}: '{key}' has an unsupported type")  # not used by Config
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if typ is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: '{key}' must be a finite number, got {value!r}")
     if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
         raise ConfigError(f"{where}: '{key}' must be {typ.__name__}, got {value!r}")
     return value

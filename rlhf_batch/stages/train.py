@@ -191,6 +191,7 @@ def _checkpoint(trainer: Trainer, root: Path, done: int, state: dict[str, Any]) 
 def _save(cfg: Config, iteration: int, trainer: Trainer, start: str, rows: list[dict[str, Any]]) -> None:
     """Rank 0: the policy, then metrics.parquet (the executor writes the manifest last)."""
     import pyarrow as pa
+    import torch
 
     from rlhf_batch.schemas import METRICS
 
@@ -200,6 +201,9 @@ def _save(cfg: Config, iteration: int, trainer: Trainer, start: str, rows: list[
         model = trainer.model if weights is None else _unsharded(cfg, start, weights)
         checkpointing = cfg.train.gradient_checkpointing and weights is None
         out = layout.policy_dir(cfg.run_dir, iteration)
+        for name, p in model.named_parameters():  # never a complete stage with broken weights
+            if not bool(torch.isfinite(p).all()):
+                raise StageError(f"{out}: not written: the trained weight {name} has NaN or inf values")
         _write_policy(model, trainer.tokenizer, out, _saved_dtype(start), checkpointing)
         table = pa.Table.from_pylist([{k: r[k] for k in METRICS.names} for r in rows], schema=METRICS)
         sdir = layout.folder(cfg.run_dir, iteration, layout.TRAIN)
@@ -221,6 +225,7 @@ def build_trainer(cfg: Config, start: str, data: TrainRows, steps: list[Step]) -
         start, "policy", device=device, dtype="float32", trust_remote_code=cfg.trust_remote_code
     )
     tok = load_tokenizer(start, cfg.trust_remote_code)
+    data.check_vocabulary(model.get_input_embeddings().num_embeddings, f"{start} (advantages input_ids)")
     _train_mode(model, tc.gradient_checkpointing)
     bf16 = tc.autocast_bf16 and resolve_dtype(cfg.dtype, device) == torch.bfloat16
     net = LogProbs(model, cfg.generate.temperature, tok.pad_token_id)

@@ -50,6 +50,16 @@ class TrainRows:
     resp_off: np.ndarray  # [N + 1]
     adv: np.ndarray  # [N] float32
 
+    def check_vocabulary(self, vocab_size: int, where: str) -> None:
+        """StageError naming the rollout whose input_ids hold a token outside [0, vocab_size)."""
+        bad = np.flatnonzero((self.ids < 0) | (self.ids >= vocab_size))
+        if bad.size:
+            row = int(np.searchsorted(self.ids_off, bad[0], side="right")) - 1
+            raise StageError(
+                f"{where}: rollout {self.rollout_ids[row]}: column 'input_ids' holds token id "
+                f"{self.ids[bad[0]]}, outside the policy's vocabulary [0, {vocab_size})"
+            )
+
     def __len__(self) -> int:
         return len(self.prompt_lens)
 
