@@ -66,10 +66,13 @@ def _stage(
     from rlhf_batch.models import set_threads
     from rlhf_batch.stages.registry import get
 
+    from rlhf_batch.pipeline import stage_lock
+
     cfg = _config(config, overrides)
     set_threads(cfg.threads)
-    dist.init(cfg.device)
-    execute(get(name)(cfg, iteration), force=force, quiet=quiet)
+    with stage_lock(cfg.run_dir):
+        dist.init(cfg.device)
+        execute(get(name)(cfg, iteration), force=force, quiet=quiet)
 
 
 @app.command()

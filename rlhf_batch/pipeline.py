@@ -9,6 +9,7 @@ re-run after a crash does only the missing work.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import signal
@@ -16,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -25,6 +26,18 @@ from rlhf_batch.config import Config, load_config
 from rlhf_batch.errors import StageError, UserError
 from rlhf_batch.executor import execute
 from rlhf_batch.layout import LOCK
+
+
+LOCK_ENV = "RLHF_BATCH_RUN_LOCKED"  # set by `run` for its stage processes: it holds the lock
+
+
+def stage_lock(run_dir: str) -> contextlib.AbstractContextManager[Any]:
+    """The run lock for one stage command, so that it never writes under a running `run` or a
+    second command: taken by rank 0 (torchrun's other ranks follow it), unless the `run` that
+    started this process holds it already."""
+    if os.environ.get(LOCK_ENV) == str(Path(run_dir).resolve()) or int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext()
+    return RunLock(Path(run_dir))
 
 
 class RunLock:
@@ -47,7 +60,7 @@ class RunLock:
             holder = f.read().strip() or "another process"
             f.close()
             raise StageError(
-                f"{self.path.parent}: another `rlhf-batch run` holds the lock ({holder}); "
+                f"{self.path.parent}: another rlhf-batch command holds the lock ({holder}); "
                 "wait for it or stop it"
             ) from None
         f.seek(0)
@@ -67,7 +80,7 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
     from rlhf_batch.stages.registry import pipeline
 
     cfg = load_config(config_path, overrides)
-    with RunLock(Path(cfg.run_dir)):
+    with RunLock(Path(cfg.run_dir)), _env(LOCK_ENV, str(Path(cfg.run_dir).resolve())):
         if cfg.in_process:
             from rlhf_batch.models import set_threads
 
@@ -95,6 +108,20 @@ def _run_child(config_path: Path, overrides: list[str], stage: str, it: int, qui
             f"{stage} of iteration {it} failed (exit {code}); fix the cause and run again, "
             "completed work is kept"
         )
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment (so in its children) while the block runs."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def _die_with(parent: int) -> Callable[[], None] | None:
