@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import tomllib
 import types
 import typing
@@ -184,7 +185,9 @@ class Config:
         "auto", "generate", "import", "score", "train"
     )
     trust_remote_code: bool = knob(False, "generate", "train")
-    threads: int = knob(0)  # CPU threads for torch; 0: torch's default (small models run best on 1)
+    # CPU threads for torch; 0: one per CPU this process may use (resolved when the config loads).
+    # The thread count changes float rounding, so it is part of the model stages' identity.
+    threads: int = knob(0, "generate", "import", "score", "train")
     in_process: bool = knob(False)  # run: stages in this process instead of one subprocess each
     demo: bool = knob(False)  # generate: build the tiny demo model and prompts when missing
     report_to: list[Tracker] = knob([])  # live tracking (README: Live tracking)
@@ -258,6 +261,10 @@ def load_config(
     cfg = _build(Config, raw, where, "")
     if not cfg.run_dir.strip():  # "" would write iter=0000 into the current directory
         raise ConfigError(f"{where}: 'run_dir' must not be empty")
+    if cfg.threads == 0:
+        cfg.threads = (
+            len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        )
     _resolve_paths(cfg, base)
     if resolve_models:
         _resolve_hub_ids(cfg)

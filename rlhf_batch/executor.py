@@ -33,6 +33,22 @@ if TYPE_CHECKING:
     from rlhf_batch.stages.base import Part, Stage
 
 
+def portable(obj: Any, root: Path | None) -> Any:
+    """`obj` with every path below the run directory written as "{run_dir}/...": a run directory
+    moved or copied elsewhere keeps the identities of its complete stages."""
+    if root is None:
+        return obj
+    if isinstance(obj, dict):
+        return {k: portable(v, root) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [portable(v, root) for v in obj]
+    if isinstance(obj, str):
+        prefix = str(root)
+        if obj == prefix or obj.startswith(prefix + "/"):
+            return "{run_dir}" + obj[len(prefix) :]
+    return obj
+
+
 class StageOutput:
     """The output folder of one stage run, identified by `config` (what decides the result) and
     `inputs` (fingerprints of what it reads). `record` (the whole resolved config) and `command`
@@ -49,7 +65,12 @@ class StageOutput:
     ):
         self.sdir, self.folder, self.record, self.command = sdir, folder, record, command
         self.rank, self.world = dist.rank_world()
-        self.identity = {"config": config, "inputs": inputs, "schema_version": SCHEMA_VERSION}
+        root = layout.run_root(sdir)
+        self.identity = {
+            "config": portable(config, root),
+            "inputs": portable(inputs, root),
+            "schema_version": SCHEMA_VERSION,
+        }
         self.key = fingerprint(self.identity)
         self.complete = False
 

@@ -30,6 +30,14 @@ def iter_dir(run_dir: str | Path, it: int) -> Path:
     return Path(run_dir) / f"iter={it:04d}"
 
 
+def run_root(sdir: Path) -> Path | None:
+    """The run directory that holds the stage folder `sdir` (the parent of its iter=K folder)."""
+    for d in Path(sdir).absolute().parents:
+        if d.name.startswith("iter="):
+            return d.parent
+    return None
+
+
 def folder(run_dir: str | Path, it: int, name: str) -> Path:
     """The output folder `name` (rollouts, scores, advantages, train) of iteration `it`."""
     return iter_dir(run_dir, it) / name

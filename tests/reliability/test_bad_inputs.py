@@ -238,12 +238,33 @@ def _value_case(name: str, command: str, table: str | None, key: str, value: obj
 
 for _name, _cmd, _table, _key, _value, _says in (
     ("config_rows_per_part_zero", "score", "score", "rows_per_part", 0, "must be >= 1"),
-    ("config_kl_reward_coef_inf", "score", "score", "kl_reward_coef", float("inf"), "must be a finite number"),
+    (
+        "config_kl_reward_coef_inf",
+        "score",
+        "score",
+        "kl_reward_coef",
+        float("inf"),
+        "must be a finite number",
+    ),
     ("config_eps_high_negative", "train", "train", "eps_high", -0.1, "must be >= 0"),
     ("config_weight_decay_negative", "train", "train", "weight_decay", -0.01, "must be >= 0"),
     ("config_lr_huge", "train", "train", "lr", 1e39, "must be in [0, 1]"),
-    ("config_temperature_inf", "generate", "generate", "temperature", float("inf"), "must be a finite number"),
-    ("config_reward_weight_nan", "score", "score", "reward_weights", [float("nan")], "must be a finite number"),
+    (
+        "config_temperature_inf",
+        "generate",
+        "generate",
+        "temperature",
+        float("inf"),
+        "must be a finite number",
+    ),
+    (
+        "config_reward_weight_nan",
+        "score",
+        "score",
+        "reward_weights",
+        [float("nan")],
+        "must be a finite number",
+    ),
     ("config_run_dir_empty", "generate", None, "run_dir", " ", "must not be empty"),
     ("config_max_grad_norm_negative", "train", "train", "max_grad_norm", -1.0, "must be >= 0"),
     ("config_warmup_steps_negative", "train", "train", "warmup_steps", -3, "must be >= 0"),
@@ -697,7 +718,10 @@ def advantages_token_outside_the_vocabulary(ctx: Ctx):  # noqa: ANN201
     args = _train(ctx)
     rid = ctx.rid("advantages", 1)
     ctx.edit("advantages", lambda t: set_row(t, "input_ids", 1, [*t["input_ids"][1].as_py()[:-1], 99999]))
-    return args, [f"rollout {rid}: column 'input_ids' holds token id 99999", "outside the policy's vocabulary"]
+    return args, [
+        f"rollout {rid}: column 'input_ids' holds token id 99999",
+        "outside the policy's vocabulary",
+    ]
 
 
 # ---------------------------------------------------------------- reward functions
