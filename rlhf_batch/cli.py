@@ -64,9 +64,8 @@ def _stage(
     from rlhf_batch import dist
     from rlhf_batch.executor import execute
     from rlhf_batch.models import set_threads
-    from rlhf_batch.stages.registry import get
-
     from rlhf_batch.pipeline import stage_lock
+    from rlhf_batch.stages.registry import get
 
     cfg = _config(config, overrides)
     set_threads(cfg.threads)

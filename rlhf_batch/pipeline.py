@@ -27,7 +27,6 @@ from rlhf_batch.errors import StageError, UserError
 from rlhf_batch.executor import execute
 from rlhf_batch.layout import LOCK
 
-
 LOCK_ENV = "RLHF_BATCH_RUN_LOCKED"  # set by `run` for its stage processes: it holds the lock
 
 
