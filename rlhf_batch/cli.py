@@ -186,12 +186,15 @@ def sql(
     fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json | parquet")] = "table",
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file.")] = None,
     config: ConfigOpt = None,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Stop a query still running after this many seconds (0: no limit).")
+    ] = 600.0,
 ) -> None:
     """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics with an iter column."""
     from rlhf_batch.query import run_sql
     from rlhf_batch.runs import run_dir_of
 
-    run_sql(run_dir_of(None, run_dir, config), query, fmt=fmt, out=out)
+    run_sql(run_dir_of(None, run_dir, config), query, fmt=fmt, out=out, timeout=timeout)
 
 
 @app.command()

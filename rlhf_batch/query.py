@@ -20,12 +20,15 @@ ANALYZE form executes its statement). `--out` files are written by Python (pyarr
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import os
 import shutil
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +87,9 @@ def connect(run_dir: str | Path) -> Any:
         con.execute(f"SET {setting} = false")
     con.execute(NAN_SAFE)
     for name, (pattern, schema_name) in VIEWS.items():
-        if any(root.glob(pattern)):
+        if files := listed(root, pattern):
             con.execute(
-                f"CREATE VIEW {name} AS SELECT * FROM read_parquet({quote(str(root / pattern))}, "
+                f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{', '.join(map(quote, files))}], "
                 "hive_partitioning = true, hive_types = {'iter': INTEGER}, union_by_name = true)"
             )
         else:  # no files yet: an empty table with the schema, so queries over it still bind
@@ -108,21 +111,68 @@ def connect(run_dir: str | Path) -> Any:
     return con
 
 
+def listed(root: Path, pattern: str) -> list[str]:
+    """The files of `pattern` (below `root`) that a complete folder's manifest lists: no part of a
+    partial folder, no orphan part, no metrics of a train that did not finish."""
+    from rlhf_batch.layout import METRICS_FILE
+    from rlhf_batch.manifests import manifest
+
+    out, parts = [], {}
+    for f in sorted(root.glob(pattern)):
+        if f.parent not in parts:
+            m = manifest(f.parent)
+            parts[f.parent] = {p["file"] for p in m["parts"]} | {METRICS_FILE} if m is not None else set()
+        if f.name in parts[f.parent]:
+            out.append(str(f))
+    return out
+
+
 def run_sql(
-    run_dir: str | Path, query: str | None, fmt: str = "table", out: str | Path | None = None
+    run_dir: str | Path,
+    query: str | None,
+    fmt: str = "table",
+    out: str | Path | None = None,
+    timeout: float = 600.0,
 ) -> None:
     """Run one read query over the run and print it (`fmt`) or write it to `out`; without a
-    query, read queries from stdin (each ended by ';') until EOF or `.quit`."""
+    query, read queries from stdin (each ended by ';') until EOF or `.quit`. A query still
+    running after `timeout` seconds is stopped (0: no limit)."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if not timeout >= 0:
+        raise ConfigError(f"--timeout: must be >= 0 seconds, got {timeout}")
     con = connect(run_dir)
     try:
         if query is None:
             _repl(con)
         else:
-            _run_one(con, query, fmt, Path(out) if out else None)
+            with _time_limit(con, timeout):
+                _run_one(con, query, fmt, Path(out) if out else None)
     finally:
         con.close()
+
+
+@contextlib.contextmanager
+def _time_limit(con: Any, seconds: float) -> Iterator[None]:
+    """Interrupt the connection's query after `seconds`; the interrupt is one line naming --timeout."""
+    fired = threading.Event()
+
+    def stop() -> None:
+        fired.set()
+        con.interrupt()
+
+    timer = threading.Timer(seconds, stop) if seconds > 0 else None
+    if timer is not None:
+        timer.start()
+    try:
+        yield
+    except UserError:
+        if fired.is_set():
+            raise UserError(f"sql: stopped after {seconds:g} s (--timeout; 0 for no limit)") from None
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 def _run_one(con: Any, query: str, fmt: str, out: Path | None) -> None:

@@ -82,7 +82,8 @@ def csv_rows(text: str) -> list[list[str]]:
 def test_views_over_all_iterations_with_iter_column(run: Path) -> None:
     res = sql(run, "SELECT iter, count(*) AS n FROM rollouts GROUP BY iter ORDER BY iter", "-f", "csv")
     assert res.exit_code == 0, res.output
-    assert csv_rows(res.stdout) == [["iter", "n"], ["0", "4"], ["1", "2"]]  # the partial part is visible too
+    # only the parts of complete folders, as their manifests list them: iteration 1 is partial
+    assert csv_rows(res.stdout) == [["iter", "n"], ["0", "4"]]
     # scores joined to rollouts: mean reward of iteration 0 = (0 + 1 + 0.5 + 0.5) / 4 = 0.5
     res = sql(
         run,
@@ -284,6 +285,26 @@ def test_cli_error_is_one_line_and_exit_1(run: Path) -> None:
     )
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr.startswith("error: sql: Permission Error") and proc.stderr.count("\n") == 1
+
+
+def test_views_read_only_the_parts_a_manifest_lists(run: Path, tmp_path: Path) -> None:
+    """An orphan part beside a complete folder's parts (a stray copy, a part of another run) is
+    not in the view; neither are the parts of a partial folder."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    rollouts = layout.folder(copy, 0, "rollouts")
+    shutil.copy(rollouts / layout.part_name(0, 0), rollouts / layout.part_name(0, 7))
+    res = sql(copy, "SELECT iter, count(*) AS n FROM rollouts GROUP BY iter ORDER BY iter", "-f", "csv")
+    assert res.exit_code == 0, res.output
+    assert csv_rows(res.stdout) == [["iter", "n"], ["0", "4"]]
+
+
+def test_a_query_past_the_time_limit_is_stopped(run: Path) -> None:
+    res = sql(run, "SELECT count(*) FROM range(1000000000000)", "--timeout", "1")
+    assert res.exit_code == 1
+    assert str(res.exception) == "sql: stopped after 1 s (--timeout; 0 for no limit)"
 
 
 def test_interactive_prompt_reads_queries_until_quit(run: Path) -> None:
