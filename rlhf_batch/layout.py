@@ -22,8 +22,8 @@ LOCK = ".run.lock"
 METRICS_FILE = "metrics.parquet"
 CHECKPOINT_DIR = "checkpoint"
 POLICY_DIR = "policy"
-ROLLOUTS, SCORES, ADVANTAGES, TRAIN = "rollouts", "scores", "advantages", "train"
-FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN)
+ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL = "rollouts", "scores", "advantages", "train", "eval"
+FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL)
 
 
 def iter_dir(run_dir: str | Path, it: int) -> Path:

@@ -72,8 +72,10 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
             from rlhf_batch.models import set_threads
 
             set_threads(cfg.threads)
-        for it in range(cfg.iterations):
+        for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
             for stage_class in pipeline():
+                if not stage_class.runs_at(cfg, it):
+                    continue
                 stage = stage_class(cfg, it)
                 if is_done(stage):
                     continue

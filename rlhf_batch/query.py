@@ -1,12 +1,13 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with five views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with six views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet
     scores      RUN_DIR/iter=*/scores/part-*.parquet
     advantages  RUN_DIR/iter=*/advantages/part-*.parquet
     metrics     RUN_DIR/iter=*/train/metrics.parquet
+    eval        RUN_DIR/iter=*/eval/part-*.parquet: held-out samples with reward and correct
     stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
 
 A view whose files do not exist yet is an empty table with the stage's schema. The connection
@@ -37,6 +38,7 @@ VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.schemas)
     "scores": ("iter=*/scores/part-*.parquet", "SCORES"),
     "advantages": ("iter=*/advantages/part-*.parquet", "ADVANTAGES"),
     "metrics": ("iter=*/train/metrics.parquet", "METRICS"),
+    "eval": ("iter=*/eval/part-*.parquet", "EVAL"),
 }
 # The stage manifests are the record of each stage's run: `numbers` holds every number at the
 # manifest's top level and in its `counts` and `prompt_counts` objects (counts win on a clash),
@@ -239,7 +241,7 @@ def _repl_one(con: Any, query: str) -> None:
         print(f"error: {e}", file=sys.stderr)
 
 
-STATUS_STAGES = ("rollouts", "scores", "advantages", "train")
+STATUS_STAGES = ("rollouts", "scores", "advantages", "train", "eval")  # eval: only where it ran
 
 
 def print_status(run_dir: str | Path) -> None:
@@ -252,7 +254,10 @@ def print_status(run_dir: str | Path) -> None:
     con = connect(root)
     try:
         rows = [
-            (str(it), stage, *_stage_status(con, root, it, stage)) for it in iters for stage in STATUS_STAGES
+            (str(it), stage, *_stage_status(con, root, it, stage))
+            for it in iters
+            for stage in STATUS_STAGES
+            if stage != "eval" or (root / f"iter={it:04d}" / stage).exists()
         ]
     finally:
         con.close()
@@ -293,10 +298,20 @@ def _stage_status(con: Any, root: Path, it: int, stage: str) -> tuple[str, str, 
     if stage == "advantages" and m:
         c = m.get("counts", {})
         details.append(f"kept {c.get('groups_out', '?')}/{c.get('groups_total', '?')} groups")
+    if stage == "eval" and m:
+        details += eval_details(m)
     if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
         details.append("policy saved")
     rows = m["rows"] if m and stage != "train" else sum(pq.read_metadata(f).num_rows for f in files)
     return state, str(rows) if files or m else "-", ", ".join(details)
+
+
+def eval_details(m: dict[str, Any]) -> list[str]:
+    """`source: mean@n x, pass@k y, ...` per data source of an eval manifest."""
+    return [
+        f"{source}: " + " ".join(f"{k} {_fmt(v)}" for k, v in values.items() if k != "prompts")
+        for source, values in m.get("metrics", {}).items()
+    ]
 
 
 def _fmt(v: Any) -> str:

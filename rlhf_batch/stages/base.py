@@ -52,6 +52,12 @@ class Stage:
     def __init__(self, cfg: Config, iteration: int):
         self.cfg, self.iteration = cfg, iteration
 
+    @classmethod
+    def runs_at(cls, cfg: Config, iteration: int) -> bool:
+        """Whether `run` runs this stage at `iteration` (0..cfg.iterations; the default: every
+        iteration before cfg.iterations)."""
+        return iteration < cfg.iterations
+
     @property
     def sdir(self) -> Path:
         return layout.folder(self.cfg.run_dir, self.iteration, self.folder)
