@@ -308,8 +308,14 @@ def _stage_status(con: Any, root: Path, it: int, stage: str) -> tuple[str, str, 
 
 def eval_details(m: dict[str, Any]) -> list[str]:
     """`source: mean@n x, pass@k y, ...` per data source of an eval manifest."""
+    order = ("mean", "pass", "best", "maj")
+
+    def key(name: str) -> tuple[int, int]:
+        kind, _, k = name.partition("@")
+        return order.index(kind) if kind in order else len(order), int(k) if k.isdigit() else 0
+
     return [
-        f"{source}: " + " ".join(f"{k} {_fmt(v)}" for k, v in values.items() if k != "prompts")
+        f"{source}: " + " ".join(f"{k} {_fmt(values[k])}" for k in sorted(values, key=key) if k != "prompts")
         for source, values in m.get("metrics", {}).items()
     ]
 

@@ -260,7 +260,7 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
     eval_lines = [line for line in status.splitlines() if re.match(r"\s*\d+\s+eval\s", line)]
     assert [line.split()[0] for line in eval_lines] == ["0", "2", "3"]
     m0 = manifests.manifest(layout.folder(cfg.run_dir, 0, "eval"))["metrics"]
-    assert f"left: mean@2 {m0['left']['mean@2']:.4g}" in eval_lines[0]
+    assert f"left: mean@2 {m0['left']['mean@2']:.4g} pass@1" in eval_lines[0]
     assert f"right: mean@2 {m0['right']['mean@2']:.4g}" in eval_lines[0] and "pass@2" in eval_lines[0]
 
     page = write_report(cfg.run_dir, tmp_path / "out").read_bytes().decode()
