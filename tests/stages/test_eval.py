@@ -274,3 +274,23 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
     for it, pid, reward, correct in rows[:5]:
         r = next(x for x in t0 if x["prompt_id"] == pid and x["sample_idx"] == 0)
         assert float(reward) == pytest.approx(r["reward"]) and correct == str(r["correct"])
+
+
+def test_cli_if_due_evaluates_only_where_run_would(make_config, tmp_path: Path) -> None:
+    """The Airflow DAG's eval tasks: `--if-due` is a no-op (exit 0, nothing written) where `run`
+    would not evaluate, and evaluates where it would."""
+    from typer.testing import CliRunner
+
+    from rlhf_batch.cli import app
+
+    runner = CliRunner()
+    off, cfg = make_config(name="off.toml", iterations=2)
+    res = runner.invoke(app, ["eval", str(off), "--iter", "0", "--if-due", "--quiet"])
+    assert res.exit_code == 0 and not Path(cfg.run_dir).exists()  # no [eval] prompts: nothing
+    table = {"prompts": eval_prompts(tmp_path, FIVE[:2]), "n": 2, "reward_functions": [PARITY]}
+    on, cfg = make_config(iterations=2, eval=table)
+    res = runner.invoke(app, ["eval", str(on), "--iter", "1", "--if-due", "--quiet"])
+    assert res.exit_code == 0 and not layout.iter_dir(cfg.run_dir, 1).exists()  # every = 0: not at 1
+    res = runner.invoke(app, ["eval", str(on), "--iter", "0", "--if-due", "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert manifests.manifest(layout.folder(cfg.run_dir, 0, "eval"))["rows"] == 4
