@@ -19,7 +19,8 @@ from airflow.sdk import DAG, Param, Variable
 
 ITERATIONS = int(Variable.get("rlhf_batch_iterations", default="2"))
 BIN = Variable.get("rlhf_batch_bin", default="rlhf-batch")
-STAGES = ("eval", "generate", "score", "advantage", "train")  # rlhf_batch.stages.registry.pipeline(), tested equal
+# rlhf_batch.stages.registry.pipeline(), tested equal
+STAGES = ("eval", "generate", "score", "advantage", "train")
 # eval runs where `run` would run it (iteration 0, every eval.every-th, and after the last, when
 # [eval] prompts is set): its task always exists and `--if-due` makes it a no-op elsewhere.
 DUE = f"--if-due --set iterations={ITERATIONS}"

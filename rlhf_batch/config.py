@@ -177,7 +177,7 @@ class EvalConfig:
     max_new_tokens: int = knob(0, "eval")  # 0: generate.max_new_tokens
     reward_functions: list[str] = knob([], "eval")  # default: score.reward_functions (and weights)
     reward_weights: list[float] = knob([], "eval")  # default: 1.0 each
-    every: int = knob(0)  # run: evaluate iterations 0, every, 2 * every, ... and after the last; 0: 0 and last
+    every: int = knob(0)  # run evaluates 0, every, 2 * every, ... and after the last (0: 0 and last)
     prompts_per_part: int = knob(64, "eval")
 
     def validate(self) -> None:

@@ -88,7 +88,9 @@ def write_report(
     completions = _eval_examples(run_dir, data, n_examples)
     page = out / "report.html"
     atomic.write_json_atomic(out / "summary.json", data["iters"])
-    page.write_text(_html(run_dir, data, plots, examples).replace("</body>", _eval_html(completions) + "</body>"))
+    page.write_text(
+        _html(run_dir, data, plots, examples).replace("</body>", _eval_html(completions) + "</body>")
+    )
     if tensorboard:
         _tensorboard(data, out / "tensorboard")
     return page

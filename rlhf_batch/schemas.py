@@ -95,7 +95,8 @@ EVAL = pa.schema(  # the rollouts columns of the held-out samples, then their re
     ]
 )
 
-STAGE_SCHEMAS = {"rollouts": ROLLOUTS, "scores": SCORES, "advantages": ADVANTAGES, "train": METRICS, "eval": EVAL}
+STAGE_SCHEMAS = {"rollouts": ROLLOUTS, "scores": SCORES, "advantages": ADVANTAGES, "train": METRICS}
+STAGE_SCHEMAS["eval"] = EVAL
 
 
 def validate(actual: pa.Schema, expected: pa.Schema, where: str) -> None:

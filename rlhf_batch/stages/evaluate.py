@@ -92,9 +92,7 @@ class Eval(Stage):
             self.reward_paths, self.reward_weights, EVAL.names, reward_search_path(self.cfg)
         )
         if not self.fns:
-            raise ConfigError(
-                "eval: no reward function; set eval.reward_functions or score.reward_functions"
-            )
+            raise ConfigError("eval: no reward function; set eval.reward_functions or score.reward_functions")
         self.policy = start_policy(self.cfg, self.iteration)
         return {
             "prompts": file_fingerprint(check_path(self.cfg.eval.prompts)),
@@ -109,7 +107,9 @@ class Eval(Stage):
         self.prompts = load_prompts(self.sampling, self.tok)
         for name in self.prompts.carried.column_names:
             if name in EVAL.names or name in {rf.column for rf in self.fns}:
-                raise StageError(f"{self.sampling.prompts}: column '{name}' clashes with an eval column; rename it")
+                raise StageError(
+                    f"{self.sampling.prompts}: column '{name}' clashes with an eval column; rename it"
+                )
         return math.ceil(len(self.prompts.ids) / self.sampling.prompts_per_part)
 
     def progress_total(self, todo: list[int]) -> int:
@@ -164,7 +164,9 @@ def eval_metrics(sdir: Any, n_parts: int, ks: list[int], threshold: float) -> di
     unscored = {p for p, r in zip(pids, rewards, strict=True) if r is None}
     keep = [i for i, p in enumerate(pids) if p not in unscored]
     try:
-        groups = group_samples([pids[i] for i in keep], [sources[i] for i in keep], [rewards[i] for i in keep])
+        groups = group_samples(
+            [pids[i] for i in keep], [sources[i] for i in keep], [rewards[i] for i in keep]
+        )
         return {
             "metrics": aggregate_by_source(groups, ks, threshold),
             "overall": aggregate(groups, ks, threshold),

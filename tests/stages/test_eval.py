@@ -62,7 +62,9 @@ def test_parts_and_manifest_metrics_per_data_source(make_config, tmp_path: Path)
     assert m["rows"] == t.num_rows == 5 * 4 and len(m["parts"]) == 3  # ceil(5 prompts / 2 per part)
     assert t["rollout_id"].to_pylist()[:2] == ["0000-h0-0", "0000-h0-1"]
     rows = t.to_pylist()
-    for r in rows:  # the reward is the function's value, correct is reward >= 1.0, the policy is iteration 0's
+    for (
+        r
+    ) in rows:  # the reward is the function's value, correct is reward >= 1.0, the policy is iteration 0's
         assert r["reward"] == r["reward_parity"] == parity(responses=[r["response"]])[0]
         assert r["correct"] == (r["reward"] >= 1.0) and r["policy"] == cfg.policy_model
         assert len(r["behavior_logprobs"]) == len(r["response_ids"]) <= 6
@@ -108,7 +110,13 @@ def test_constant_rewards_give_hand_worked_metrics_and_one_group_without_data_so
     # pass@k per prompt: 1 - C(3-c, k)/C(3, k) = 1 for p0 (C(0, k) = 0), 0 for p1, p2 (C(3, k)/C(3, k) = 1)
     # mean@3 = (1 + 0 + 0.5) / 3 = 0.5; best@3 = (1 + 0 + 0.5) / 3 = 0.5; pass@1 = pass@3 = 1/3
     assert m["metrics"] == {
-        "all": {"mean@3": 0.5, "best@3": 0.5, "pass@1": pytest.approx(1 / 3), "pass@3": pytest.approx(1 / 3), "prompts": 3.0}
+        "all": {
+            "mean@3": 0.5,
+            "best@3": 0.5,
+            "pass@1": pytest.approx(1 / 3),
+            "pass@3": pytest.approx(1 / 3),
+            "prompts": 3.0,
+        }
     }
     _, lower = make_config(name="t.toml", eval={**table, "correct_threshold": 0.5})
     m = run_eval(lower, force=True)
@@ -178,7 +186,9 @@ def test_a_changed_config_is_refused_and_force_replaces(make_config, tmp_path: P
     _, again = make_config(name="same.toml", eval=table, generate={"temperature": 0.5})
     run_eval(again)  # generate's temperature is not eval's: nothing to redo
     _, changed = make_config(name="b.toml", eval={**table, "temperature": 0.5})
-    with pytest.raises(StageError, match=r"complete with a different config .*eval.temperature: 1.0 on disk, 0.5 now"):
+    with pytest.raises(
+        StageError, match=r"complete with a different config .*eval.temperature: 1.0 on disk, 0.5 now"
+    ):
         run_eval(changed)
     _, fewer = make_config(name="c.toml", eval={**table, "reward_functions": []})
     with pytest.raises(StageError, match="reward_functions"):  # score's functions now: another result
@@ -232,14 +242,24 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
     from rlhf_batch.query import connect, print_status
     from rlhf_batch.report import write_report
 
-    table = {"prompts": eval_prompts(tmp_path, FIVE), "n": 2, "k": [1, 2], "every": 2, "reward_functions": [PARITY]}
+    table = {
+        "prompts": eval_prompts(tmp_path, FIVE),
+        "n": 2,
+        "k": [1, 2],
+        "every": 2,
+        "reward_functions": [PARITY],
+    }
     path, cfg = make_config(iterations=3, in_process=True, train={"lr": 1e-2}, eval=table)
     run_pipeline(path, [], quiet=True)
     done = [it for it in range(5) if manifests.manifest(layout.folder(cfg.run_dir, it, "eval"))]
     assert done == [0, 2, 3]
     assert manifests.manifest(layout.folder(cfg.run_dir, 3, "rollouts")) is None  # only eval at 3
     policies = [manifests.manifest(layout.folder(cfg.run_dir, it, "eval"))["policy"] for it in done]
-    assert policies == [cfg.policy_model, str(layout.policy_dir(cfg.run_dir, 1)), str(layout.policy_dir(cfg.run_dir, 2))]
+    assert policies == [
+        cfg.policy_model,
+        str(layout.policy_dir(cfg.run_dir, 1)),
+        str(layout.policy_dir(cfg.run_dir, 2)),
+    ]
     before = {str(p): p.stat().st_mtime_ns for p in Path(cfg.run_dir).glob("iter=*/*/_manifest.json")}
     run_pipeline(path, [], quiet=True)  # again: nothing to do
     assert {str(p): p.stat().st_mtime_ns for p in Path(cfg.run_dir).glob("iter=*/*/_manifest.json")} == before
@@ -252,7 +272,9 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
     assert [g[:2] for g in got] == [(0, 10), (2, 10), (3, 10)]
     for it, _, mean, share in got:
         m = manifests.manifest(layout.folder(cfg.run_dir, it, "eval"))
-        assert mean == pytest.approx(m["overall"]["mean@2"]) and share == pytest.approx(m["overall"]["pass@1"])
+        assert mean == pytest.approx(m["overall"]["mean@2"]) and share == pytest.approx(
+            m["overall"]["pass@1"]
+        )
 
     capsys.readouterr()
     print_status(cfg.run_dir)
@@ -271,7 +293,7 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
     rows = re.findall(r"<tr><td>(\d+)</td><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>", section)
     assert [(int(r[0]), r[1]) for r in rows] == [(it, f"h{i}") for it in (0, 2, 3) for i in range(5)]
     t0 = eval_rows(cfg, 0).to_pylist()
-    for it, pid, reward, correct in rows[:5]:
+    for _, pid, reward, correct in rows[:5]:
         r = next(x for x in t0 if x["prompt_id"] == pid and x["sample_idx"] == 0)
         assert float(reward) == pytest.approx(r["reward"]) and correct == str(r["correct"])
 
