@@ -37,7 +37,7 @@ from rlhf_batch.prompts import check_path, load_prompts
 from rlhf_batch.rewards import load_reward_functions, weighted_sum
 from rlhf_batch.schemas import EVAL, with_extra
 from rlhf_batch.stages.base import Part, Stage, start_policy
-from rlhf_batch.stages.generate import HFEngine, generate_part
+from rlhf_batch.stages.generate import generate_part, make_engine
 from rlhf_batch.stages.score import reward_values
 
 SOURCE_COLUMN = "data_source"
@@ -116,7 +116,7 @@ class Eval(Stage):
         return len(todo) * self.sampling.prompts_per_part * self.sampling.num_generations
 
     def open(self, todo: list[int]) -> None:
-        self.engine = HFEngine(self.scfg, self.policy, self.tok, self.prompts)
+        self.engine = make_engine(self.scfg, self.policy, self.tok, self.prompts)
 
     def write_part(self, n: int, bar: Any) -> Part:
         t = generate_part(self.engine, self.tok, self.prompts, n, self.scfg, self.iteration, self.policy, bar)
