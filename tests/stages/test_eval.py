@@ -316,3 +316,46 @@ def test_cli_if_due_evaluates_only_where_run_would(make_config, tmp_path: Path) 
     res = runner.invoke(app, ["eval", str(on), "--iter", "0", "--if-due", "--quiet"])
     assert res.exit_code == 0, res.output
     assert manifests.manifest(layout.folder(cfg.run_dir, 0, "eval"))["rows"] == 4
+
+
+def eval_as_the_cli_does(config: str | Path) -> dict:
+    from rlhf_batch import dist
+
+    cfg = load_config(config)
+    dist.init(cfg.device)
+    return run_eval(cfg)
+
+
+def test_two_ranks_write_the_rows_and_metrics_of_one(make_config, tmp_path: Path) -> None:
+    """torchrun with 2 CPU processes (gloo): rank r writes parts r, r + 2, ...; rank 0 the
+    manifest, whose metrics are those of one process."""
+    import torch
+
+    table = {"prompts": eval_prompts(tmp_path, FIVE), "n": 3, "k": [1, 3], "prompts_per_part": 2}
+    path, two = make_config(run_dir=str(tmp_path / "two"), eval={**table, "reward_functions": [PARITY]})
+    _, one = make_config(
+        run_dir=str(tmp_path / "one"), name="one.toml", eval={**table, "reward_functions": [PARITY]}
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run([*cmd, __file__, str(path)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank (OMP_NUM_THREADS=1)
+    try:
+        m_one = run_eval(one)
+    finally:
+        torch.set_num_threads(threads)
+    m_two = manifests.manifest(layout.folder(two.run_dir, 0, "eval"))
+    assert {p["file"][5:10] for p in m_two["parts"]} == {"00000", "00001"}  # part-RRRRR-: both ranks
+    assert len(m_two["parts"]) == 3  # ceil(5 prompts / 2 per part)
+    a, b = (eval_rows(c).sort_by("rollout_id").to_pylist() for c in (two, one))
+    assert len(a) == 15 and a == b  # every column, floats bit for bit
+    assert m_two["metrics"] == m_one["metrics"] and m_two["overall"] == m_one["overall"]
+
+
+if __name__ == "__main__":  # a torchrun rank
+    import torch
+
+    torch.set_num_threads(1)
+    eval_as_the_cli_does(sys.argv[1])
