@@ -250,7 +250,12 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
         "reward_functions": [PARITY],
     }
     path, cfg = make_config(iterations=3, in_process=True, train={"lr": 1e-2}, eval=table)
+    capsys.readouterr()
     run_pipeline(path, [], quiet=True)
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
+    assert [line.split()[1:3] for line in summary] == [
+        [str(it), s] for it in (0, 2, 3) for s in ("left:", "right:")
+    ]
     done = [it for it in range(5) if manifests.manifest(layout.folder(cfg.run_dir, it, "eval"))]
     assert done == [0, 2, 3]
     assert manifests.manifest(layout.folder(cfg.run_dir, 3, "rollouts")) is None  # only eval at 3
