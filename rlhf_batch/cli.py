@@ -211,7 +211,7 @@ def sql(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file.")] = None,
     config: ConfigOpt = None,
 ) -> None:
-    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics with an iter column."""
+    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, eval with an iter column."""
     from rlhf_batch.query import run_sql
     from rlhf_batch.runs import run_dir_of
 

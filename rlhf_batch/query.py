@@ -1,6 +1,6 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with six views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with seven views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet
@@ -8,6 +8,7 @@ an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
     advantages  RUN_DIR/iter=*/advantages/part-*.parquet
     metrics     RUN_DIR/iter=*/train/metrics.parquet
     eval        RUN_DIR/iter=*/eval/part-*.parquet: held-out samples with reward and correct
+    eval_metrics  RUN_DIR/iter=*/eval/_manifest.json: (iter, data_source, metric, value)
     stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
 
 A view whose files do not exist yet is an empty table with the stage's schema. The connection
@@ -52,6 +53,15 @@ SELECT iter, regexp_extract(filename, '([^/]+)/_manifest\\.json$', 1) AS stage,
        try_strptime(json->>'created', '%Y-%m-%dT%H:%M:%S%z') AS finished, json AS manifest
 FROM (SELECT *, json_merge_patch(json, coalesce(json->'prompt_counts', '{}'), coalesce(json->'counts', '{}'))
       AS flat FROM {source})
+"""
+# The held-out metrics of every eval manifest, long form: one row per (iter, data_source, metric),
+# metric `mean@n`, `best@n`, `pass@k` or `prompts`.
+EVAL_METRICS_GLOB = "iter=*/eval/_manifest.json"
+EVAL_METRICS_VIEW = """
+SELECT iter, data_source, metric, (m->>metric)::DOUBLE AS value
+FROM (SELECT iter, data_source, m, unnest(json_keys(m)) AS metric
+      FROM (SELECT iter, data_source, json->'metrics'->data_source AS m
+            FROM (SELECT iter, json, unnest(json_keys(json->'metrics')) AS data_source FROM {source})))
 """
 FORMATS = ("table", "csv", "json", "parquet")
 SUFFIXES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -103,6 +113,13 @@ def connect(run_dir: str | Path) -> Any:
             "hive_partitioning = true, hive_types = {'iter': INTEGER})"
         )
     con.execute("CREATE VIEW stages AS " + STAGES_VIEW.replace("{source}", source))
+    source = "(SELECT NULL::INTEGER AS iter, NULL::JSON AS json WHERE false)"
+    if any(root.glob(EVAL_METRICS_GLOB)):
+        source = (
+            f"read_json_objects({quote(str(root / EVAL_METRICS_GLOB))}, "
+            "hive_partitioning = true, hive_types = {'iter': INTEGER})"
+        )
+    con.execute("CREATE VIEW eval_metrics AS " + EVAL_METRICS_VIEW.replace("{source}", source))
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
@@ -211,7 +228,7 @@ def _repl(con: Any) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         print(
-            f"views: {', '.join([*VIEWS, 'stages'])} (column iter). End a query with ';'. .quit to leave.",
+            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics'])} (column iter). End a query with ';'. .quit to leave.",
             file=sys.stderr,
         )
     buf: list[str] = []

@@ -281,6 +281,19 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
             m["overall"]["pass@1"]
         )
 
+    con = connect(cfg.run_dir)
+    long = con.sql("SELECT iter, data_source, metric, value FROM eval_metrics ORDER BY ALL").fetchall()
+    con.close()
+    from_manifests = sorted(
+        (it, source, metric, float(v))
+        for it in (0, 2, 3)
+        for source, values in manifests.manifest(layout.folder(cfg.run_dir, it, "eval"))["metrics"].items()
+        for metric, v in values.items()
+    )
+    assert (
+        long == from_manifests and len(long) == 3 * 2 * 5
+    )  # iterations x sources x (mean, best, pass@1, pass@2, prompts)
+
     capsys.readouterr()
     print_status(cfg.run_dir)
     status = capsys.readouterr().out
@@ -301,6 +314,16 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
     for _, pid, reward, correct in rows[:5]:
         r = next(x for x in t0 if x["prompt_id"] == pid and x["sample_idx"] == 0)
         assert float(reward) == pytest.approx(r["reward"]) and correct == str(r["correct"])
+
+
+def test_eval_views_of_a_run_without_eval_are_empty(tmp_path: Path) -> None:
+    from rlhf_batch.query import connect
+
+    con = connect(tmp_path)
+    assert con.sql("SELECT count(*) FROM eval").fetchall() == [(0,)]
+    assert con.sql("SELECT iter, data_source, metric, value FROM eval_metrics").fetchall() == []
+    assert "correct" in [d[0] for d in con.sql("SELECT * FROM eval").description]
+    con.close()
 
 
 def test_cli_if_due_evaluates_only_where_run_would(make_config, tmp_path: Path) -> None:
