@@ -106,25 +106,24 @@ def connect(run_dir: str | Path) -> Any:
             con.register("_empty", empty)
             con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter FROM _empty")
             con.unregister("_empty")
-    source = "(SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json WHERE false)"
-    if any(root.glob(STAGES_GLOB)):
-        source = (
-            f"read_json_objects({quote(str(root / STAGES_GLOB))}, filename = true, "
-            "hive_partitioning = true, hive_types = {'iter': INTEGER})"
-        )
-    con.execute("CREATE VIEW stages AS " + STAGES_VIEW.replace("{source}", source))
-    source = "(SELECT NULL::INTEGER AS iter, NULL::JSON AS json WHERE false)"
-    if any(root.glob(EVAL_METRICS_GLOB)):
-        source = (
-            f"read_json_objects({quote(str(root / EVAL_METRICS_GLOB))}, "
-            "hive_partitioning = true, hive_types = {'iter': INTEGER})"
-        )
-    con.execute("CREATE VIEW eval_metrics AS " + EVAL_METRICS_VIEW.replace("{source}", source))
+    _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW)
+    _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
     return con
+
+
+def _manifest_view(con: Any, root: Path, name: str, pattern: str, view: str) -> None:
+    """View `name`: `view` over the manifests matching `pattern` (columns iter, filename, json)."""
+    source = "(SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json WHERE false)"
+    if any(root.glob(pattern)):
+        source = (
+            f"read_json_objects({quote(str(root / pattern))}, filename = true, "
+            "hive_partitioning = true, hive_types = {'iter': INTEGER})"
+        )
+    con.execute(f"CREATE VIEW {name} AS " + view.replace("{source}", source))
 
 
 def run_sql(
