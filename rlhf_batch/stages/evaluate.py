@@ -8,7 +8,9 @@ weights). No KL, no clipping, no reward model: `reward` is the weighted sum of t
 
 A sample is *correct* when `reward >= eval.correct_threshold` (default 1.0: a 0/1 verifiable
 reward is correct when it is 1). Rows are the rollouts columns plus `reward_<fn>` per function,
-`reward` and `correct`. The manifest's `metrics` holds, per data source (the prompt set's
+`reward` and `correct`. Rows draw their random numbers from a seed stream of eval's own
+(`row_seed(seed, "eval")` in place of `seed`), so a held-out prompt that is also a training
+prompt does not repeat generate's samples. The manifest's `metrics` holds, per data source (the prompt set's
 `data_source` column, else one source "all"), mean@n, best@n and pass@k for each k in `eval.k`
 (rlhf_batch.core.eval_metrics: the unbiased estimator 1 - C(n-c, k) / C(n, k)) and `prompts`;
 `overall` the same over every prompt. A prompt with a sample that a function could not score
@@ -32,6 +34,7 @@ from rlhf_batch import layout
 from rlhf_batch.config import Config, GenerateConfig, reward_search_path
 from rlhf_batch.core.eval_metrics import aggregate, aggregate_by_source, group_samples
 from rlhf_batch.errors import ConfigError, StageError
+from rlhf_batch.ids import row_seed
 from rlhf_batch.manifests import file_fingerprint
 from rlhf_batch.prompts import check_path, load_prompts
 from rlhf_batch.rewards import load_reward_functions, weighted_sum
@@ -67,8 +70,10 @@ class Eval(Stage):
             max_new_tokens=e.max_new_tokens or cfg.generate.max_new_tokens,
             prompts_per_part=e.prompts_per_part,
         )
-        # generate's functions read cfg.generate: give them the eval sampling settings
-        self.scfg = dataclasses.replace(cfg, generate=self.sampling)
+        # generate's functions read cfg.generate and cfg.seed: give them the eval sampling settings
+        # and a seed stream of eval's own, so a held-out prompt that is also a training prompt
+        # does not get generate's samples again (same rollout id, same per-row seed)
+        self.scfg = dataclasses.replace(cfg, generate=self.sampling, seed=row_seed(cfg.seed, "eval"))
         explicit = bool(e.reward_functions)
         self.reward_paths = list(e.reward_functions if explicit else cfg.score.reward_functions)
         self.reward_weights = list(e.reward_weights if explicit else cfg.score.reward_weights)
@@ -113,7 +118,8 @@ class Eval(Stage):
         return math.ceil(len(self.prompts.ids) / self.sampling.prompts_per_part)
 
     def progress_total(self, todo: list[int]) -> int:
-        return len(todo) * self.sampling.prompts_per_part * self.sampling.num_generations
+        per, total = self.sampling.prompts_per_part, len(self.prompts.ids)
+        return sum(min(per, total - n * per) for n in todo) * self.sampling.num_generations
 
     def open(self, todo: list[int]) -> None:
         self.engine = make_engine(self.scfg, self.policy, self.tok, self.prompts)

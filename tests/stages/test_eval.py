@@ -155,6 +155,21 @@ def test_own_sampling_settings_and_score_reward_functions_by_default(make_config
     assert len(set(map(tuple, t["response_ids"].to_pylist()))) > 1
 
 
+def test_a_training_prompt_does_not_get_generates_samples_again(make_config, demo_prompts: Path) -> None:
+    from rlhf_batch.schemas import ROLLOUTS
+    from rlhf_batch.stages import generate
+
+    # eval on the training prompts with generate's sampling settings (temperature 1, 6 new tokens, G = n = 4)
+    _, cfg = make_config(eval={"prompts": str(demo_prompts), "n": 4, "reward_functions": [PARITY]})
+    generate.run(cfg, 0, quiet=True)
+    run_eval(cfg)
+    gen = manifests.read_complete(layout.folder(cfg.run_dir, 0, "rollouts"), ROLLOUTS).to_pylist()
+    ev = eval_rows(cfg).to_pylist()
+    assert [r["rollout_id"] for r in gen] == [r["rollout_id"] for r in ev]  # the same ids, 48 of them
+    same = sum(g["response_ids"] == e["response_ids"] for g, e in zip(gen, ev, strict=True))
+    assert same < len(gen) // 2  # other draws (a 6-token sample of the random model rarely repeats)
+
+
 def test_resume_after_a_kill_gives_the_rows_and_metrics_of_an_uninterrupted_run(
     make_config, tmp_path: Path
 ) -> None:
