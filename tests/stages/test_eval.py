@@ -402,3 +402,33 @@ if __name__ == "__main__":  # a torchrun rank
 
     torch.set_num_threads(1)
     eval_as_the_cli_does(sys.argv[1])
+
+
+def test_verl_and_trl_reward_functions_score_eval_as_they_score_score(make_config) -> None:
+    data = Path(__file__).parent.parent / "data" / "verl_math.parquet"
+    verl, trl = "verl:tests.stages.test_ecosystem:compute_score", "trl:tests.stages.test_ecosystem:trl_reward"
+    _, cfg = make_config(
+        eval={
+            "prompts": str(data),
+            "n": 2,
+            "k": [1, 2],
+            "reward_functions": [verl, trl],
+            "reward_weights": [1.0, 0.0],
+        }
+    )
+    m = run_eval(cfg)
+    rows = eval_rows(cfg).to_pylist()
+    # compute_score's score is the prompt's extra_info.index (prompts 0..3, two samples each);
+    # trl_reward is len(completion_ids), weighted 0: reward = index
+    assert [r["reward_compute_score"] for r in rows] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert [r["reward_trl_reward"] for r in rows] == [float(len(r["response_ids"])) for r in rows]
+    assert [r["reward"] for r in rows] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert [r["correct"] for r in rows] == [False, False] + [True] * 6  # reward >= 1.0
+    # the verl dict's other keys are columns, as in scores: acc = index is even, pred = response[:2]
+    assert [r["reward_compute_score_acc"] for r in rows] == [True, True, False, False] * 2
+    assert [r["reward_compute_score_pred"] for r in rows] == [r["response"][:2] for r in rows]
+    # one data source: mean@2 = best@2 = (0 + 1 + 2 + 3) / 4 = 1.5; prompt 0 has c = 0 of 2
+    # correct, the others c = 2: pass@1 = pass@2 = (0 + 1 + 1 + 1) / 4 = 0.75
+    assert m["metrics"] == {
+        "example/frac": {"mean@2": 1.5, "best@2": 1.5, "pass@1": 0.75, "pass@2": 0.75, "prompts": 4.0}
+    }
