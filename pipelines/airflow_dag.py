@@ -1,4 +1,4 @@
-"""Airflow DAG: one task per stage per iteration, each calling the `rlhf-batch` CLI.
+"""Airflow DAG: one task per stage per iteration (and the eval after the last), each calling the CLI.
 
 Put this file in Airflow's dags folder. It has no logic of its own: the CLI skips completed
 stages, so a retried or re-triggered task only does the missing work. Configure with
@@ -19,7 +19,11 @@ from airflow.sdk import DAG, Param, Variable
 
 ITERATIONS = int(Variable.get("rlhf_batch_iterations", default="2"))
 BIN = Variable.get("rlhf_batch_bin", default="rlhf-batch")
-STAGES = ("generate", "score", "advantage", "train")  # rlhf_batch.stages.registry.pipeline(), tested equal
+# rlhf_batch.stages.registry.pipeline(), tested equal
+STAGES = ("eval", "generate", "score", "advantage", "train")
+# eval runs where `run` would run it (iteration 0, every eval.every-th, and after the last, when
+# [eval] prompts is set): its task always exists and `--if-due` makes it a no-op elsewhere.
+DUE = f"--if-due --set iterations={ITERATIONS}"
 
 with DAG(
     dag_id="rlhf_batch",
@@ -33,11 +37,12 @@ with DAG(
     tags=["rlhf-batch"],
 ) as dag:
     previous = None
-    for it in range(ITERATIONS):
-        for stage in STAGES:
+    for it in range(ITERATIONS + 1):  # + 1: the eval of the last iteration's policy
+        for stage in STAGES if it < ITERATIONS else STAGES[:1]:
+            extra = DUE if stage == "eval" else ""
             task = BashOperator(
                 task_id=f"iter{it:04d}_{stage}",
-                bash_command=f"{BIN} {stage} {{{{ params.config }}}} --iter {it} --quiet {{{{ params.overrides }}}}",
+                bash_command=f"{BIN} {stage} {{{{ params.config }}}} --iter {it} --quiet {extra} {{{{ params.overrides }}}}",
                 retries=1,
                 retry_delay=timedelta(minutes=1),
             )

@@ -122,6 +122,32 @@ def train(
     _stage("train", config, iteration, set_, force, quiet)
 
 
+@app.command(name="eval")
+def eval_(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+    if_due: Annotated[
+        bool,
+        typer.Option(
+            "--if-due",
+            help="Do nothing unless `run` would evaluate this iteration ([eval] prompts set; "
+            "K = 0, a multiple of eval.every, or = iterations).",
+        ),
+    ] = False,
+) -> None:
+    """Held-out evaluation of iteration K's starting policy: eval.n samples per prompt, rewards,
+    mean@n / pass@k / best@n per data source into iter=K/eval."""
+    if if_due:
+        from rlhf_batch.stages.registry import get
+
+        if not get("eval").runs_at(_config(config, set_), iteration):
+            return
+    _stage("eval", config, iteration, set_, force, quiet)
+
+
 @app.command()
 def run(
     config: ConfigArg,
@@ -190,7 +216,7 @@ def sql(
         float, typer.Option("--timeout", help="Stop a query still running after this many seconds (0: no limit).")
     ] = 600.0,
 ) -> None:
-    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics with an iter column."""
+    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, eval with an iter column."""
     from rlhf_batch.query import run_sql
     from rlhf_batch.runs import run_dir_of
 

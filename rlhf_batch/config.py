@@ -173,6 +173,41 @@ Tracker = Literal["tensorboard", "trackio", "wandb", "mlflow"]
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation (stage `eval`): n samples per prompt from iteration K's starting policy."""
+
+    prompts: str = knob("", "eval")  # held-out prompts (any format generate reads); empty: no eval
+    n: int = knob(4, "eval")  # samples per prompt
+    k: list[int] = knob([1], "eval")  # pass@k for each k (1 <= k <= n)
+    correct_threshold: float = knob(1.0, "eval")  # a sample is correct when its reward >= this
+    temperature: float = knob(1.0, "eval")
+    top_p: float = knob(1.0, "eval")
+    top_k: int = knob(0, "eval")  # 0: no top-k filtering
+    max_new_tokens: int = knob(0, "eval")  # 0: generate.max_new_tokens
+    reward_functions: list[str] = knob([], "eval")  # default: score.reward_functions (and weights)
+    reward_weights: list[float] = knob([], "eval")  # default: 1.0 each
+    every: int = knob(0)  # run evaluates 0, every, 2 * every, ... and after the last (0: 0 and last)
+    prompts_per_part: int = knob(64, "eval")
+
+    def validate(self) -> None:
+        _need(self.n >= 1, "eval.n", "must be >= 1")
+        _need(bool(self.k), "eval.k", "must name at least one k")
+        for k in self.k:
+            _need(1 <= k <= self.n, "eval.k", f"has k = {k}; pass@k needs 1 <= k <= eval.n = {self.n}")
+        _need(self.temperature > 0, "eval.temperature", "must be > 0")
+        _need(0 < self.top_p <= 1, "eval.top_p", "must be in (0, 1]")
+        _need(self.top_k >= 0, "eval.top_k", "must be >= 0")
+        _need(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0 (0: generate.max_new_tokens)")
+        _need(self.every >= 0, "eval.every", "must be >= 0")
+        _need(self.prompts_per_part >= 1, "eval.prompts_per_part", "must be >= 1")
+        _need(
+            not self.reward_weights or len(self.reward_weights) == len(self.reward_functions),
+            "eval.reward_weights",
+            f"has {len(self.reward_weights)} weights for {len(self.reward_functions)} reward_functions",
+        )
+
+
+@dataclass
 class Config:
     run_dir: str = knob("runs/default", "generate", "train")
     seed: int = knob(0, "generate", "advantage", "train")
@@ -197,6 +232,7 @@ class Config:
     score: ScoreConfig = field(default_factory=ScoreConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def ref(self) -> str:
@@ -224,7 +260,7 @@ class Config:
         _need(self.iterations >= 1, "iterations", "must be >= 1")
         _need(self.threads >= 0, "threads", "must be >= 0")
         _need(not (gone := tracking.missing(self.report_to)), "report_to", f"asks for {gone}")
-        for table in (self.generate, self.score, self.advantage, self.train):
+        for table in (self.generate, self.score, self.advantage, self.train, self.eval):
             table.validate()
 
 
@@ -233,7 +269,7 @@ RENAMED = {  # old key -> new key: an old name is refused, naming the new one
     "train.kl_coef": "train.kl_loss_coef",
     "advantage.rows_per_shard": "advantage.rows_per_part",
 }
-PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
+PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts", "eval.prompts")
 
 
 def load_config(
@@ -389,5 +425,5 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
     cfg.run_dir = fix(cfg.run_dir)
     for key in PATH_KEYS[1:]:
         *tables, last = key.split(".")
-        node = cfg.generate if tables else cfg
+        node = getattr(cfg, tables[0]) if tables else cfg
         setattr(node, last, fix(getattr(node, last)))

@@ -7,9 +7,10 @@
     RUN_DIR/iter=0003/policy/                           the policy train writes (HF model dir)
     RUN_DIR/iter=0003/train/metrics.parquet             train's metrics, one row per step
     RUN_DIR/iter=0003/train/checkpoint/step-N/          train's checkpoints while it runs
+    RUN_DIR/iter=0003/eval/part-RRRRR-NNNNN.parquet     held-out samples of the policy iteration 3 starts from
 
-A stage (a command: generate, import, score, advantage, train) writes one folder (rollouts,
-scores, advantages, train); the unit of work and of resume inside a folder is a *part*.
+A stage (a command: generate, import, score, advantage, train, eval) writes one folder (rollouts,
+scores, advantages, train, eval); the unit of work and of resume inside a folder is a *part*.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ LOCK = ".run.lock"
 METRICS_FILE = "metrics.parquet"
 CHECKPOINT_DIR = "checkpoint"
 POLICY_DIR = "policy"
-ROLLOUTS, SCORES, ADVANTAGES, TRAIN = "rollouts", "scores", "advantages", "train"
-FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN)
+ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL = "rollouts", "scores", "advantages", "train", "eval"
+FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL)
 
 
 def iter_dir(run_dir: str | Path, it: int) -> Path:
@@ -39,7 +40,7 @@ def run_root(sdir: Path) -> Path | None:
 
 
 def folder(run_dir: str | Path, it: int, name: str) -> Path:
-    """The output folder `name` (rollouts, scores, advantages, train) of iteration `it`."""
+    """The output folder `name` (rollouts, scores, advantages, train, eval) of iteration `it`."""
     return iter_dir(run_dir, it) / name
 
 

@@ -84,8 +84,10 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
             from rlhf_batch.models import set_threads
 
             set_threads(cfg.threads)
-        for it in range(cfg.iterations):
+        for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
             for stage_class in pipeline():
+                if not stage_class.runs_at(cfg, it):
+                    continue
                 stage = stage_class(cfg, it)
                 if is_done(stage):
                     continue
@@ -161,12 +163,23 @@ def print_summary(cfg: Config) -> None:
     print("iter  mean score  mean reward")
     for r in rows:
         print(f"{r['iter']:>4}  {_fmt(r['score']):>10}  {_fmt(r['reward']):>11}")
+    print_eval_summary(cfg)
     try:
         from rlhf_batch.report import write_report
 
         print(f"report: {write_report(Path(cfg.run_dir), None)}")
     except UserError as e:
         print(f"report: not written ({e})", file=sys.stderr)
+
+
+def print_eval_summary(cfg: Config) -> None:
+    """One line per evaluated iteration and data source: its held-out metrics."""
+    from rlhf_batch.query import eval_details
+
+    for it in range(cfg.iterations + 1):
+        m = manifests.manifest(layout.folder(cfg.run_dir, it, layout.EVAL))
+        for line in eval_details(m) if m is not None else []:
+            print(f"eval {it:>4}  {line}")
 
 
 def _fmt(x: float | None) -> str:

@@ -1,12 +1,14 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with five views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with seven views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet
     scores      RUN_DIR/iter=*/scores/part-*.parquet
     advantages  RUN_DIR/iter=*/advantages/part-*.parquet
     metrics     RUN_DIR/iter=*/train/metrics.parquet
+    eval        RUN_DIR/iter=*/eval/part-*.parquet: held-out samples with reward and correct
+    eval_metrics  RUN_DIR/iter=*/eval/_manifest.json: (iter, data_source, metric, value)
     stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
 
 A view whose files do not exist yet is an empty table with the stage's schema. The connection
@@ -40,6 +42,7 @@ VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.schemas)
     "scores": ("iter=*/scores/part-*.parquet", "SCORES"),
     "advantages": ("iter=*/advantages/part-*.parquet", "ADVANTAGES"),
     "metrics": ("iter=*/train/metrics.parquet", "METRICS"),
+    "eval": ("iter=*/eval/part-*.parquet", "EVAL"),
 }
 # The stage manifests are the record of each stage's run: `numbers` holds every number at the
 # manifest's top level and in its `counts` and `prompt_counts` objects (counts win on a clash),
@@ -53,6 +56,15 @@ SELECT iter, regexp_extract(filename, '([^/]+)/_manifest\\.json$', 1) AS stage,
        try_strptime(json->>'created', '%Y-%m-%dT%H:%M:%S%z') AS finished, json AS manifest
 FROM (SELECT *, json_merge_patch(json, coalesce(json->'prompt_counts', '{}'), coalesce(json->'counts', '{}'))
       AS flat FROM {source})
+"""
+# The held-out metrics of every eval manifest, long form: one row per (iter, data_source, metric),
+# metric `mean@n`, `best@n`, `pass@k` or `prompts`.
+EVAL_METRICS_GLOB = "iter=*/eval/_manifest.json"
+EVAL_METRICS_VIEW = """
+SELECT iter, data_source, metric, (m->>metric)::DOUBLE AS value
+FROM (SELECT iter, data_source, m, unnest(json_keys(m)) AS metric
+      FROM (SELECT iter, data_source, json->'metrics'->data_source AS m
+            FROM (SELECT iter, json, unnest(json_keys(json->'metrics')) AS data_source FROM {source})))
 """
 FORMATS = ("table", "csv", "json", "parquet")
 SUFFIXES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -97,13 +109,8 @@ def connect(run_dir: str | Path) -> Any:
             con.register("_empty", empty)
             con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter FROM _empty")
             con.unregister("_empty")
-    source = "(SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json WHERE false)"
-    if any(root.glob(STAGES_GLOB)):
-        source = (
-            f"read_json_objects({quote(str(root / STAGES_GLOB))}, filename = true, "
-            "hive_partitioning = true, hive_types = {'iter': INTEGER})"
-        )
-    con.execute("CREATE VIEW stages AS " + STAGES_VIEW.replace("{source}", source))
+    _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW)
+    _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
@@ -125,6 +132,15 @@ def listed(root: Path, pattern: str) -> list[str]:
         if f.name in parts[f.parent]:
             out.append(str(f))
     return out
+def _manifest_view(con: Any, root: Path, name: str, pattern: str, view: str) -> None:
+    """View `name`: `view` over the manifests matching `pattern` (columns iter, filename, json)."""
+    source = "(SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json WHERE false)"
+    if any(root.glob(pattern)):
+        source = (
+            f"read_json_objects({quote(str(root / pattern))}, filename = true, "
+            "hive_partitioning = true, hive_types = {'iter': INTEGER})"
+        )
+    con.execute(f"CREATE VIEW {name} AS " + view.replace("{source}", source))
 
 
 def run_sql(
@@ -259,7 +275,7 @@ def _repl(con: Any) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         print(
-            f"views: {', '.join([*VIEWS, 'stages'])} (column iter). End a query with ';'. .quit to leave.",
+            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics'])} (column iter). End a query with ';'. .quit to leave.",
             file=sys.stderr,
         )
     buf: list[str] = []
@@ -289,7 +305,7 @@ def _repl_one(con: Any, query: str) -> None:
         print(f"error: {e}", file=sys.stderr)
 
 
-STATUS_STAGES = ("rollouts", "scores", "advantages", "train")
+STATUS_STAGES = ("rollouts", "scores", "advantages", "train", "eval")  # eval: only where it ran
 
 
 def print_status(run_dir: str | Path) -> None:
@@ -302,7 +318,10 @@ def print_status(run_dir: str | Path) -> None:
     con = connect(root)
     try:
         rows = [
-            (str(it), stage, *_stage_status(con, root, it, stage)) for it in iters for stage in STATUS_STAGES
+            (str(it), stage, *_stage_status(con, root, it, stage))
+            for it in iters
+            for stage in STATUS_STAGES
+            if stage != "eval" or (root / f"iter={it:04d}" / stage).exists()
         ]
     finally:
         con.close()
@@ -343,10 +362,26 @@ def _stage_status(con: Any, root: Path, it: int, stage: str) -> tuple[str, str, 
     if stage == "advantages" and m:
         c = m.get("counts", {})
         details.append(f"kept {c.get('groups_out', '?')}/{c.get('groups_total', '?')} groups")
+    if stage == "eval" and m:
+        details += eval_details(m)
     if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
         details.append("policy saved")
     rows = m["rows"] if m and stage != "train" else sum(pq.read_metadata(f).num_rows for f in files)
     return state, str(rows) if files or m else "-", ", ".join(details)
+
+
+def eval_details(m: dict[str, Any]) -> list[str]:
+    """`source: mean@n x, pass@k y, ...` per data source of an eval manifest."""
+    order = ("mean", "pass", "best", "maj")
+
+    def key(name: str) -> tuple[int, int]:
+        kind, _, k = name.partition("@")
+        return order.index(kind) if kind in order else len(order), int(k) if k.isdigit() else 0
+
+    return [
+        f"{source}: " + " ".join(f"{k} {_fmt(values[k])}" for k in sorted(values, key=key) if k != "prompts")
+        for source, values in m.get("metrics", {}).items()
+    ]
 
 
 def _fmt(v: Any) -> str:

@@ -1,7 +1,8 @@
 """`report`: PNG plots and one report.html for a run, complete or partial.
 
 Reads only complete stages: scores and rollouts per iteration, the advantage manifests (the
-share of groups filtered) and the train metrics (iter=K/train/metrics.parquet).
+share of groups filtered), the train metrics (iter=K/train/metrics.parquet) and the eval
+manifests and parts (held-out metrics per data source, example completions).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pyarrow.compute as pc
 
 from rlhf_batch import atomic, layout, manifests
 from rlhf_batch.errors import StageError
-from rlhf_batch.schemas import METRICS, ROLLOUTS, SCORES
+from rlhf_batch.schemas import EVAL, METRICS, ROLLOUTS, SCORES
 
 
 def iterations(run_dir: Path) -> list[int]:
@@ -55,6 +56,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
         if metrics.exists() and manifests.manifest(metrics.parent) is not None:
             m = manifests.read_part(metrics, METRICS)
             steps.append(m.append_column("iter", pa.array([it] * m.num_rows, pa.int32())))
+        ev = manifests.manifest(layout.folder(run_dir, it, layout.EVAL))
+        if ev is not None:
+            row["eval"] = ev.get("metrics", {})
         per_iter.append(row)
     return {"iters": per_iter, "steps": pa.concat_tables(steps) if steps else None, "last": last}
 
@@ -80,9 +84,13 @@ def write_report(
     data = collect(run_dir)
     plots = _plots(data, out)
     examples = _examples(run_dir, data["last"], n_examples) if data["last"] is not None else []
+    plots += _eval_plot(data, out)
+    completions = _eval_examples(run_dir, data, n_examples)
     page = out / "report.html"
     atomic.write_json_atomic(out / "summary.json", data["iters"])
-    page.write_text(_html(run_dir, data, plots, examples))
+    page.write_text(
+        _html(run_dir, data, plots, examples).replace("</body>", _eval_html(completions) + "</body>")
+    )
     if tensorboard:
         _tensorboard(data, out / "tensorboard")
     return page
@@ -152,6 +160,74 @@ def _examples(run_dir: Path, it: int, n: int) -> list[dict[str, Any]]:
     return [{"kind": "best", **r} for r in best] + [{"kind": "worst", **r} for r in worst]
 
 
+def _eval_plot(data: dict[str, Any], out: Path) -> list[str]:
+    """eval.png: one panel per data source, mean@n and pass@k (each k) by iteration."""
+    rows = [r for r in data["iters"] if r.get("eval")]
+    sources = sorted({s for r in rows for s in r["eval"]})
+    if not sources:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sources), figsize=(5 * len(sources), 3.2), squeeze=False)
+    for ax, source in zip(axes[0], sources, strict=True):
+        pts = [(r["iter"], r["eval"][source]) for r in rows if source in r["eval"]]
+        keys = sorted({k for _, m in pts for k in m if k.startswith(("mean@", "pass@"))}, key=_metric_order)
+        for key in keys:
+            xy = [(it, m[key]) for it, m in pts if key in m]
+            ax.plot([p[0] for p in xy], [p[1] for p in xy], marker="o", label=key)
+        ax.set(title=f"held-out: {source}", xlabel="iteration (policy it starts from)")
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out / "eval.png", dpi=90)
+    plt.close(fig)
+    return ["eval.png"]
+
+
+def _metric_order(key: str) -> tuple[str, int]:
+    name, _, k = key.partition("@")
+    return name, int(k) if k.isdigit() else 0
+
+
+def _eval_examples(run_dir: Path, data: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """Per evaluated iteration, the first sample of the first `n` held-out prompts (file order, the
+    same prompts at every iteration) with its reward."""
+    out = []
+    for r in data["iters"]:
+        if "eval" not in r:
+            continue
+        t = manifests.read_complete(
+            layout.folder(run_dir, r["iter"], layout.EVAL),
+            EVAL,
+            ["prompt_id", "sample_idx", "prompt", "response", "reward", "correct"],
+        )
+        first = t.filter(pc.equal(t["sample_idx"], 0)).slice(0, n).to_pylist()
+        out += [{"iter": r["iter"], **row} for row in first]
+    return out
+
+
+def _eval_html(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+
+    def reward(v: float | None) -> str:
+        return "" if v is None else f"{v:.4g}"
+
+    body = "".join(
+        f"<tr><td>{e['iter']}</td><td>{html.escape(e['prompt_id'])}</td><td>{reward(e['reward'])}</td>"
+        f"<td>{e['correct']}</td><td><pre>{html.escape(e['prompt'])}</pre></td>"
+        f"<td><pre>{html.escape(e['response'])}</pre></td></tr>"
+        for e in rows
+    )
+    return (
+        "<h2>Held-out completions by iteration (sample 0 of the first prompts)</h2>"
+        "<table><tr><th>iter</th><th>prompt_id</th><th>reward</th><th>correct</th><th>prompt</th>"
+        f"<th>response</th></tr>{body}</table>\n"
+    )
+
+
 def _html(run_dir: Path, data: dict[str, Any], plots: list[str], examples: list[dict[str, Any]]) -> str:
     def cell(v: Any) -> str:
         return "" if v is None else f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
@@ -189,6 +265,9 @@ def _tensorboard(data: dict[str, Any], logdir: Path) -> None:
         for key in ("score", "reward", "kl", "length", "filtered"):
             if r.get(key) is not None:
                 w.add_scalar(f"iteration/{key}", r[key], r["iter"])
+        for source, values in r.get("eval", {}).items():
+            for key, v in values.items():
+                w.add_scalar(f"eval/{source}/{key}", v, r["iter"])
     steps = data["steps"]
     if steps is not None:
         for i, row in enumerate(steps.to_pylist()):

@@ -87,7 +87,16 @@ METRICS = pa.schema(
     ]
 )
 
+EVAL = pa.schema(  # the rollouts columns of the held-out samples, then their reward and correctness
+    [
+        *ROLLOUTS,
+        ("reward", pa.float64()),  # weighted sum of the eval reward functions; null: cannot score
+        ("correct", pa.bool_()),  # reward >= eval.correct_threshold; null when reward is null
+    ]
+)
+
 STAGE_SCHEMAS = {"rollouts": ROLLOUTS, "scores": SCORES, "advantages": ADVANTAGES, "train": METRICS}
+STAGE_SCHEMAS["eval"] = EVAL
 
 
 def validate(actual: pa.Schema, expected: pa.Schema, where: str) -> None:

@@ -143,7 +143,7 @@ def test_run_cli_and_airflow_dag_use_the_registry_order() -> None:
     from rlhf_batch.stages.registry import pipeline, stages
 
     names = [s.name for s in pipeline()]
-    assert names == ["generate", "score", "advantage", "train"]
+    assert names == ["eval", "generate", "score", "advantage", "train"]
     dag = ast.parse((ROOT / "pipelines" / "airflow_dag.py").read_text())
     (value,) = [n.value for n in dag.body if isinstance(n, ast.Assign) and n.targets[0].id == "STAGES"]  # type: ignore[attr-defined]
     assert list(ast.literal_eval(value)) == names  # the DAG runs in Airflow's own venv: a copy, checked

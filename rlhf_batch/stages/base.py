@@ -1,10 +1,11 @@
 """The stage interface: what a stage declares, and what the executor does with it.
 
-A stage (a command: generate, import, score, advantage, train) reads folders of earlier stages
+A stage (a command: generate, import, score, advantage, train, eval) reads folders of earlier stages
 and writes one output folder of one iteration, cut into numbered parts whose content depends
 only on the part number. It declares:
 
 * `name` (the command), `folder` (its output folder, layout.FOLDERS);
+* `runs_at(cfg, iteration)`: whether `run` runs it at that iteration (default: 0..iterations-1);
 * `identity()`: the config that decides its result (config.Config.identity plus derived values);
 * `inputs()`: fingerprints of what it reads (raises StageError when an input is not complete);
 * `check()`: heavier validation of the inputs, run before the folder is marked started;
@@ -51,6 +52,12 @@ class Stage:
 
     def __init__(self, cfg: Config, iteration: int):
         self.cfg, self.iteration = cfg, iteration
+
+    @classmethod
+    def runs_at(cls, cfg: Config, iteration: int) -> bool:
+        """Whether `run` runs this stage at `iteration` (0..cfg.iterations; the default: every
+        iteration before cfg.iterations)."""
+        return iteration < cfg.iterations
 
     @property
     def sdir(self) -> Path:

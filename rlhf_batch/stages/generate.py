@@ -60,8 +60,7 @@ class Generate(Stage):
         )
 
     def open(self, todo: list[int]) -> None:
-        # the one engine so far; another (vLLM) is a class with the same `sample`, chosen here
-        self.engine: Engine = HFEngine(self.cfg, self.policy, self.tok, self.prompts)
+        self.engine = make_engine(self.cfg, self.policy, self.tok, self.prompts)
 
     def write_part(self, n: int, bar: Any) -> Part:
         table = generate_part(
@@ -87,6 +86,12 @@ class Engine(Protocol):
     def sample(
         self, prompts: list[list[int]], seeds: list[int], bar: Any
     ) -> list[tuple[list[int], list[float], str]]: ...
+
+
+def make_engine(cfg: Config, policy: str, tok: Any, prompts: Prompts) -> Engine:
+    """The configured generation engine, sampling with `cfg.generate`'s settings (generate and eval)."""
+    # the one engine so far; another (vLLM) is a class with the same `sample`, chosen here
+    return HFEngine(cfg, policy, tok, prompts)
 
 
 class HFEngine:

@@ -246,22 +246,7 @@ class Scorer:
     def rewards(
         self, t: pa.Table, rid: list[str], prompt_ids: list[list[int]], response_ids: list[list[int]]
     ) -> tuple[dict[str, list[float | None]], dict[str, pa.Array]]:
-        """Each function's values (column reward_<name>) and the extra columns some give."""
-        columns = {c: t[c].to_pylist() for c in t.column_names if c not in ROLLOUTS.names}
-        prompts, responses = t["prompt"].to_pylist(), t["response"].to_pylist()
-        values, extra = {}, {}
-        for rf in self.fns:
-            values[rf.column], more = evaluate(
-                rf,
-                rid,
-                prompts=prompts,
-                responses=responses,
-                prompt_ids=prompt_ids,
-                response_ids=response_ids,
-                columns=columns,
-            )
-            extra.update(more)
-        return values, extra
+        return reward_values(self.fns, t, rid, prompt_ids, response_ids)
 
     def ref_logprobs(
         self,
@@ -294,6 +279,33 @@ class Scorer:
             for i, lp in zip(need, lps, strict=True):
                 ref[offsets[i] : offsets[i + 1]] = lp
         return ref
+
+
+def reward_values(
+    fns: list[RewardFunction],
+    t: pa.Table,
+    rid: list[str],
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+) -> tuple[dict[str, list[float | None]], dict[str, pa.Array]]:
+    """Each reward function's values for the rollouts rows `t` (column reward_<name> -> one value
+    per row) and the extra columns some give, each called by its convention (rewards.conventions)
+    with the rows' prompts, responses, token ids and carried columns."""
+    columns = {c: t[c].to_pylist() for c in t.column_names if c not in ROLLOUTS.names}
+    prompts, responses = t["prompt"].to_pylist(), t["response"].to_pylist()
+    values, extra = {}, {}
+    for rf in fns:
+        values[rf.column], more = evaluate(
+            rf,
+            rid,
+            prompts=prompts,
+            responses=responses,
+            prompt_ids=prompt_ids,
+            response_ids=response_ids,
+            columns=columns,
+        )
+        extra.update(more)
+    return values, extra
 
 
 def _sequence_sums(kl: torch.Tensor, r_len: np.ndarray) -> torch.Tensor:

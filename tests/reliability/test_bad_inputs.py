@@ -953,6 +953,51 @@ def import_file_without_responses(ctx: Ctx):  # noqa: ANN201
     return ["import", path, "--config", ctx.config()], [path, "missing column 'response'"]
 
 
+# ---------------------------------------------------------------- eval
+@case
+def eval_prompts_not_configured(ctx: Ctx):  # noqa: ANN201
+    return ["eval", ctx.config(), "--quiet"], [
+        "eval.prompts: no held-out prompt file configured",
+        "set [eval] prompts",
+    ]
+
+
+@case
+def eval_prompts_not_found(ctx: Ctx):  # noqa: ANN201
+    missing = str(ctx.tmp / "heldout.jsonl")
+    return ["eval", ctx.config(eval={"prompts": missing}), "--quiet"], [missing, "prompt file not found"]
+
+
+@case
+def eval_k_above_n(ctx: Ctx):  # noqa: ANN201
+    path = ctx.config(eval={"prompts": str(ctx.assets.prompts), "n": 8, "k": [1, 16]})
+    return ["eval", path, "--quiet"], [path, "'eval.k' has k = 16; pass@k needs 1 <= k <= eval.n = 8"]
+
+
+@case
+def eval_without_reward_functions(ctx: Ctx):  # noqa: ANN201
+    path = ctx.config(eval={"prompts": str(ctx.assets.prompts)}, score={"reward_functions": []})
+    return ["eval", path, "--quiet"], ["eval: no reward function", "eval.reward_functions"]
+
+
+@case
+def eval_prompt_column_clashes(ctx: Ctx):  # noqa: ANN201
+    data = prompts(ctx, [{"prompt": "x*1=", "reward": 1.0}])
+    return ["eval", ctx.config(eval={"prompts": data}), "--quiet"], [
+        data,
+        "column 'reward' clashes with an eval column",
+    ]
+
+
+@case
+def eval_iteration_without_policy(ctx: Ctx):  # noqa: ANN201
+    path = ctx.config(eval={"prompts": str(ctx.assets.prompts)})
+    return ["eval", path, "--iter", "1", "--quiet"], [
+        "iteration 1: iteration 0 has no trained policy",
+        "run train --iter 0 first",
+    ]
+
+
 # ---------------------------------------------------------------- the checks
 @pytest.fixture
 def ctx(tmp_path: Path, assets: Assets, reference: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ctx]:

@@ -1,0 +1,183 @@
+"""eval: held-out evaluation of the policy iteration K starts from, into iter=K/eval.
+
+`eval.n` samples per prompt of `[eval] prompts` (read as generate reads prompts: the same
+prompt/messages/id columns and max_prompt_tokens) are drawn with generate's engine and
+`generate_part`, with eval's own temperature, top_p, top_k and max_new_tokens, and scored with
+score's reward-calling code (`eval.reward_functions`, default `score.reward_functions` and their
+weights). No KL, no clipping, no reward model: `reward` is the weighted sum of the functions.
+
+A sample is *correct* when `reward >= eval.correct_threshold` (default 1.0: a 0/1 verifiable
+reward is correct when it is 1). Rows are the rollouts columns plus `reward_<fn>` per function,
+`reward` and `correct`. Rows draw their random numbers from a seed stream of eval's own
+(`row_seed(seed, "eval")` in place of `seed`), so a held-out prompt that is also a training
+prompt does not repeat generate's samples. The manifest's `metrics` holds, per data source (the prompt set's
+`data_source` column, else one source "all"), mean@n, best@n and pass@k for each k in `eval.k`
+(rlhf_batch.core.eval_metrics: the unbiased estimator 1 - C(n-c, k) / C(n, k)) and `prompts`;
+`overall` the same over every prompt. A prompt with a sample that a function could not score
+(None) is left out of the metrics and counted as `prompts_unscored`.
+
+Iteration K evaluates the policy iteration K starts from (stages.base.start_policy), so the
+policy the last of N iterations trained is evaluated at K = N. `run` evaluates iteration 0,
+every `eval.every`-th and N when `[eval] prompts` is set (`Eval.runs_at`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf_batch import layout
+from rlhf_batch.config import Config, GenerateConfig, reward_search_path
+from rlhf_batch.core.eval_metrics import aggregate, aggregate_by_source, group_samples
+from rlhf_batch.errors import ConfigError, StageError
+from rlhf_batch.ids import row_seed
+from rlhf_batch.manifests import file_fingerprint
+from rlhf_batch.prompts import check_path, load_prompts
+from rlhf_batch.rewards import load_reward_functions, weighted_sum
+from rlhf_batch.schemas import EVAL, with_extra
+from rlhf_batch.stages.base import Part, Stage, start_policy
+from rlhf_batch.stages.generate import generate_part, make_engine
+from rlhf_batch.stages.score import reward_values
+
+SOURCE_COLUMN = "data_source"
+ALL = "all"
+
+
+class Eval(Stage):
+    name, folder, unit = "eval", layout.EVAL, "sample"
+
+    @classmethod
+    def runs_at(cls, cfg: Config, iteration: int) -> bool:
+        e = cfg.eval
+        if not e.prompts or iteration > cfg.iterations:
+            return False
+        return iteration in (0, cfg.iterations) or (e.every > 0 and iteration % e.every == 0)
+
+    def __init__(self, cfg: Config, iteration: int):
+        super().__init__(cfg, iteration)
+        e = cfg.eval
+        self.sampling: GenerateConfig = dataclasses.replace(
+            cfg.generate,
+            prompts=e.prompts,
+            num_generations=e.n,
+            temperature=e.temperature,
+            top_p=e.top_p,
+            top_k=e.top_k,
+            max_new_tokens=e.max_new_tokens or cfg.generate.max_new_tokens,
+            prompts_per_part=e.prompts_per_part,
+        )
+        # generate's functions read cfg.generate and cfg.seed: give them the eval sampling settings
+        # and a seed stream of eval's own, so a held-out prompt that is also a training prompt
+        # does not get generate's samples again (same rollout id, same per-row seed)
+        self.scfg = dataclasses.replace(cfg, generate=self.sampling, seed=row_seed(cfg.seed, "eval"))
+        explicit = bool(e.reward_functions)
+        self.reward_paths = list(e.reward_functions if explicit else cfg.score.reward_functions)
+        self.reward_weights = list(e.reward_weights if explicit else cfg.score.reward_weights)
+
+    def identity(self) -> dict[str, Any]:
+        run_level = {k: v for k, v in self.cfg.identity("generate").items() if not isinstance(v, dict)}
+        return {
+            **super().identity(),
+            **run_level,
+            "sampling": dataclasses.asdict(self.sampling),
+            "reward_functions": self.reward_paths,
+            "reward_weights": self.reward_weights,
+        }
+
+    def inputs(self) -> dict[str, Any]:
+        from rlhf_batch.models import model_fingerprint
+
+        if not self.cfg.eval.prompts:
+            raise StageError("eval.prompts: no held-out prompt file configured; set [eval] prompts")
+        self.fns = load_reward_functions(
+            self.reward_paths, self.reward_weights, EVAL.names, reward_search_path(self.cfg)
+        )
+        if not self.fns:
+            raise ConfigError("eval: no reward function; set eval.reward_functions or score.reward_functions")
+        self.policy = start_policy(self.cfg, self.iteration)
+        return {
+            "prompts": file_fingerprint(check_path(self.cfg.eval.prompts)),
+            "policy": model_fingerprint(self.policy, "policy"),
+            "iteration": self.iteration,
+        }
+
+    def plan(self) -> int:
+        from rlhf_batch.models import load_tokenizer
+
+        self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
+        self.prompts = load_prompts(self.sampling, self.tok)
+        for name in self.prompts.carried.column_names:
+            if name in EVAL.names or name in {rf.column for rf in self.fns}:
+                raise StageError(
+                    f"{self.sampling.prompts}: column '{name}' clashes with an eval column; rename it"
+                )
+        return math.ceil(len(self.prompts.ids) / self.sampling.prompts_per_part)
+
+    def progress_total(self, todo: list[int]) -> int:
+        per, total = self.sampling.prompts_per_part, len(self.prompts.ids)
+        return sum(min(per, total - n * per) for n in todo) * self.sampling.num_generations
+
+    def open(self, todo: list[int]) -> None:
+        self.engine = make_engine(self.scfg, self.policy, self.tok, self.prompts)
+
+    def write_part(self, n: int, bar: Any) -> Part:
+        t = generate_part(self.engine, self.tok, self.prompts, n, self.scfg, self.iteration, self.policy, bar)
+        rid = t["rollout_id"].to_pylist()
+        values, extra = reward_values(
+            self.fns, t, rid, t["prompt_ids"].to_pylist(), t["response_ids"].to_pylist()
+        )
+        reward = weighted_sum(values, {rf.column: rf.weight for rf in self.fns}, len(rid))
+        threshold = self.cfg.eval.correct_threshold
+        correct = [None if r is None else r >= threshold for r in reward]
+        for column, vals in values.items():
+            t = t.append_column(pa.field(column, pa.float64()), pa.array(vals, pa.float64()))
+        for column, arr in extra.items():  # verl's dict results: their other keys
+            if column in t.column_names:
+                raise StageError(
+                    f"{self.sampling.prompts}: column '{column}' clashes with a reward function's "
+                    "extra column; rename it"
+                )
+            t = t.append_column(pa.field(column, arr.type), arr)
+        t = t.append_column(EVAL.field("reward"), pa.array(reward, pa.float64()))
+        t = t.append_column(EVAL.field("correct"), pa.array(correct, pa.bool_()))
+        schema = with_extra(EVAL, t.schema)
+        counts = {"samples": t.num_rows, "unscored": sum(r is None for r in reward)}
+        return Part(t.select(schema.names), schema, counts)
+
+    def manifest_extra(self) -> dict[str, Any]:
+        return {
+            "prompt_counts": self.prompts.counts,
+            "policy": self.policy,
+            **eval_metrics(self.sdir, self.plan(), self.cfg.eval.k, self.cfg.eval.correct_threshold),
+        }
+
+
+def eval_metrics(sdir: Any, n_parts: int, ks: list[int], threshold: float) -> dict[str, Any]:
+    """Manifest entries from the parts on disk: `metrics` per data source, `overall`, and
+    `prompts_unscored` (prompts left out because a sample has no reward)."""
+    first: dict[int, Any] = {}
+    for p in layout.list_parts(sdir):
+        first.setdefault(layout.part_number(p), p)
+    tables = [pq.read_table(first[n]) for n in range(n_parts) if n in first]
+    t = pa.concat_tables(tables, promote_options="permissive") if tables else EVAL.empty_table()
+    pids, rewards = t["prompt_id"].to_pylist(), t["reward"].to_pylist()
+    sources = t[SOURCE_COLUMN].to_pylist() if SOURCE_COLUMN in t.column_names else [ALL] * len(pids)
+    sources = [ALL if s is None else str(s) for s in sources]
+    unscored = {p for p, r in zip(pids, rewards, strict=True) if r is None}
+    keep = [i for i, p in enumerate(pids) if p not in unscored]
+    try:
+        groups = group_samples(
+            [pids[i] for i in keep], [sources[i] for i in keep], [rewards[i] for i in keep]
+        )
+        return {
+            "metrics": aggregate_by_source(groups, ks, threshold),
+            "overall": aggregate(groups, ks, threshold),
+            "prompts_unscored": len(unscored),
+            "correct_threshold": threshold,
+        }
+    except ValueError as e:  # a prompt with two data sources
+        raise StageError(f"{sdir}: {e}") from None
