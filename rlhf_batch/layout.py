@@ -7,6 +7,9 @@
     RUN_DIR/iter=0003/policy/                           the policy train writes (HF model dir)
     RUN_DIR/iter=0003/train/metrics.parquet             train's metrics, one row per step
     RUN_DIR/iter=0003/train/checkpoint/step-N/          train's checkpoints while it runs
+    RUN_DIR/iter=0003/policy/adapter/                   with [lora]: the adapter (lora.py)
+    RUN_DIR/iter=0003/policy_removed.json               the policy was removed (keep_policies)
+    RUN_DIR/init_policy/                                with lora.init_adapter: iteration 0's policy
 
 A stage (a command: generate, import, score, advantage, train) writes one folder (rollouts,
 scores, advantages, train); the unit of work and of resume inside a folder is a *part*.
@@ -22,6 +25,8 @@ LOCK = ".run.lock"
 METRICS_FILE = "metrics.parquet"
 CHECKPOINT_DIR = "checkpoint"
 POLICY_DIR = "policy"
+ADAPTER_DIR = "adapter"  # inside a policy dir, with [lora]
+POLICY_REMOVED = "policy_removed.json"  # iter=K/: what the removed policy was (retention.py)
 ROLLOUTS, SCORES, ADVANTAGES, TRAIN = "rollouts", "scores", "advantages", "train"
 FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN)
 
@@ -38,6 +43,11 @@ def folder(run_dir: str | Path, it: int, name: str) -> Path:
 def policy_dir(run_dir: str | Path, it: int) -> Path:
     """Where `train` of iteration `it` writes the new policy (a Hugging Face model dir)."""
     return iter_dir(run_dir, it) / POLICY_DIR
+
+
+def init_policy_dir(run_dir: str | Path) -> Path:
+    """With lora.init_adapter: the base model and that adapter, merged (iteration 0's policy)."""
+    return Path(run_dir) / "init_policy"
 
 
 def checkpoint_dir(run_dir: str | Path, it: int) -> Path:

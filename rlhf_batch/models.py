@@ -124,6 +124,10 @@ def check_model_dir(path: str, what: str) -> Path:
     if not path:
         raise ModelError(f"{what}: no model directory configured")
     if not p.is_dir():
+        from rlhf_batch.retention import removed_record
+
+        if (gone := removed_record(p)) is not None:
+            raise ModelError(f"{what}: {p} was removed by keep_policies on {gone['removed']}; it cannot be loaded")
         raise ModelError(f"{what}: model directory not found: {p}")
     if not (p / "config.json").is_file():
         raise ModelError(f"{what}: {p} has no config.json (not a Hugging Face model directory)")
@@ -235,7 +239,12 @@ def vocab_signature(tok: Any) -> tuple[int, int]:
 
 def model_fingerprint(path: str, what: str) -> dict[str, Any]:
     """What identifies a model for the stage manifests, cheaply: its path, config.json and the
-    names and sizes of its weight files (weights are not hashed: models can be many GB)."""
+    names and sizes of its weight files (weights are not hashed: models can be many GB). A policy
+    that keep_policies removed keeps the fingerprint recorded before its removal."""
+    from rlhf_batch.retention import removed_record
+
+    if (gone := removed_record(path)) is not None:
+        return dict(gone["fingerprint"])
     p = check_model_dir(path, what)
     weights = {q.name: q.stat().st_size for q in sorted(p.glob("*.safetensors"))}
     out = {"path": str(p), "config": (p / "config.json").read_text(), "weights": weights}
