@@ -124,16 +124,20 @@ def check_model_dir(path: str, what: str) -> Path:
     if not path:
         raise ModelError(f"{what}: no model directory configured")
     if not p.is_dir():
-        from rlhf_batch.retention import removed_record
-
-        if (gone := removed_record(p)) is not None:
-            raise ModelError(f"{what}: {p} was removed by keep_policies on {gone['removed']}; it cannot be loaded")
+        _refuse_removed(p, what)
         raise ModelError(f"{what}: model directory not found: {p}")
     if not (p / "config.json").is_file():
         raise ModelError(f"{what}: {p} has no config.json (not a Hugging Face model directory)")
     if not any(p.glob("*.safetensors")):
         raise ModelError(f"{what}: {p} has no *.safetensors weights (only safetensors are loaded)")
     return p
+
+
+def _refuse_removed(p: Path, what: str) -> None:
+    from rlhf_batch.retention import removed_record
+
+    if (gone := removed_record(p)) is not None:
+        raise ModelError(f"{what}: {p} was removed by keep_policies on {gone['removed']}; it cannot be loaded")
 
 
 def _needs_remote_code(p: Path) -> bool:
@@ -150,6 +154,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
 
     p = Path(path)
     if not p.is_dir():
+        _refuse_removed(p, "tokenizer")
         raise ModelError(f"tokenizer directory not found: {p}")
     try:
         tok = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)

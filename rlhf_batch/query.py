@@ -295,6 +295,8 @@ def _stage_status(con: Any, root: Path, it: int, stage: str) -> tuple[str, str, 
         details.append(f"kept {c.get('groups_out', '?')}/{c.get('groups_total', '?')} groups")
     if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
         details.append("policy saved")
+    elif stage == "train" and (layout.iter_dir(root, it) / layout.POLICY_REMOVED).exists():
+        details.append("policy removed (keep_policies)")
     rows = m["rows"] if m and stage != "train" else sum(pq.read_metadata(f).num_rows for f in files)
     return state, str(rows) if files or m else "-", ", ".join(details)
 
