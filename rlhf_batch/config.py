@@ -178,7 +178,7 @@ class LoraConfig:
 
     enabled: bool = knob(False, "train")
     r: int = knob(8, "train")  # rank of the update B @ A
-    alpha: float = knob(16.0, "train")  # the update is scaled by alpha / r
+    alpha: int = knob(16, "train")  # the update is scaled by alpha / r
     dropout: float = knob(0.0, "train")  # on the adapter's input, in training only
     target_modules: list[str] = knob(["all-linear"], "train")  # module names, or ["all-linear"]
     init_adapter: str = knob("", "train")  # a peft adapter dir iteration 0 starts from

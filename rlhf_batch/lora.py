@@ -98,11 +98,12 @@ def load_adapter(peft_model: Any, adapter: Path) -> None:
 
     weights = load_file(str(adapter / ADAPTER_WEIGHTS))
     result = set_peft_model_state_dict(peft_model, weights)
+    unexpected = list(result.unexpected_keys)  # type: ignore[attr-defined]  # typed as a bare namedtuple
     ours = [n for n, _ in peft_model.named_parameters() if ".lora_" in n]
-    if result.unexpected_keys or len(weights) != len(ours):
+    if unexpected or len(weights) != len(ours):
         raise ConfigError(
             f"lora.target_modules: the adapter {adapter} has {len(weights)} weights for "
-            f"{len(ours)} LoRA weights of this config ({list(result.unexpected_keys)[:2]} unexpected)"
+            f"{len(ours)} LoRA weights of this config ({unexpected[:2]} unexpected)"
         )
 
 
@@ -142,7 +143,9 @@ def initial_policy(cfg: Config) -> str:
             )
         return str(out)
     base = str(check_model_dir(cfg.policy_model, "policy_model"))
-    model = load_model(base, "policy_model", device="cpu", dtype="float32", trust_remote_code=cfg.trust_remote_code)
+    model = load_model(
+        base, "policy_model", device="cpu", dtype="float32", trust_remote_code=cfg.trust_remote_code
+    )
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     merged = save_adapter(wrap(cfg, model, src), tmp)

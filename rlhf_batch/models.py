@@ -137,7 +137,9 @@ def _refuse_removed(p: Path, what: str) -> None:
     from rlhf_batch.retention import removed_record
 
     if (gone := removed_record(p)) is not None:
-        raise ModelError(f"{what}: {p} was removed by keep_policies on {gone['removed']}; it cannot be loaded")
+        raise ModelError(
+            f"{what}: {p} was removed by keep_policies on {gone['removed']}; it cannot be loaded"
+        )
 
 
 def _needs_remote_code(p: Path) -> bool:

@@ -60,7 +60,10 @@ def remove_policy(pol: Path, why: dict[str, Any]) -> None:
     from rlhf_batch.atomic import write_json_atomic
     from rlhf_batch.models import model_fingerprint
 
-    record = {"fingerprint": model_fingerprint(str(pol), "policy"), "removed": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    record = {
+        "fingerprint": model_fingerprint(str(pol), "policy"),
+        "removed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
     write_json_atomic(pol.parent / layout.POLICY_REMOVED, {**record, **why})
     trash = pol.with_name(f"{TRASH}{time.time_ns()}")
     pol.rename(trash)

@@ -18,10 +18,10 @@ from rlhf_batch.errors import ModelError
 from rlhf_batch.forward import response_logprobs
 from rlhf_batch.models import load_model
 from rlhf_batch.pipeline import run_pipeline
-from rlhf_batch.schemas import METRICS, ROLLOUTS, SCORES
+from rlhf_batch.schemas import ROLLOUTS, SCORES
 
 ROOT = Path(__file__).resolve().parents[1]
-LORA = {"enabled": True, "r": 4, "alpha": 8.0}
+LORA = {"enabled": True, "r": 4, "alpha": 8}
 TRAIN = {"lr": 1e-2, "tokens_per_step": 64}
 
 
@@ -29,7 +29,9 @@ def scores(run_dir: str, it: int):
     return manifests.read_complete(layout.folder(run_dir, it, "scores"), SCORES)
 
 
-def test_lora_reference_is_the_base_with_the_adapter_disabled(make_config, tiny_model: Path, monkeypatch) -> None:
+def test_lora_reference_is_the_base_with_the_adapter_disabled(
+    make_config, tiny_model: Path, monkeypatch
+) -> None:
     from peft import PeftModel
 
     import rlhf_batch.stages.score as score_module
@@ -87,7 +89,9 @@ def created(run_dir: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_keep_policies_removes_old_policies_and_no_resume_needs_them(make_config, tmp_path: Path, capsys) -> None:
+def test_keep_policies_removes_old_policies_and_no_resume_needs_them(
+    make_config, tmp_path: Path, capsys
+) -> None:
     from rlhf_batch.query import print_status, run_sql
     from rlhf_batch.stages import generate
 
@@ -128,4 +132,6 @@ def test_keep_policies_removes_old_policies_and_no_resume_needs_them(make_config
     assert resumed.returncode == 0, resumed.stderr
     assert policies(killed.run_dir, 4) == [0, 2, 3]
     for it in range(4):  # the same numbers as the uninterrupted run
-        assert scores(killed.run_dir, it)["reward"].to_pylist() == scores(cfg.run_dir, it)["reward"].to_pylist()
+        assert (
+            scores(killed.run_dir, it)["reward"].to_pylist() == scores(cfg.run_dir, it)["reward"].to_pylist()
+        )
