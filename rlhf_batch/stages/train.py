@@ -57,7 +57,10 @@ class Train(Stage):
         return f"train iter={self.iteration}"
 
     def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "norm_const": norm_const(self.cfg)}
+        ident = {**super().identity(), "norm_const": norm_const(self.cfg)}
+        if not self.cfg.lora.enabled:  # [lora] off: folders written before it existed stay complete
+            ident.pop("lora", None)
+        return ident
 
     def inputs(self) -> dict[str, Any]:
         cfg, it = self.cfg, self.iteration

@@ -247,3 +247,19 @@ def test_gradient_checkpointing_with_lora_gives_the_same_steps(
     (rows_off, w_off), (rows_on, w_on) = out
     assert [r["grad_norm"] for r in rows_on] == pytest.approx([r["grad_norm"] for r in rows_off], rel=1e-5)
     assert max_diff(w_on, w_off) < 1e-5 < 1e-4 < max_diff(w_on, weights(tiny_model))
+
+
+def test_lora_keys_decide_train_only_when_lora_is_on(make_config) -> None:
+    _, off = make_config()
+    _, on = make_config(LORA)
+    # without [lora] train's identity is what it was before LoRA existed: old folders stay complete
+    assert "lora" not in train.Train(off, 0).identity()
+    assert train.Train(on, 0).identity()["lora"] == {
+        "enabled": True,
+        "r": 4,
+        "alpha": 8,
+        "dropout": 0.0,
+        "target_modules": ["all-linear"],
+        "init_adapter": "",
+    }
+    assert "lora" not in on.identity("generate") and "lora" not in on.identity("score")
