@@ -6,7 +6,9 @@
     iter=K/train/checkpoint/step-N/     while running (every `checkpoint_every` steps); removed at the end
 
 The policy of iteration K starts from iter=K-1/policy (cfg.policy_model for K = 0); the KL
-reference is the stored `ref_logprobs` column, so no reference model is loaded. Dropout is
+reference is the stored `ref_logprobs` column, so no reference model is loaded. With [lora]
+(lora.py) it loads the base (`policy_model`) with iteration K-1's adapter instead, trains the
+adapter only and writes the adapter into iter=K/policy/adapter next to the merged weights. Dropout is
 switched off (as TRL does), so that before the first update the importance ratio is 1.
 Master weights are float32; bf16 autocast is used where the config's dtype resolves to
 bfloat16 (models.resolve_dtype: a GPU or a CPU with bf16 units). The policy is saved in the
