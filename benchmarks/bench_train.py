@@ -18,6 +18,7 @@ Padding = 1 - real tokens / (rows x longest row) summed over the micro-batches o
 from __future__ import annotations
 
 import json
+import math
 import sys
 import tempfile
 import time
@@ -57,15 +58,17 @@ def write_scores(run_dir: Path, w: Workload) -> None:
     stage.finish(1)
 
 
-def prepare(run_dir: Path, w: Workload, model: str) -> Any:
+LORA = ["lora.enabled=true", "lora.r=16", "lora.alpha=32", 'lora.target_modules=["all-linear"]']
+
+
+def prepare(run_dir: Path, w: Workload, model: str, lora: bool = False) -> Any:
     from rlhf_batch.config import load_config
     from rlhf_batch.stages import advantage
 
     write_rollouts(run_dir, w)
     write_scores(run_dir, w)
-    cfg = load_config(
-        None, [f"run_dir={run_dir}", f"policy_model={model}", "device=cpu", "dtype=auto", "train.lr=1e-6"]
-    )
+    keys = [f"run_dir={run_dir}", f"policy_model={model}", "device=cpu", "dtype=auto", "train.lr=1e-6"]
+    cfg = load_config(None, keys + (LORA if lora else []))
     advantage.run(cfg, 0, quiet=True)
     return cfg
 
@@ -93,13 +96,14 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
 
     w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"]).head(spec["take"])
     with tempfile.TemporaryDirectory(dir=common.CACHE) as tmp:
-        cfg = prepare(Path(tmp) / "run", w, spec["model"])
+        cfg = prepare(Path(tmp) / "run", w, spec["model"], spec.get("lora", False))
         pad, n_micro = padding(cfg)
         mem = Mem()
         t0 = time.perf_counter()
         train.run(cfg, 0, quiet=True)
         wall = time.perf_counter() - t0
         m = pq.read_table(layout.folder(cfg.run_dir, 0, "train") / "metrics.parquet").to_pylist()
+        trainable = trained_parameters(layout.policy_dir(cfg.run_dir, 0), cfg.lora.enabled)
     steps = sum(r["tokens"] / r["tokens_per_s"] for r in m)
     return {
         "seconds": steps,
@@ -110,7 +114,19 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
         "micro": n_micro,
         "steps": len(m),
         "peak_rss": mem.peak_above() + mem.base,
+        "trainable": trainable,
     }
+
+
+def trained_parameters(policy: Path, lora: bool) -> int:
+    """Parameters the stage trained: those of the saved adapter with LoRA, else of the whole model."""
+    from safetensors import safe_open
+
+    from rlhf_batch import layout
+
+    path = policy / layout.ADAPTER_DIR / "adapter_model.safetensors" if lora else policy / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
 
 
 def naive_train(model: Any, w: Workload, adv: list[float], batch: int = 16) -> None:
@@ -228,6 +244,7 @@ def main() -> None:
         target="<= 10%",
         met=ours["padding"] <= 0.10,
     )
+    lora_row(args.results, base, sizes[-1], ours, w)
     if len(runs) > 1:
         expo = common.fit_exponent([r["tokens"] for r in runs], [r["seconds"] for r in runs])
         times = ", ".join(f"{r['seconds']:.1f}s" for r in runs)
@@ -240,6 +257,19 @@ def main() -> None:
             target="<= 1.1",
             met=expo <= 1.1,
         )
+
+
+def lora_row(results: Path, base: dict[str, Any], take: int, full: dict[str, Any], w: Workload) -> None:
+    """LoRA (r 16, alpha 32, all-linear) beside full training: same rows, same stage, same step plan."""
+    lora = common.run_worker("bench_train.py", "stage", {**base, "take": take, "lora": True})
+    tps, tps_full = lora["tokens"] / lora["seconds"], full["tokens"] / full["seconds"]
+    what = f"{common.lengths_text(w)}; train stage, LoRA r 16 all-linear vs full weights (baseline)"
+    mem = f"{mb(lora['peak_rss'])} / {mb(full['peak_rss'])} (whole process)"
+    append_row(results, "train LoRA tokens/s", what, "real tokens/s", f"{tps:.0f}", f"{tps_full:.0f}",
+               f"{tps / tps_full:.2f}x", mem=mem)  # fmt: skip
+    append_row(results, "train LoRA trainable parameters", what, "parameters updated",
+               f"{lora['trainable']:,}", f"{full['trainable']:,}", f"{lora['trainable'] / full['trainable']:.2%}",
+               mem=mem)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -213,7 +213,8 @@ def sql(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file.")] = None,
     config: ConfigOpt = None,
     timeout: Annotated[
-        float, typer.Option("--timeout", help="Stop a query still running after this many seconds (0: no limit).")
+        float,
+        typer.Option("--timeout", help="Stop a query still running after this many seconds (0: no limit)."),
     ] = 600.0,
 ) -> None:
     """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, eval with an iter column."""

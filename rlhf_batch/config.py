@@ -208,6 +208,26 @@ class EvalConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA policies (peft): train updates only the adapter; each policy is the adapter plus its
+    merged full weights (README "LoRA")."""
+
+    enabled: bool = knob(False, "train")
+    r: int = knob(8, "train")  # rank of the update B @ A
+    alpha: int = knob(16, "train")  # the update is scaled by alpha / r
+    dropout: float = knob(0.0, "train")  # on the adapter's input, in training only
+    target_modules: list[str] = knob(["all-linear"], "train")  # module names, or ["all-linear"]
+    init_adapter: str = knob("", "train")  # a peft adapter dir iteration 0 starts from
+
+    def validate(self) -> None:
+        _need(self.r >= 1, "lora.r", "must be >= 1")
+        _need(self.alpha > 0, "lora.alpha", "must be > 0")
+        _need(0 <= self.dropout < 1, "lora.dropout", "must be in [0, 1)")
+        _need(bool(self.target_modules), "lora.target_modules", 'must name modules, or be ["all-linear"]')
+        _need(not self.init_adapter or self.enabled, "lora.init_adapter", "needs lora.enabled = true")
+
+
+@dataclass
 class Config:
     run_dir: str = knob("runs/default", "generate", "train")
     seed: int = knob(0, "generate", "advantage", "train")
@@ -228,11 +248,14 @@ class Config:
     report_to: list[Tracker] = knob([])  # live tracking (README: Live tracking)
     run_name: str = knob("")  # trackers' run name; default: the run_dir's folder name
     tracking_project: str = knob("")  # wandb/trackio project, MLflow experiment; default "rlhf-batch"
+    keep_policies: int = knob(0)  # keep the policies of the last N trained iterations; 0: keep all
+    keep_every: int = knob(0)  # with keep_policies: also keep iterations 0, M, 2M, ...; 0: none
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def ref(self) -> str:
@@ -260,8 +283,17 @@ class Config:
         _need(self.iterations >= 1, "iterations", "must be >= 1")
         _need(self.threads >= 0, "threads", "must be >= 0")
         _need(not (gone := tracking.missing(self.report_to)), "report_to", f"asks for {gone}")
-        for table in (self.generate, self.score, self.advantage, self.train, self.eval):
+        _need(self.keep_policies >= 0, "keep_policies", "must be >= 0")
+        _need(self.keep_every >= 0, "keep_every", "must be >= 0")
+        for table in (self.generate, self.score, self.advantage, self.train, self.eval, self.lora):
             table.validate()
+        if self.lora.enabled:
+            _need(
+                not self.ref_model or self.ref_model == self.policy_model,
+                "ref_model",
+                "must be empty with [lora]: the reference is policy_model, the base with the adapter disabled",
+            )
+            _need(not self.train.fsdp, "train.fsdp", "is not supported with [lora]")
 
 
 RENAMED = {  # old key -> new key: an old name is refused, naming the new one
@@ -269,7 +301,15 @@ RENAMED = {  # old key -> new key: an old name is refused, naming the new one
     "train.kl_coef": "train.kl_loss_coef",
     "advantage.rows_per_shard": "advantage.rows_per_part",
 }
-PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts", "eval.prompts")
+PATH_KEYS = (
+    "run_dir",
+    "policy_model",
+    "ref_model",
+    "reward_model",
+    "generate.prompts",
+    "eval.prompts",
+    "lora.init_adapter",
+)
 
 
 def load_config(

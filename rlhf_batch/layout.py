@@ -8,6 +8,9 @@
     RUN_DIR/iter=0003/train/metrics.parquet             train's metrics, one row per step
     RUN_DIR/iter=0003/train/checkpoint/step-N/          train's checkpoints while it runs
     RUN_DIR/iter=0003/eval/part-RRRRR-NNNNN.parquet     held-out samples of the policy iteration 3 starts from
+    RUN_DIR/iter=0003/policy/adapter/                   with [lora]: the adapter (lora.py)
+    RUN_DIR/iter=0003/policy_removed.json               the policy was removed (keep_policies)
+    RUN_DIR/init_policy/                                with lora.init_adapter: iteration 0's policy
 
 A stage (a command: generate, import, score, advantage, train, eval) writes one folder (rollouts,
 scores, advantages, train, eval); the unit of work and of resume inside a folder is a *part*.
@@ -23,6 +26,8 @@ LOCK = ".run.lock"
 METRICS_FILE = "metrics.parquet"
 CHECKPOINT_DIR = "checkpoint"
 POLICY_DIR = "policy"
+ADAPTER_DIR = "adapter"  # inside a policy dir, with [lora]
+POLICY_REMOVED = "policy_removed.json"  # iter=K/: what the removed policy was (retention.py)
 ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL = "rollouts", "scores", "advantages", "train", "eval"
 FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL)
 
@@ -47,6 +52,11 @@ def folder(run_dir: str | Path, it: int, name: str) -> Path:
 def policy_dir(run_dir: str | Path, it: int) -> Path:
     """Where `train` of iteration `it` writes the new policy (a Hugging Face model dir)."""
     return iter_dir(run_dir, it) / POLICY_DIR
+
+
+def init_policy_dir(run_dir: str | Path) -> Path:
+    """With lora.init_adapter: the base model and that adapter, merged (iteration 0's policy)."""
+    return Path(run_dir) / "init_policy"
 
 
 def checkpoint_dir(run_dir: str | Path, it: int) -> Path:

@@ -124,12 +124,22 @@ def check_model_dir(path: str, what: str) -> Path:
     if not path:
         raise ModelError(f"{what}: no model directory configured")
     if not p.is_dir():
+        _refuse_removed(p, what)
         raise ModelError(f"{what}: model directory not found: {p}")
     if not (p / "config.json").is_file():
         raise ModelError(f"{what}: {p} has no config.json (not a Hugging Face model directory)")
     if not any(p.glob("*.safetensors")):
         raise ModelError(f"{what}: {p} has no *.safetensors weights (only safetensors are loaded)")
     return p
+
+
+def _refuse_removed(p: Path, what: str) -> None:
+    from rlhf_batch.retention import removed_record
+
+    if (gone := removed_record(p)) is not None:
+        raise ModelError(
+            f"{what}: {p} was removed by keep_policies on {gone['removed']}; it cannot be loaded"
+        )
 
 
 def _needs_remote_code(p: Path) -> bool:
@@ -146,6 +156,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
 
     p = Path(path)
     if not p.is_dir():
+        _refuse_removed(p, "tokenizer")
         raise ModelError(f"tokenizer directory not found: {p}")
     try:
         tok = AutoTokenizer.from_pretrained(p, trust_remote_code=trust_remote_code, local_files_only=True)
@@ -235,7 +246,12 @@ def vocab_signature(tok: Any) -> tuple[int, int]:
 
 def model_fingerprint(path: str, what: str) -> dict[str, Any]:
     """What identifies a model for the stage manifests, cheaply: its path, config.json and the
-    names and sizes of its weight files (weights are not hashed: models can be many GB)."""
+    names and sizes of its weight files (weights are not hashed: models can be many GB). A policy
+    that keep_policies removed keeps the fingerprint recorded before its removal."""
+    from rlhf_batch.retention import removed_record
+
+    if (gone := removed_record(path)) is not None:
+        return dict(gone["fingerprint"])
     p = check_model_dir(path, what)
     weights = {q.name: q.stat().st_size for q in sorted(p.glob("*.safetensors"))}
     out = {"path": str(p), "config": (p / "config.json").read_text(), "weights": weights}

@@ -132,6 +132,8 @@ def listed(root: Path, pattern: str) -> list[str]:
         if f.name in parts[f.parent]:
             out.append(str(f))
     return out
+
+
 def _manifest_view(con: Any, root: Path, name: str, pattern: str, view: str) -> None:
     """View `name`: `view` over the manifests matching `pattern` (columns iter, filename, json)."""
     source = "(SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json WHERE false)"
@@ -366,6 +368,8 @@ def _stage_status(con: Any, root: Path, it: int, stage: str) -> tuple[str, str, 
         details += eval_details(m)
     if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
         details.append("policy saved")
+    elif stage == "train" and (layout.iter_dir(root, it) / layout.POLICY_REMOVED).exists():
+        details.append("policy removed (keep_policies)")
     rows = m["rows"] if m and stage != "train" else sum(pq.read_metadata(f).num_rows for f in files)
     return state, str(rows) if files or m else "-", ", ".join(details)
 

@@ -6,7 +6,9 @@
     iter=K/train/checkpoint/step-N/     while running (every `checkpoint_every` steps); removed at the end
 
 The policy of iteration K starts from iter=K-1/policy (cfg.policy_model for K = 0); the KL
-reference is the stored `ref_logprobs` column, so no reference model is loaded. Dropout is
+reference is the stored `ref_logprobs` column, so no reference model is loaded. With [lora]
+(lora.py) it loads the base (`policy_model`) with iteration K-1's adapter instead, trains the
+adapter only and writes the adapter into iter=K/policy/adapter next to the merged weights. Dropout is
 switched off (as TRL does), so that before the first update the importance ratio is 1.
 Master weights are float32; bf16 autocast is used where the config's dtype resolves to
 bfloat16 (models.resolve_dtype: a GPU or a CPU with bf16 units). The policy is saved in the
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlhf_batch import atomic, checkpoint, dist, faults, layout, manifests, tracking
+from rlhf_batch import atomic, checkpoint, dist, faults, layout, lora, manifests, retention, tracking
 from rlhf_batch.config import Config
 from rlhf_batch.errors import StageError
 from rlhf_batch.executor import StageOutput, execute
@@ -57,7 +59,10 @@ class Train(Stage):
         return f"train iter={self.iteration}"
 
     def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "norm_const": norm_const(self.cfg)}
+        ident = {**super().identity(), "norm_const": norm_const(self.cfg)}
+        if not self.cfg.lora.enabled:  # [lora] off: folders written before it existed stay complete
+            ident.pop("lora", None)
+        return ident
 
     def inputs(self) -> dict[str, Any]:
         cfg, it = self.cfg, self.iteration
@@ -88,6 +93,7 @@ class Train(Stage):
 
     def on_complete(self) -> None:
         checkpoint.remove(layout.checkpoint_dir(self.cfg.run_dir, self.iteration))
+        retention.prune(self.cfg, self.iteration)  # keep_policies: older policies, once this one is complete
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
@@ -221,15 +227,18 @@ def build_trainer(cfg: Config, start: str, data: TrainRows, steps: list[Step]) -
 
     tc, (rank, world) = cfg.train, dist.rank_world()
     device = dist.stage_device(cfg.device)
+    base, adapter = lora.train_base(cfg, start)  # with [lora]: the base and the start's adapter
     model = load_model(
-        start, "policy", device=device, dtype="float32", trust_remote_code=cfg.trust_remote_code
+        base, "policy", device=device, dtype="float32", trust_remote_code=cfg.trust_remote_code
     )
     tok = load_tokenizer(start, cfg.trust_remote_code)
     data.check_vocabulary(model.get_input_embeddings().num_embeddings, f"{start} (advantages input_ids)")
     _train_mode(model, tc.gradient_checkpointing)
+    if cfg.lora.enabled:  # after _train_mode: lora.dropout stays as configured
+        model = lora.wrap(cfg, model, adapter)
     bf16 = tc.autocast_bf16 and resolve_dtype(cfg.dtype, device) == torch.bfloat16
     net = LogProbs(model, cfg.generate.temperature, tok.pad_token_id)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    optimizer = torch.optim.AdamW(lora.trainable(model), lr=tc.lr, weight_decay=tc.weight_decay)
     trainer = Trainer(
         model, net, optimizer, data, tc, _loss_kwargs(cfg), len(steps), str(device), world, rank, bf16, tok
     )
@@ -337,6 +346,7 @@ def _write_policy(model: Any, tok: Any, out: Path, dtype: Any, gradient_checkpoi
     if gradient_checkpointing:
         _activation_checkpointing(model, False)
     try:
+        model = lora.save_adapter(model, tmp)  # a LoRA policy: its adapter, then the merged weights
         model.eval().to(dtype).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         checkpoint.fsync_tree(tmp)

@@ -24,7 +24,13 @@ ROWS = {  # benchmark script -> the rows it must append
         "advantage group statistics",
         "advantage stage peak memory",
     ],
-    "bench_train.py": ["train tokens/s", "train MFU", "train padding"],
+    "bench_train.py": [
+        "train tokens/s",
+        "train MFU",
+        "train padding",
+        "train LoRA tokens/s",
+        "train LoRA trainable parameters",
+    ],
 }
 
 
