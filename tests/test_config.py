@@ -81,7 +81,9 @@ def test_identity_holds_the_keys_each_field_declares() -> None:
     assert "reward_model" not in generate and "ref_model" not in generate and "score" not in generate
     assert "ref_model" not in cfg.identity("train") and cfg.identity("train")["train"]["kl_loss_coef"] == 0.0
     for stage in ("generate", "import", "score", "advantage", "train"):
-        assert not {"iterations", "threads", "in_process", "demo"} & cfg.identity(stage).keys()
+        assert not {"iterations", "in_process", "demo"} & cfg.identity(stage).keys()
+        # the thread count changes float rounding: it decides the stages that run a model
+        assert ("threads" in cfg.identity(stage)) == (stage != "advantage")
 
 
 @pytest.mark.parametrize(
