@@ -258,6 +258,12 @@ def _check(cfg: Config, where: str) -> None:
     need(g.batch_size >= 1, "generate.batch_size", "must be >= 1")
     need(g.prompts_per_part >= 1, "generate.prompts_per_part", "must be >= 1")
     need(g.max_prompt_tokens >= 1, "generate.max_prompt_tokens", "must be >= 1")
+    need(
+        g.engine == "hf" or (g.top_k == 0 and g.top_p == 1),
+        "generate.engine",
+        "= 'vllm' needs top_k = 0 and top_p = 1: vLLM's log-probs are those after its top-k/top-p filter, "
+        "the behaviour log-probs here are those before it (use engine = 'hf' to filter)",
+    )
     need(g.tensor_parallel_size >= 1, "generate.tensor_parallel_size", "must be >= 1")
     need(0 < g.gpu_memory_utilization <= 1, "generate.gpu_memory_utilization", "must be in (0, 1]")
     need(g.max_model_len >= 0, "generate.max_model_len", "must be >= 0 (0: the model's)")

@@ -13,10 +13,13 @@ generate's own, so only sampling differs between the engines. Decisions:
 * Prompts go in as token ids (``TokensPrompt``) and responses come out as the engine's token
   ids with ``detokenize=False``: nothing is re-tokenised; generate decodes the text with the
   policy's tokenizer, as for hf.
-* Behaviour log-probs: ``logprobs=0`` returns the sampled token's log-prob, and
-  ``logprobs_mode="processed_logprobs"`` makes it the log-softmax of the logits after the
-  temperature and before top-k / top-p over the full vocabulary (vLLM's sampler computes the
-  processed log-probs right after dividing by the temperature), our convention. float32.
+* Behaviour log-probs: ``logprobs=0`` returns the sampled token's log-prob. Our convention is
+  log_softmax(logits / temperature) over the full vocabulary, in float32, before top-k / top-p.
+  vLLM's "raw_logprobs" (its default) are taken before the temperature, "processed_logprobs"
+  after the temperature and after the top-k / top-p filter (vllm/v1/sample/sampler.py and
+  ops/topk_topp_sampler.py: log_softmax(..., dtype=float32) of the filtered logits). With no
+  top-k / top-p the filter is the identity and "processed_logprobs" is exactly our convention,
+  at any temperature: the config refuses top_k / top_p with this engine.
 * Stops at the stop ids generate uses for hf (the tokenizer's EOS and the generation config's),
   keeps the stop token in ``response_ids`` like hf, finish reason 'stop' | 'length'.
 """
