@@ -3,7 +3,8 @@
 Each stage runs in its own process by default (`python -m rlhf_batch STAGE CONFIG --iter K`),
 so stages may use different devices and a crash takes one stage down, not the run; with
 `in_process = true` (or `--in-process`) they run in this process, which saves the start-up
-time of the small demo. Either way the files are the only interface between stages, and a
+time of the small demo. `generate.python` names another interpreter for the generate stage
+(vLLM lives in its own venv): generate then runs in a child process even with `in_process`. Either way the files are the only interface between stages, and a
 re-run after a crash does only the missing work.
 """
 
@@ -91,10 +92,11 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
                         )
                     continue
                 _say(f"iteration {it}: {stage}", quiet)
-                if cfg.in_process:
+                python = cfg.generate.python if stage == "generate" else ""  # e.g. vLLM's own venv
+                if cfg.in_process and not python:
                     _run_here(cfg, stage, it, quiet)
                 else:
-                    _run_child(config_path, overrides, stage, it, quiet)
+                    _run_child(config_path, overrides, stage, it, quiet, python)
     print_summary(cfg)
 
 
@@ -104,8 +106,12 @@ def _run_here(cfg: Config, stage: str, it: int, quiet: bool) -> None:
     importlib.import_module(f"rlhf_batch.stages.{stage}").run(cfg, it, quiet=quiet)
 
 
-def _run_child(config_path: Path, overrides: list[str], stage: str, it: int, quiet: bool) -> None:
-    cmd = [sys.executable, "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
+def _run_child(
+    config_path: Path, overrides: list[str], stage: str, it: int, quiet: bool, python: str = ""
+) -> None:
+    if python and not os.access(python, os.X_OK):
+        raise StageError(f"generate.python: {python} is not an executable interpreter (run `make vllm`?)")
+    cmd = [python or sys.executable, "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
     cmd += [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
     code = subprocess.run(cmd, preexec_fn=_die_with(os.getpid())).returncode
     if code != 0:

@@ -36,6 +36,7 @@ LOGPROBS_MODE = "processed_logprobs"
 
 
 def _import_vllm() -> Any:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every start-up step at INFO
     try:
         import vllm
     except ImportError as e:
@@ -64,9 +65,14 @@ class Engine:
         vllm = _import_vllm()
         g = cfg.generate
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB on CPU; vLLM's default takes 4
-        self.config = AutoConfig.from_pretrained(policy, trust_remote_code=cfg.trust_remote_code)
         try:
-            self.generation_config = GenerationConfig.from_pretrained(policy)
+            self.config = AutoConfig.from_pretrained(
+                policy, trust_remote_code=cfg.trust_remote_code, local_files_only=True
+            )
+        except (OSError, ValueError) as e:
+            raise StageError(f"policy: cannot load {policy} ({str(e).splitlines()[0]})") from None
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(policy, local_files_only=True)
         except OSError:  # no generation_config.json
             self.generation_config = GenerationConfig.from_model_config(self.config)
         device = "cuda" if _has_cuda() else "cpu"
