@@ -161,14 +161,23 @@ def vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from rlhf_batch.config import load_config
     from rlhf_batch.engines.vllm import Engine
 
-    cfg = load_config(None, ["dtype=float32", "generate.engine=vllm", f"generate.enforce_eager={spec['eager']}"])
+    cfg = load_config(
+        None,
+        ["dtype=float32", "generate.engine=vllm", f"generate.enforce_eager={str(spec['eager']).lower()}"],
+    )
     engine = Engine(spec["model"], cfg)
     startup = time.perf_counter() - t_start
     w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"], cap=CAP).head(spec["take"])
 
     def params(r: int, budget: int) -> Any:
         return vllm.SamplingParams(
-            n=1, seed=1000 + r, temperature=1.0, max_tokens=budget, ignore_eos=True, logprobs=0, detokenize=False
+            n=1,
+            seed=1000 + r,
+            temperature=1.0,
+            max_tokens=budget,
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
         )
 
     prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in w.prompt_ids]
@@ -184,7 +193,9 @@ def vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
     out = []
     for o in res:
         c = o.outputs[0]
-        out.append((list(c.token_ids), [float(s[t].logprob) for s, t in zip(c.logprobs, c.token_ids, strict=True)]))
+        out.append(
+            (list(c.token_ids), [float(s[t].logprob) for s, t in zip(c.logprobs, c.token_ids, strict=True)])
+        )
     tokens = sum(len(t) for t, _ in out)
     assert tokens == w.response_tokens, (tokens, w.response_tokens)
     from rlhf_batch.models import load_model
@@ -211,11 +222,20 @@ def run_vllm(spec: dict[str, Any]) -> dict[str, Any] | None:
 
     if not VLLM_PY.exists():
         return None
-    cmd = [str(VLLM_PY), str(common.HERE / "bench_generate.py"), "--worker", "vllm", "--spec", json.dumps(spec)]
+    cmd = [
+        str(VLLM_PY),
+        str(common.HERE / "bench_generate.py"),
+        "--worker",
+        "vllm",
+        "--spec",
+        json.dumps(spec),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=common.ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"bench_generate.py worker vllm failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(
+        next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{"))
+    )  # vLLM logs to stdout
 
 
 def main() -> None:

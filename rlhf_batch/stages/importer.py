@@ -228,7 +228,9 @@ def _check_given_ids(response_ids: list[list[int]], rid: list[str], vocab: int, 
             )
 
 
-def _check_given_logprobs(logps: list[Any], response_ids: list[list[int]], rid: list[str], where: str) -> None:
+def _check_given_logprobs(
+    logps: list[Any], response_ids: list[list[int]], rid: list[str], where: str
+) -> None:
     for r, lp, ids in zip(rid, logps, response_ids, strict=True):
         if len(lp) != len(ids):
             raise SchemaError(
@@ -236,4 +238,6 @@ def _check_given_logprobs(logps: list[Any], response_ids: list[list[int]], rid: 
             )
         if not np.isfinite(lp).all() or (lp > 0).any():
             bad = next(x for x in lp.tolist() if not math.isfinite(x) or x > 0)
-            raise SchemaError(f"{where}: rollout {r}: behavior_logprobs holds {bad}; log-probs are finite and <= 0")
+            raise SchemaError(
+                f"{where}: rollout {r}: behavior_logprobs holds {bad}; log-probs are finite and <= 0"
+            )

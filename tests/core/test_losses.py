@@ -410,7 +410,9 @@ def test_truncated_importance_sampling_weights_the_objective() -> None:
     # gradient d/dlogp_t = -A * r * w / N = [-1/3, -0.5/3, -2/3]
     logp = T_([[0.0, 0.0, 0.0]], requires_grad=True)
     beh = T_([[0.0, math.log(2.0), -math.log(4.0)]])
-    out = grpo_loss(logp, T_([[0.0, 0.0, 0.0]]), T_([1.0]), full_mask(1, 3), behavior_logprobs=beh, tis_cap=2.0)
+    out = grpo_loss(
+        logp, T_([[0.0, 0.0, 0.0]]), T_([1.0]), full_mask(1, 3), behavior_logprobs=beh, tis_cap=2.0
+    )
     close(out.loss_objective, -3.5 / 3)
     close(out.ratio_mean, 1.0)  # the PPO ratio is still logp - old: the weight is not part of it
     out.loss.backward()

@@ -173,7 +173,9 @@ def test_given_response_ids_without_logprobs_get_the_policys(make_config, tmp_pa
     tok = load_tokenizer(cfg.policy_model)
     ids = tok.convert_tokens_to_ids(["b", "a"])
     import_rollouts(
-        cfg, write_jsonl(tmp_path / "ids.jsonl", [{"prompt": "a*2=", "response": "?", "response_ids": ids}]), 0
+        cfg,
+        write_jsonl(tmp_path / "ids.jsonl", [{"prompt": "a*2=", "response": "?", "response_ids": ids}]),
+        0,
     )
     (r,) = rollouts(cfg)
     model = load_model(cfg.policy_model, "policy", dtype="float32")
@@ -191,7 +193,10 @@ def test_given_response_ids_without_logprobs_get_the_policys(make_config, tmp_pa
         ({"response_ids": [1], "behavior_logprobs": [0.5]}, "holds 0.5; log-probs are finite and <= 0"),
         ({"response_ids": [1], "behavior_logprobs": [float("-inf")]}, "holds -inf"),
         ({"behavior_logprobs": [-1.0]}, "'behavior_logprobs' needs the 'response_ids'"),
-        ({"response_ids": ["a"]}, "column 'response_ids' has type list<.*string>, expected a list of numbers"),
+        (
+            {"response_ids": ["a"]},
+            "column 'response_ids' has type list<.*string>, expected a list of numbers",
+        ),
     ],
 )
 def test_bad_engine_columns_are_refused(make_config, tmp_path: Path, extra: dict, message: str) -> None:
