@@ -98,7 +98,7 @@ class TrainConfig:
     norm_const: float = 0.0  # seq_mean_token_sum_norm divisor; 0: generate.max_new_tokens
     kl_coef: float = 0.0  # k3 KL to the reference in the loss
     kl_to_inference_coef: float = 0.0
-    tis_cap: float = 0.0  # truncated importance sampling: token weight min(pi_old / pi_behaviour, cap); 0: off
+    tis_cap: float = 0.0  # weight tokens by min(pi_old / pi_behaviour, cap) (TIS); 0: off
     entropy_coef: float = 0.0
     recompute_old: bool = False
     gradient_checkpointing: bool = False
