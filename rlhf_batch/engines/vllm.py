@@ -58,13 +58,18 @@ class Engine:
     (generate reads the position limit and the stop ids from them)."""
 
     def __init__(self, policy: str, cfg: Any):
+        import logging
+
         from transformers import AutoConfig, GenerationConfig
 
-        from rlhf_batch.models import resolve_device, resolve_dtype
+        from rlhf_batch.models import resolve_dtype
 
         vllm = _import_vllm()
+        # its chat-template warm-up needs the tokenizer that skip_tokenizer_init leaves out, and logs
+        # a traceback as a warning; token ids in and out need no template
+        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
         g = cfg.generate
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB on CPU; vLLM's default takes 4
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (vLLM's default: 4)
         try:
             self.config = AutoConfig.from_pretrained(
                 policy, trust_remote_code=cfg.trust_remote_code, local_files_only=True
@@ -75,8 +80,7 @@ class Engine:
             self.generation_config = GenerationConfig.from_pretrained(policy, local_files_only=True)
         except OSError:  # no generation_config.json
             self.generation_config = GenerationConfig.from_model_config(self.config)
-        device = "cuda" if _has_cuda() else "cpu"
-        dtype = str(resolve_dtype(cfg.dtype, resolve_device(device) if device == "cuda" else "cpu"))
+        dtype = str(resolve_dtype(cfg.dtype, "cuda" if _has_cuda() else "cpu"))  # as the hf engine's
         kwargs: dict[str, Any] = {
             "model": policy,
             "dtype": dtype.removeprefix("torch."),
