@@ -37,6 +37,7 @@ LOGPROBS_MODE = "processed_logprobs"
 
 def _import_vllm() -> Any:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every start-up step at INFO
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the CLI's output
     try:
         import vllm
     except ImportError as e:

@@ -7,6 +7,7 @@ cores: the tests are few, and marked slow.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,7 +118,9 @@ def demo_scores(run_dir: Path, *sets: str) -> list[float]:
     cmd += ["--iterations", "3"] + [a for o in overrides for a in ("--set", o)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-4000:]
-    return [float(line.split()[1]) for line in res.stdout.splitlines()[1:4]]
+    summary = re.findall(r"^ +(\d+) +([-\d.]+) +[-\d.]+$", res.stdout, re.MULTILINE)  # iter, score, reward
+    assert [int(i) for i, _ in summary] == [0, 1, 2], res.stdout[-3000:]
+    return [float(s) for _, s in summary]
 
 
 def test_the_demo_learns_with_the_vllm_engine_as_with_hf(tmp_path: Path) -> None:
