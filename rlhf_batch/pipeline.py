@@ -4,8 +4,9 @@ Each stage runs in its own process by default (`python -m rlhf_batch STAGE CONFI
 so stages may use different devices and a crash takes one stage down, not the run; with
 `in_process = true` (or `--in-process`) they run in this process, which saves the start-up
 time of the small demo. `generate.python` names another interpreter for the generate stage
-(vLLM lives in its own venv): generate then runs in a child process even with `in_process`. Either way the files are the only interface between stages, and a
-re-run after a crash does only the missing work.
+(vLLM lives in its own venv): generate then runs in a child process even with `in_process`.
+Either way the files are the only interface between stages, and a re-run after a crash does
+only the missing work.
 """
 
 from __future__ import annotations
