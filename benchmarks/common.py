@@ -191,14 +191,20 @@ def lengths_text(w: Workload) -> str:
     )
 
 
-def model_dir(tiny: bool, vocab_size: int | None = None, untied: bool = False) -> Path:
-    """The benchmark model, built once into CACHE (random weights, saved in HF format)."""
+def model_dir(
+    tiny: bool, vocab_size: int | None = None, untied: bool = False, spec: dict[str, int] | None = None
+) -> Path:
+    """The benchmark model, built once into CACHE (random weights, saved in HF format); `spec`
+    overrides parts of its shape (attention heads)."""
     from rlhf_batch.tiny import init_model
 
-    spec = dict(TINY_MODEL if tiny else FULL_MODEL)
+    shape = spec
+    spec = {**(TINY_MODEL if tiny else FULL_MODEL), **(shape or {})}
     if vocab_size is not None:
         spec["vocab_size"] = vocab_size
     name = f"qwen2-h{spec['hidden']}-l{spec['layers']}-v{spec['vocab_size']}"
+    if shape:
+        name += f"-a{spec['heads']}-kv{spec['kv_heads']}"
     path = CACHE / "models" / name
     if not (path / "config.json").exists():
         init_model(path, arch="qwen2", seed=0, **spec)

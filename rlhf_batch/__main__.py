@@ -2,4 +2,5 @@
 
 from rlhf_batch.cli import main
 
-main()
+if __name__ == "__main__":  # a process vLLM spawns imports this module again: it must not rerun the CLI
+    main()

@@ -60,6 +60,12 @@ class GenerateConfig:
     top_k: int = knob(0, "generate")  # 0: no top-k filtering
     batch_size: int = knob(64, "generate")  # rows (prompt x sample) decoded together
     prompts_per_part: int = knob(256, "generate")  # resume granularity: one part per this many prompts
+    engine: Literal["hf", "vllm"] = knob("hf", "generate")  # hf: the built-in sampler; vllm: vllm.LLM
+    python: str = knob("")  # interpreter `run` starts the generate stage with (e.g. .venv-vllm/bin/python)
+    tensor_parallel_size: int = knob(1, "generate")  # vllm: GPUs one engine spans
+    gpu_memory_utilization: float = knob(0.9)  # vllm: share of GPU memory the engine may take
+    max_model_len: int = knob(0, "generate")  # vllm: context length to reserve KV cache for; 0: the model's
+    enforce_eager: bool = knob(False, "generate")  # vllm: no CUDA graphs (faster start, slower decode)
 
     def validate(self) -> None:
         _need(self.num_generations >= 1, "generate.num_generations", "must be >= 1")
@@ -70,6 +76,15 @@ class GenerateConfig:
         _need(self.batch_size >= 1, "generate.batch_size", "must be >= 1")
         _need(self.prompts_per_part >= 1, "generate.prompts_per_part", "must be >= 1")
         _need(self.max_prompt_tokens >= 1, "generate.max_prompt_tokens", "must be >= 1")
+        _need(
+            self.engine == "hf" or (self.top_k == 0 and self.top_p == 1),
+            "generate.engine",
+            "= 'vllm' needs top_k = 0 and top_p = 1: vLLM's log-probs are those after its top-k/top-p filter, "
+            "the behaviour log-probs here are those before it (use engine = 'hf' to filter)",
+        )
+        _need(self.tensor_parallel_size >= 1, "generate.tensor_parallel_size", "must be >= 1")
+        _need(0 < self.gpu_memory_utilization <= 1, "generate.gpu_memory_utilization", "must be in (0, 1]")
+        _need(self.max_model_len >= 0, "generate.max_model_len", "must be >= 0 (0: the model's)")
 
 
 @dataclass
@@ -146,6 +161,7 @@ class TrainConfig:
     norm_const: float = knob(0.0, "train")  # seq_mean_token_sum_norm divisor; 0: generate.max_new_tokens
     kl_loss_coef: float = knob(0.0, "train")  # k3 KL to the reference in the loss
     kl_to_inference_coef: float = knob(0.0, "train")
+    tis_cap: float = knob(0.0, "train")  # weight tokens by min(pi_old / pi_behaviour, cap) (TIS); 0: off
     entropy_coef: float = knob(0.0, "train")
     recompute_old: bool = knob(False, "train")
     gradient_checkpointing: bool = knob(False, "train")
@@ -163,6 +179,7 @@ class TrainConfig:
         _need(self.norm_const >= 0, "train.norm_const", "must be >= 0")
         _need(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
         _need(self.eps_low > 0, "train.eps_low", "must be > 0")
+        _need(self.tis_cap == 0 or self.tis_cap >= 1, "train.tis_cap", "must be 0 (off) or >= 1")
         _need(self.dual_clip == 0 or self.dual_clip > 1, "train.dual_clip", "must be 0 (off) or > 1")
         _need(self.tokens_per_step >= 1, "train.tokens_per_step", "must be >= 1")
         _need(self.max_tokens_per_batch >= 1, "train.max_tokens_per_batch", "must be >= 1")
@@ -309,6 +326,7 @@ PATH_KEYS = (
     "generate.prompts",
     "eval.prompts",
     "lora.init_adapter",
+    "generate.python",
 )
 
 

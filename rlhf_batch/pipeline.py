@@ -3,8 +3,10 @@
 Each stage runs in its own process by default (`python -m rlhf_batch STAGE CONFIG --iter K`),
 so stages may use different devices and a crash takes one stage down, not the run; with
 `in_process = true` (or `--in-process`) they run in this process, which saves the start-up
-time of the small demo. Either way the files are the only interface between stages, and a
-re-run after a crash does only the missing work.
+time of the small demo. `generate.python` names another interpreter for the generate stage
+(vLLM lives in its own venv): generate then runs in a child process even with `in_process`.
+Either way the files are the only interface between stages, and a re-run after a crash does
+only the missing work.
 """
 
 from __future__ import annotations
@@ -92,16 +94,21 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
                 if is_done(stage):
                     continue
                 _say(f"iteration {it}: {stage.name}", quiet)
-                if cfg.in_process:
+                python = cfg.generate.python if stage.name == "generate" else ""  # e.g. vLLM's own venv
+                if cfg.in_process and not python:
                     execute(stage, quiet=quiet)
                 else:
-                    _run_child(config_path, overrides, stage.name, it, quiet)
+                    _run_child(config_path, overrides, stage.name, it, quiet, python)
     print_summary(cfg)
 
 
-def _run_child(config_path: Path, overrides: list[str], stage: str, it: int, quiet: bool) -> None:
+def _run_child(
+    config_path: Path, overrides: list[str], stage: str, it: int, quiet: bool, python: str = ""
+) -> None:
+    if python and not os.access(python, os.X_OK):
+        raise StageError(f"generate.python: {python} is not an executable interpreter (run `make vllm`?)")
     # -P: the current directory is not put on sys.path, so no file there shadows a module
-    cmd = [sys.executable, "-P", "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
+    cmd = [python or sys.executable, "-P", "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
     cmd += [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
     code = subprocess.run(cmd, preexec_fn=_die_with(os.getpid())).returncode
     if code != 0:

@@ -113,3 +113,20 @@ def test_each_table_validates_itself() -> None:
         ScoreConfig(kl_reward_coef=-1.0).validate()
     with pytest.raises(ConfigError, match="'train.dual_clip' must be 0 \\(off\\) or > 1"):
         TrainConfig(dual_clip=0.5).validate()
+
+
+def test_engine_keys_decide_generate_but_where_it_runs_does_not(tmp_path: Path) -> None:
+    from rlhf_batch.config import GenerateConfig, TrainConfig
+
+    generate = Config().identity("generate")["generate"]
+    assert generate["engine"] == "hf" and generate["tensor_parallel_size"] == 1
+    assert "python" not in generate and "gpu_memory_utilization" not in generate
+    assert Config().identity("train")["train"]["tis_cap"] == 0.0
+    cfg = load_config(write(tmp_path, "[generate]\npython = 'venv/bin/python'\n"))
+    assert cfg.generate.python == str(tmp_path / "venv/bin/python")  # relative to the config file
+    with pytest.raises(ConfigError, match="'generate.engine' = 'vllm' needs top_k = 0 and top_p = 1"):
+        GenerateConfig(engine="vllm", top_k=5).validate()
+    with pytest.raises(ConfigError, match="'generate.gpu_memory_utilization' must be in \\(0, 1\\]"):
+        GenerateConfig(gpu_memory_utilization=1.5).validate()
+    with pytest.raises(ConfigError, match="'train.tis_cap' must be 0 \\(off\\) or >= 1"):
+        TrainConfig(tis_cap=0.5).validate()

@@ -165,6 +165,8 @@ def grpo_loss(
     norm_const: float | None = None,
     kl_to_inference_coef: float = 0.0,
     denominator: float | torch.Tensor | None = None,
+    behavior_logprobs: torch.Tensor | None = None,
+    tis_cap: float = 0.0,
 ) -> GRPOLossOutput:
     """Clipped GRPO/PPO surrogate with optional dual clip, KL terms and entropy bonus.
 
@@ -178,6 +180,12 @@ def grpo_loss(
     ``A < 0 and r < 1 - eps_low`` (these tokens get zero gradient from the objective).
     ``A > 0, r < 1 - eps_low`` and ``A < 0, r > 1 + eps_high`` are not clipped (the min keeps
     the unclipped term); ``A == 0`` never binds; the dual clip is not counted.
+
+    Truncated importance sampling (``tis_cap > 0``, as TRL's ``vllm_importance_sampling_correction``):
+    when the rollouts were sampled by another engine, ``old_logprobs`` are the trainer's own
+    log-probs of them (recomputed) and ``behavior_logprobs`` the engine's; each token's objective
+    term is multiplied by the constant ``min(exp(old - behavior), tis_cap)``, before the KL and
+    entropy terms are added.
     """
     eps_high = eps_low if eps_high is None else eps_high
     _validate(logprobs, mask, aggregation, norm_const, eps_low, eps_high, dual_clip, denominator)
@@ -185,6 +193,8 @@ def grpo_loss(
         raise ValueError("kl_coef != 0 needs ref_logprobs")
     if entropy_coef != 0.0 and entropy is None:
         raise ValueError("entropy_coef != 0 needs entropy")
+    if tis_cap < 0 or (tis_cap > 0 and behavior_logprobs is None):
+        raise ValueError(f"tis_cap must be >= 0 and > 0 needs behavior_logprobs, got {tis_cap}")
     if logprobs.dtype in (torch.bfloat16, torch.float16):
         logprobs = logprobs.float()  # [B, T]
     dtype = logprobs.dtype
@@ -201,6 +211,10 @@ def grpo_loss(
     loss_tok = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
     if dual_clip is not None:
         loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -dual_clip * adv), loss_tok)  # [B, T]
+    if tis_cap > 0:
+        assert behavior_logprobs is not None
+        d = torch.where(mask, old - behavior_logprobs.detach().to(dtype), 0.0)  # [B, T], masked before exp
+        loss_tok = loss_tok * torch.clamp(torch.exp(d), max=tis_cap)  # [B, T]
     loss_objective = agg(loss_tok)  # []
 
     loss_kl_to_ref, kl_to_ref, loss_kl_to_inference, loss_entropy, entropy_metric = _penalties(

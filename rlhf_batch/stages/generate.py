@@ -5,7 +5,8 @@ leave the batch and its cache, so they stop costing compute. Each row draws its 
 from its own generator, seeded by (seed, rollout_id): a rollout does not depend on which other
 rows shared its batch (up to the floating-point effects of batch shape). The behaviour log-prob
 of each sampled token is log_softmax(logits / temperature) over the full vocabulary in float32
-(before top-k / top-p filtering), the same definition score and train use.
+(before top-k / top-p filtering), the same definition score and train use. With
+generate.engine = "vllm", vLLM samples the rows instead (VLLMEngine), under the same definitions.
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ class Generate(Stage):
         return Part(table, schema, {"rollouts": table.num_rows})
 
     def manifest_extra(self) -> dict[str, Any]:
-        return {"prompt_counts": self.prompts.counts, "policy": self.policy}
+        engine = {
+            "engine": self.cfg.generate.engine,
+            "engine_version": engine_version(self.cfg.generate.engine),
+        }
+        return {"prompt_counts": self.prompts.counts, "policy": self.policy, **engine}
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
@@ -90,8 +95,8 @@ class Engine(Protocol):
 
 def make_engine(cfg: Config, policy: str, tok: Any, prompts: Prompts) -> Engine:
     """The configured generation engine, sampling with `cfg.generate`'s settings (generate and eval)."""
-    # the one engine so far; another (vLLM) is a class with the same `sample`, chosen here
-    return HFEngine(cfg, policy, tok, prompts)
+    engine = VLLMEngine if cfg.generate.engine == "vllm" else HFEngine
+    return engine(cfg, policy, tok, prompts)
 
 
 class HFEngine:
@@ -142,6 +147,40 @@ class HFEngine:
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{sum(len(o[0]) for o in out) / (time.perf_counter() - t0):.0f}")
         return results
+
+
+class VLLMEngine:
+    """The `vllm` engine: vllm.LLM (rlhf_batch.engines.vllm, in its own venv) samples every row of
+    a part at once, scheduling and batching them itself; one request and seed per row."""
+
+    def __init__(self, cfg: Config, policy: str, tok: Any, prompts: Prompts):
+        from rlhf_batch.engines.vllm import Engine as LLM
+
+        self.g = cfg.generate
+        self.llm = LLM(policy, cfg)
+        fault_point("rollouts:model-loaded")
+        _check_lengths(self.llm, prompts, self.g)
+        self.stop_ids = _stop_ids(self.llm, tok)
+
+    def sample(
+        self, prompts: list[list[int]], seeds: list[int], bar: Any
+    ) -> list[tuple[list[int], list[float], str]]:
+        from rlhf_batch.engines.vllm import sample_rows
+
+        rows = sample_rows(self.llm, prompts, seeds, self.g, self.stop_ids)
+        bar.update(len(rows))
+        return rows
+
+
+def engine_version(engine: str) -> str:
+    """The version of the package that samples: vllm, or transformers under the hf sampler."""
+    if engine == "vllm":
+        from rlhf_batch.engines.vllm import version
+
+        return version()
+    import transformers
+
+    return str(transformers.__version__)
 
 
 def _check_lengths(model: Any, prompts: Prompts, g: GenerateConfig) -> None:

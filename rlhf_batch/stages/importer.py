@@ -16,6 +16,10 @@ receive it. Decisions:
 * Behaviour log-probs come from the policy of iteration K (``policy_model`` for K = 0, else
   ``iter=K-1/policy``) at ``generate.temperature``, through the same log-prob function as
   generate and score; the ``policy`` column holds that directory.
+* Rows from an external engine may carry ``response_ids`` (list of ints) and with them
+  ``behavior_logprobs`` (list of floats, one per response token): they are kept as given, the
+  response is not re-tokenised (no EOS appended) and, with log-probs, none are recomputed.
+  They are checked: ids in the policy's vocabulary, one log-prob per token, finite, <= 0.
 * Parts of ``score.rows_per_part`` rows in file order, forward batches of
   ``score.max_tokens_per_batch`` tokens (import feeds score, and shares its batching knobs).
 """
@@ -26,6 +30,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
@@ -42,7 +47,8 @@ from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
 from rlhf_batch.schemas import LOGPROBS, ROLLOUTS, TOKENS, with_extra
 from rlhf_batch.stages.base import Part, Stage, start_policy
 
-COMPUTED = set(ROLLOUTS.names) - {"prompt", "response", "prompt_id", "finish_reason"}
+GIVEN = ("response_ids", "behavior_logprobs")  # an external engine's tokens and log-probs
+COMPUTED = set(ROLLOUTS.names) - {"prompt", "response", "prompt_id", "finish_reason", *GIVEN}
 
 
 class Import(Stage):
@@ -126,6 +132,14 @@ def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise SchemaError(f"{path}: column '{name}' has type {typ}, expected string")
         _no_nulls(t[name], path, name)
+    if "behavior_logprobs" in t.column_names and "response_ids" not in t.column_names:
+        raise SchemaError(f"{path}: column 'behavior_logprobs' needs the 'response_ids' it scores")
+    for name, test in (("response_ids", pa.types.is_integer), ("behavior_logprobs", pa.types.is_floating)):
+        if name in t.column_names:
+            typ = t.schema.field(name).type
+            if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) or not test(typ.value_type):
+                raise SchemaError(f"{path}: column '{name}' has type {typ}, expected a list of numbers")
+            _no_nulls(t[name], path, name)
     clash = sorted(c for c in t.column_names if c in COMPUTED)
     if clash:
         raise SchemaError(f"{path}: column '{clash[0]}' is computed by import; rename or drop it")
@@ -177,27 +191,61 @@ def tokenize_part(
     """Token ids (EOS appended to complete responses) and behaviour log-probs of one part."""
     rid, finish = t["rollout_id"].to_pylist(), t["finish_reason"].to_pylist()
     prompt_ids = tok(t["prompt"].to_pylist())["input_ids"]
-    response_ids = tok(t["response"].to_pylist(), add_special_tokens=False)["input_ids"]
+    given = "response_ids" in t.column_names
     appended = 0
-    for ids, f in zip(response_ids, finish, strict=True):
-        if f == "stop" and (not ids or ids[-1] != tok.eos_token_id):
-            ids.append(tok.eos_token_id)
-            appended += 1
+    if given:
+        response_ids = t["response_ids"].to_pylist()
+        _check_given_ids(response_ids, rid, int(model.config.vocab_size), where)
+    else:
+        response_ids = tok(t["response"].to_pylist(), add_special_tokens=False)["input_ids"]
+        for ids, f in zip(response_ids, finish, strict=True):
+            if f == "stop" and (not ids or ids[-1] != tok.eos_token_id):
+                ids.append(tok.eos_token_id)
+                appended += 1
     for i in range(len(rid)):
         if not prompt_ids[i] or not response_ids[i]:
             what = "prompt" if not prompt_ids[i] else "response"
             raise SchemaError(f"{where}: rollout {rid[i]}: the {what} has no tokens")
-    logps = batched_logprobs(
-        model,
-        prompt_ids,
-        response_ids,
-        cfg.generate.temperature,
-        pad_id=int(tok.pad_token_id),
-        max_tokens=cfg.score.max_tokens_per_batch,
-    )
+    if "behavior_logprobs" in t.column_names:
+        logps = [np.asarray(lp, np.float64) for lp in t["behavior_logprobs"].to_pylist()]
+        _check_given_logprobs(logps, response_ids, rid, where)
+    else:
+        logps = batched_logprobs(
+            model,
+            prompt_ids,
+            response_ids,
+            cfg.generate.temperature,
+            pad_id=int(tok.pad_token_id),
+            max_tokens=cfg.score.max_tokens_per_batch,
+        )
+    t = t.drop_columns([c for c in GIVEN if c in t.column_names])
     t = t.append_column("prompt_ids", pa.array(prompt_ids, TOKENS))
     t = t.append_column("response_ids", pa.array(response_ids, TOKENS))
     t = t.append_column("behavior_logprobs", pa.array([lp.tolist() for lp in logps], LOGPROBS))
     t = t.append_column("policy", pa.array([policy] * len(rid), pa.string()))
     counts = {"rows": len(rid), "tokens": sum(len(r) for r in response_ids), "eos_appended": appended}
     return t, counts
+
+
+def _check_given_ids(response_ids: list[list[int]], rid: list[str], vocab: int, where: str) -> None:
+    for r, ids in zip(rid, response_ids, strict=True):
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise SchemaError(
+                f"{where}: rollout {r}: response_ids holds {bad[0]}, outside the policy's vocabulary [0, {vocab})"
+            )
+
+
+def _check_given_logprobs(
+    logps: list[Any], response_ids: list[list[int]], rid: list[str], where: str
+) -> None:
+    for r, lp, ids in zip(rid, logps, response_ids, strict=True):
+        if len(lp) != len(ids):
+            raise SchemaError(
+                f"{where}: rollout {r}: behavior_logprobs has {len(lp)} values for {len(ids)} response_ids"
+            )
+        if not np.isfinite(lp).all() or (lp > 0).any():
+            bad = next(x for x in lp.tolist() if not math.isfinite(x) or x > 0)
+            raise SchemaError(
+                f"{where}: rollout {r}: behavior_logprobs holds {bad}; log-probs are finite and <= 0"
+            )

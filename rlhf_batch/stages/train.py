@@ -242,7 +242,7 @@ def build_trainer(cfg: Config, start: str, data: TrainRows, steps: list[Step]) -
     trainer = Trainer(
         model, net, optimizer, data, tc, _loss_kwargs(cfg), len(steps), str(device), world, rank, bf16, tok
     )
-    if tc.recompute_old:
+    if tc.recompute_old or tc.tis_cap:  # tis_cap weighs the recomputed log-probs against the engine's
         recompute_old(trainer, steps)  # on the full model, before it is sharded
     if world > 1 and tc.fsdp:
         sharded = _fsdp(model, net, str(device), world)
@@ -279,6 +279,7 @@ def _loss_kwargs(cfg: Config) -> dict[str, Any]:
         "entropy_coef": tc.entropy_coef,
         "norm_const": norm_const(cfg),
         "kl_to_inference_coef": tc.kl_to_inference_coef,
+        "tis_cap": tc.tis_cap,
     }
 
 

@@ -49,6 +49,7 @@ class TrainRows:
     ref: np.ndarray  # [sum T] float32, reference log-probs
     resp_off: np.ndarray  # [N + 1]
     adv: np.ndarray  # [N] float32
+    behavior: np.ndarray | None = None  # [sum T] the engine's log-probs, kept when `old` is recomputed
 
     def check_vocabulary(self, vocab_size: int, where: str) -> None:
         """StageError naming the rollout whose input_ids hold a token outside [0, vocab_size)."""
@@ -229,7 +230,14 @@ def micro_batch(s: TrainRows, rows: Sequence[int], device: Any) -> Any:
         old[k, : resp[k]] = s.old[s.resp_off[i] : s.resp_off[i + 1]]
         ref[k, : resp[k]] = s.ref[s.resp_off[i] : s.resp_off[i + 1]]
     mask = np.arange(t)[None, :] < resp[:, None]  # [B, T]
+    extra = {}
+    if s.behavior is not None:  # truncated importance sampling: the engine's log-probs too
+        beh = np.zeros((b, t), np.float32)  # [B, T]
+        for k, i in enumerate(rows):
+            beh[k, : resp[k]] = s.behavior[s.resp_off[i] : s.resp_off[i + 1]]
+        extra["behavior_logprobs"] = beh
     data = {
+        **extra,
         "input_ids": ids,
         "seq_lens": seq,
         "prompt_lens": s.prompt_lens[rows],

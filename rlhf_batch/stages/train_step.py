@@ -143,6 +143,7 @@ class Trainer:
                     ref_logprobs=td["ref_logprobs"],
                     entropy=ent if tc.entropy_coef else ent.detach(),
                     denominator=denominator,
+                    behavior_logprobs=td.get("behavior_logprobs", None),
                     **self.loss_kwargs,
                 )
                 (out.loss * (weight * self.world)).backward()  # type: ignore[no-untyped-call]
@@ -187,4 +188,5 @@ def recompute_old(trainer: Trainer, steps: list[Step]) -> None:
             logp, mask, _ = trainer.forward(micro_batch(data, rows, trainer.device))  # [B, T]
             for k, i in enumerate(rows):
                 flat[data.resp_off[i] : data.resp_off[i + 1]] = logp[k][mask[k]]
+    data.behavior = data.old  # what truncated importance sampling weighs against
     data.old = _all_reduce(flat).cpu().numpy()

@@ -18,7 +18,11 @@ BENCH = ROOT / "benchmarks"
 ROWS = {  # benchmark script -> the rows it must append
     "bench_startup.py": ["cli --help", "stage start-up"],
     "bench_score.py": ["score tokens/s", "score MFU", "score scaling", "score memory @ vocab 128k"],
-    "bench_generate.py": ["generate tokens/s"],
+    "bench_generate.py": [
+        "generate tokens/s",
+        "generate tokens/s, vllm engine",
+        "generate start-up, vllm engine",
+    ],
     "bench_advantage.py": [
         "advantage vs MCAdvantage",
         "advantage group statistics",

@@ -5,6 +5,7 @@ Expected values are worked out by hand in the comments (never by calling the cod
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -367,6 +368,56 @@ def test_micro_batches_with_denominator_match_big_batch_gradients() -> None:
     assert torch.allclose(mb_logp.grad, big_logp.grad, atol=1e-6)
 
 
+def test_truncated_importance_sampling_weights_the_objective() -> None:
+    # A = +1, eps = 0.2, logp = old = 0 (on-policy for the trainer: r = 1, loss_tok = -1 each).
+    # behaviour log-probs from the engine: [0, ln 2, -ln 4] -> w = min(exp(old - beh), cap = 2):
+    #   tok0: exp(0) = 1           -> 1
+    #   tok1: exp(-ln 2) = 0.5     -> 0.5
+    #   tok2: exp(ln 4) = 4 > 2    -> 2 (truncated)
+    # token_mean objective = (-1 * 1 - 1 * 0.5 - 1 * 2) / 3 = -3.5 / 3 = -1.166667
+    # gradient d/dlogp_t = -A * r * w / N = [-1/3, -0.5/3, -2/3]
+    logp = T_([[0.0, 0.0, 0.0]], requires_grad=True)
+    beh = T_([[0.0, math.log(2.0), -math.log(4.0)]])
+    out = grpo_loss(
+        logp, T_([[0.0, 0.0, 0.0]]), T_([1.0]), full_mask(1, 3), behavior_logprobs=beh, tis_cap=2.0
+    )
+    close(out.loss_objective, -3.5 / 3)
+    close(out.ratio_mean, 1.0)  # the PPO ratio is still logp - old: the weight is not part of it
+    out.loss.backward()
+    assert torch.allclose(logp.grad, T_([[-1 / 3, -0.5 / 3, -2 / 3]]))
+
+
+def test_truncated_importance_sampling_leaves_kl_terms_and_padding_alone() -> None:
+    # A = -1, eps = 0.2; one real token (the second is padding with a garbage behaviour log-prob).
+    # logp = old = ln 0.5; ref = ln 0.25; beh = ln 0.25 -> w = min(0.5 / 0.25, 3) = 2.
+    # objective: r = 1 -> loss_tok = -min(1 * -1, 1 * -1) = 1, times w = 2 -> 2
+    # k3 to ref: exp(ref - logp) - (ref - logp) - 1 = 0.5 + ln 2 - 1 = 0.193147; kl_coef 0.1 -> 0.019315
+    # loss = 2 + 0.019315 = 2.019315 (the weight multiplies the objective only, as TRL does)
+    lp = math.log(0.5)
+    logp = T_([[lp, 0.0]])
+    mask = T_([[True, False]])
+    beh = T_([[math.log(0.25), float("nan")]])
+    out = grpo_loss(
+        logp,
+        T_([[lp, 0.0]]),
+        T_([-1.0]),
+        mask,
+        ref_logprobs=T_([[math.log(0.25), 0.0]]),
+        kl_coef=0.1,
+        behavior_logprobs=beh,
+        tis_cap=3.0,
+    )
+    close(out.loss_objective, 2.0)
+    close(out.loss_kl_to_ref, 0.0193147)
+    close(out.loss, 2.0193147)
+
+
+def test_tis_cap_off_ignores_behaviour_logprobs() -> None:
+    # tis_cap = 0: behaviour log-probs far from old change nothing (r = 1, A = 1 -> loss -1)
+    out = grpo_loss(T_([[0.0]]), T_([[0.0]]), T_([1.0]), full_mask(1, 1), behavior_logprobs=T_([[-9.0]]))
+    close(out.loss, -1.0)
+
+
 # ---------------------------------------------------------------------------- errors
 
 
@@ -399,6 +450,8 @@ def test_dual_clip_must_exceed_one(c: float) -> None:
         (dict(entropy_coef=0.1), "entropy"),
         (dict(denominator=0), "denominator"),
         (dict(eps_low=-0.1), "eps"),
+        (dict(tis_cap=2.0), "behavior_logprobs"),
+        (dict(tis_cap=-1.0, behavior_logprobs=torch.zeros(1, 1)), "tis_cap"),
     ],
 )
 def test_other_bad_arguments(kwargs: dict[str, Any], match: str) -> None:

@@ -153,6 +153,61 @@ def test_bad_files_are_refused_naming_file_column_and_row(
     assert str(path) in str(info.value)
 
 
+def test_an_engines_response_ids_and_logprobs_are_kept_as_given(make_config, tmp_path: Path) -> None:
+    _, cfg = make_config()
+    tok = load_tokenizer(cfg.policy_model)
+    a, b = tok.convert_tokens_to_ids(["a", "b"])
+    rows = [  # the ids say "ab" while the text says "aa": the ids win, nothing is re-tokenised
+        {"prompt": "a*2=", "response": "aa", "response_ids": [a, b], "behavior_logprobs": [-0.5, -1.25]},
+        {"prompt": "b*1=", "response": "b", "response_ids": [b], "behavior_logprobs": [0.0]},
+    ]
+    m = import_rollouts(cfg, write_jsonl(tmp_path / "engine.jsonl", rows), 0, quiet=True)
+    got = rollouts(cfg)
+    assert [r["response_ids"] for r in got] == [[a, b], [b]]  # no EOS appended either
+    assert [r["behavior_logprobs"] for r in got] == [[-0.5, -1.25], [0.0]]
+    assert [r["response"] for r in got] == ["aa", "b"] and m["counts"]["eos_appended"] == 0
+
+
+def test_given_response_ids_without_logprobs_get_the_policys(make_config, tmp_path: Path) -> None:
+    _, cfg = make_config()
+    tok = load_tokenizer(cfg.policy_model)
+    ids = tok.convert_tokens_to_ids(["b", "a"])
+    import_rollouts(
+        cfg,
+        write_jsonl(tmp_path / "ids.jsonl", [{"prompt": "a*2=", "response": "?", "response_ids": ids}]),
+        0,
+    )
+    (r,) = rollouts(cfg)
+    model = load_model(cfg.policy_model, "policy", dtype="float32")
+    with torch.no_grad():
+        lp, _, _ = response_logprobs(model, [r["prompt_ids"] + ids], [len(r["prompt_ids"])], 1.0)
+    assert r["response_ids"] == ids and r["behavior_logprobs"] == pytest.approx(lp[0].tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"response_ids": [1, 99999]}, r"response_ids holds 99999, outside the policy's vocabulary \[0, "),
+        ({"response_ids": [-1]}, "response_ids holds -1"),
+        ({"response_ids": [1, 2], "behavior_logprobs": [-1.0]}, "has 1 values for 2 response_ids"),
+        ({"response_ids": [1], "behavior_logprobs": [0.5]}, "holds 0.5; log-probs are finite and <= 0"),
+        ({"response_ids": [1], "behavior_logprobs": [float("-inf")]}, "holds -inf"),
+        ({"behavior_logprobs": [-1.0]}, "'behavior_logprobs' needs the 'response_ids'"),
+        (
+            {"response_ids": ["a"]},
+            "column 'response_ids' has type list<.*string>, expected a list of numbers",
+        ),
+    ],
+)
+def test_bad_engine_columns_are_refused(make_config, tmp_path: Path, extra: dict, message: str) -> None:
+    _, cfg = make_config()
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a*2=", "response": "aa", **extra}]), path)
+    with pytest.raises(SchemaError, match=message) as info:
+        import_rollouts(cfg, path, 0, quiet=True)
+    assert str(path) in str(info.value)
+
+
 def test_wrong_suffix_missing_file_and_missing_policy(make_config, tmp_path: Path) -> None:
     _, cfg = make_config()
     (tmp_path / "rows.csv").write_text("prompt,response\n")

@@ -333,6 +333,23 @@ def test_ess_and_clip_fraction_are_over_the_whole_step(make_config, tiny_model: 
     assert row["loss_objective"] == pytest.approx(-1.1, abs=1e-5)
 
 
+def test_tis_cap_recomputes_old_and_weights_tokens_by_the_capped_behaviour_ratio(
+    make_config, tiny_model: Path
+) -> None:
+    # two 1-token responses, A = 1; row 1's behaviour log-prob is ln 4 below the policy's.
+    # tis_cap recomputes old (= the policy: PPO ratio r = 1 on both rows) and weighs each token by
+    # min(exp(old - behaviour), 2): row 0 exp(0) = 1, row 1 exp(ln 4) = 4 -> 2.
+    # token_mean objective = -(1 * 1 * 1 + 1 * 1 * 2) / 2 = -1.5
+    # (recompute_old alone: -(1 + 1) / 2 = -1; neither: row 1's r = 4 clips at 1.2 -> -1.1)
+    table = make_table(tiny_model, [3, 3], [1, 1], advantages=[1.0, 1.0], old_shift=[0.0, -math.log(4)])
+    _, cfg = make_config(train_toml(lr=0.0, max_tokens_per_batch=4, tis_cap=2.0))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    row = metrics(cfg.run_dir).to_pylist()[0]
+    assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert row["loss_objective"] == pytest.approx(-1.5, abs=1e-5)
+
+
 def test_kl_to_ref_and_entropy_in_the_loss(make_config, tiny_model: Path) -> None:
     # ref = policy - 0.3 on every token: k3 = e^-0.3 + 0.3 - 1 = 0.040818 ; loss term 0.5 * that
     table = make_table(tiny_model, *random_lengths(8), advantages=[0.0] * 8, ref_shift=-0.3)

