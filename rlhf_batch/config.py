@@ -36,6 +36,7 @@ class GenerateConfig:
     max_prompt_tokens: int = 1024
     overlong: Literal["error", "truncate_left", "skip"] = "error"
     num_generations: int = 8  # G samples per prompt
+    prompts_per_iteration: int = 0  # B prompts per iteration from a per-epoch shuffle; 0: all, in file order
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -105,6 +106,7 @@ class Config:
     run_dir: str = "runs/default"
     seed: int = 0
     iterations: int = 1
+    epochs: int = 0  # > 0: size the run in passes over the prompt set instead (overrides iterations)
     policy_model: str = ""  # initial policy (iteration 0)
     ref_model: str = ""  # default: the initial policy
     reward_model: str = ""  # optional sequence-classification model (1 label)
@@ -132,7 +134,8 @@ class Config:
         return {**top, stage: dataclasses.asdict(getattr(self, stage))}
 
 
-NOT_IDENTITY = ("iterations", "in_process", "demo", "threads")  # run-level keys that change no stage's result
+# run-level keys that change no stage's result
+NOT_IDENTITY = ("iterations", "epochs", "in_process", "demo", "threads")
 PATH_KEYS = ("run_dir", "policy_model", "ref_model", "reward_model", "generate.prompts")
 
 
@@ -243,6 +246,8 @@ def _check(cfg: Config, where: str) -> None:
     g, s, a, t = cfg.generate, cfg.score, cfg.advantage, cfg.train
     need(cfg.iterations >= 1, "iterations", "must be >= 1")
     need(cfg.threads >= 0, "threads", "must be >= 0")
+    need(cfg.epochs >= 0, "epochs", "must be >= 0 (0: the run is sized by iterations)")
+    need(g.prompts_per_iteration >= 0, "generate.prompts_per_iteration", "must be >= 0 (0: every prompt)")
     need(g.num_generations >= 1, "generate.num_generations", "must be >= 1")
     need(g.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
     need(g.temperature > 0, "generate.temperature", "must be > 0")

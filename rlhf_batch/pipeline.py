@@ -76,13 +76,19 @@ def stage_done(cfg: Config, it: int, stage: str, folder: str) -> bool:
 
 
 def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -> None:
+    from rlhf_batch.prompts import run_iterations
+
     cfg = load_config(config_path, overrides)
     with RunLock(Path(cfg.run_dir)):
         if cfg.in_process:
             from rlhf_batch.models import set_threads
 
             set_threads(cfg.threads)
-        for it in range(cfg.iterations):
+        if cfg.demo and cfg.epochs:
+            from rlhf_batch.tiny import ensure_demo_assets
+
+            ensure_demo_assets(cfg)  # the prompt set sizes the run
+        for it in range(run_iterations(cfg)):
             for stage, folder in STAGES:
                 if stage_done(cfg, it, stage, folder):
                     if stage == "train":  # checkpoints a kill between train's manifest and its cleanup left
@@ -136,10 +142,11 @@ def reward_by_iteration(cfg: Config) -> list[dict[str, Any]]:
     """Mean score and reward of each iteration whose scores are complete."""
     import pyarrow.compute as pc
 
+    from rlhf_batch.prompts import run_iterations
     from rlhf_batch.schemas import SCORES
 
     out = []
-    for it in range(cfg.iterations):
+    for it in range(run_iterations(cfg)):
         sdir = shards.stage_dir(cfg.run_dir, it, "scores")
         if shards.manifest(sdir) is None:
             break

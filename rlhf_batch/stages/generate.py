@@ -73,7 +73,7 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     if stage.complete:
         return shards.manifest(sdir) or {}
     tok = load_tokenizer(policy, cfg.trust_remote_code)
-    prompts = load_prompts(g, tok)
+    prompts = load_prompts(g, tok, iteration, cfg.seed)
     n_parts = math.ceil(len(prompts.ids) / g.prompts_per_part)
     todo = stage.todo(n_parts)
     if todo:
@@ -92,7 +92,8 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
             table = generate_part(model, tok, prompts, n, cfg, iteration, policy, bar)
             stage.write(n, table, schema, {"rollouts": table.num_rows})
         bar.close()
-    return stage.finish(n_parts, extra={"prompt_counts": prompts.counts, "policy": policy}) or {}
+    extra = {"prompt_counts": prompts.counts, "policy": policy, "prompt_batch": prompts.batch}
+    return stage.finish(n_parts, extra=extra) or {}
 
 
 def _check_lengths(model: Any, prompts: Prompts, g: GenerateConfig) -> None:

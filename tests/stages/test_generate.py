@@ -293,3 +293,42 @@ def test_iteration_k_samples_from_the_policy_trained_in_iteration_k_minus_1(make
     beh = [torch.tensor(r["behavior_logprobs"]) for r in rows]
     assert all(torch.allclose(lp_new[i][mask[i]], b, atol=1e-5) for i, b in enumerate(beh))
     assert not all(torch.allclose(lp_old[i][mask[i]], b, atol=1e-3) for i, b in enumerate(beh))
+
+
+def test_prompt_batches_follow_the_seeded_epoch_order_and_are_recorded(
+    make_config, demo_prompts: Path
+) -> None:
+    from rlhf_batch.core.prompt_batches import epoch_order
+    from rlhf_batch.prompts import run_iterations
+
+    # 12 prompts, B = 5: 12 // 5 = 2 iterations per epoch (2 rows of each epoch unused)
+    _, cfg = make_config("[generate]\nprompts_per_iteration = 5", seed=3)
+    file_ids = [json.loads(line)["id"] for line in demo_prompts.read_text().splitlines()]
+    taken = []
+    for it in range(3):
+        if it:  # a stand-in for iteration it-1's trained policy
+            init_model(shards.policy_dir(cfg.run_dir, it - 1), seed=it)
+            shards.StageRun(
+                shards.stage_dir(cfg.run_dir, it - 1, "train"), "train", {"test": True}, {}
+            ).finish(0)
+        m = generate.run(cfg, it, quiet=True)
+        ids = rollouts(cfg, it).column("prompt_id").to_pylist()
+        assert m["rows"] == len(ids) == 5 * 4
+        taken.append((m["prompt_batch"], list(dict.fromkeys(ids))))
+    # iteration 0: epoch 0 positions [0, 5); 1: epoch 0 [5, 10); 2: epoch 1 [0, 5)
+    assert [(b["epoch"], b["positions"]) for b, _ in taken] == [(0, [0, 5]), (0, [5, 10]), (1, [0, 5])]
+    for b, ids in taken:
+        order = epoch_order(12, 3, b["epoch"])
+        assert b["rows"] == order[b["positions"][0] : b["positions"][1]].tolist()
+        assert ids == [file_ids[r] for r in b["rows"]] and b["prompts_in_set"] == 12
+    assert not set(taken[0][1]) & set(taken[1][1])  # one epoch takes each prompt at most once
+    # the run is sized in epochs: 2 epochs x 2 iterations
+    _, by_epochs = make_config("[generate]\nprompts_per_iteration = 5", epochs=2, name="e.toml")
+    assert run_iterations(by_epochs) == 4
+    _, too_big = make_config(
+        "[generate]\nprompts_per_iteration = 13", name="big.toml", run_dir=str(cfg.run_dir) + "2"
+    )
+    with pytest.raises(
+        StageError, match="generate.prompts_per_iteration: prompts_per_iteration = 13 exceeds the 12"
+    ):
+        generate.run(too_big, 0, quiet=True)
