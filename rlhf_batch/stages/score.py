@@ -11,6 +11,12 @@ Columns (``schemas.SCORES`` plus extras):
   (float64), ``kl_coef`` the beta used (0 when ``kl_in_reward`` is off) and
   ``reward = score - kl_coef * kl_sum`` (null when ``score`` is null; counted as ``unscored``).
 
+No KL, no reference: when KL is used neither in the reward (``kl_in_reward`` off or
+``kl_coef`` 0) nor in the loss (``train.kl_coef`` 0), ``ref_logprobs``, ``kl`` and ``kl_sum``
+are null, ``kl_coef`` is 0 and ``reward = score``; the reference model is not loaded, so
+reward functions alone cost no model forward (the reference's config and tokenizer are still
+read to check the rollouts' token ids). train's ``kl_to_ref`` metric is then 0.
+
 Reference == policy: when a rollout's ``policy`` column names the reference model's directory,
 its reference log-probs ARE its behaviour log-probs (same weights, same log-prob definition), so
 they are copied instead of recomputed: ``kl`` is exactly 0 and no reference forward runs. Any
@@ -70,7 +76,14 @@ def identity(cfg: Config) -> dict[str, Any]:
         "reward_model": cfg.reward_model,
         "temperature": cfg.generate.temperature,
         "dtype": cfg.dtype,
+        "ref_logprobs": kl_used(cfg),
     }
+
+
+def kl_used(cfg: Config) -> bool:
+    """KL to the reference enters the reward or the loss, so score computes reference log-probs."""
+    s = cfg.score
+    return (s.kl_in_reward and s.kl_coef > 0) or cfg.train.kl_coef > 0
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
@@ -107,7 +120,12 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
         scorer = Scorer(cfg, pc.unique(rollouts["policy"].drop_null()).to_pylist(), fns, kl_coef)
         scorer.score_parts(stage, rollouts, todo, str(rdir), quiet)
     dist.barrier()
-    extra = {**controller_extra(sdir, n_parts, ctl, kl_coef), "max_tokens_per_batch": s.max_tokens_per_batch}
+    kl_extra = (
+        controller_extra(sdir, n_parts, ctl, kl_coef)
+        if kl_used(cfg)
+        else {"kl_coef": 0.0, "mean_kl_sum": None, "kl_controller": ctl.state_dict()}
+    )
+    extra = {**kl_extra, "max_tokens_per_batch": s.max_tokens_per_batch}
     return stage.finish(n_parts, extra) or manifest(sdir) or {}
 
 
@@ -221,6 +239,7 @@ class Scorer:
 
     def __init__(self, cfg: Config, policies: list[str], fns: list[RewardFunction], kl_coef: float):
         self.cfg, self.fns, self.kl_coef = cfg, fns, kl_coef
+        self.kl = kl_used(cfg)
         self.device = dist.stage_device(cfg.device)
         self.ref_tok = check_tokenizers(cfg, policies)
         self.vocab_size = config_vocab_size(cfg.ref)
@@ -276,6 +295,9 @@ class Scorer:
             seqs = [p + r for p, r in zip(prompt_ids, response_ids, strict=True)]
             values[RM_COLUMN] = self.rm.scores(seqs, self.cfg.score.max_tokens_per_batch, progress).tolist()
         r_len = np.array([len(r) for r in response_ids], dtype=np.int64)  # [B]
+        if not self.kl:
+            progress(int(r_len.sum()) + sum(len(p) for p in prompt_ids))  # no reference forward
+            return self.finish_part(t, values, r_len, None)
         beh = pc.list_flatten(t["behavior_logprobs"]).to_numpy().astype(np.float32)  # [N]
         ref = self.ref_logprobs(t, prompt_ids, response_ids, beh, r_len, progress)  # [N]
         row = torch.repeat_interleave(torch.arange(len(rid)), torch.from_numpy(r_len))  # [N]
@@ -283,28 +305,50 @@ class Scorer:
             torch.from_numpy(beh).double(), torch.from_numpy(ref).double(), self.cfg.score.kl_estimator
         )  # [N] float64
         kl_sum = torch.zeros(len(rid), dtype=torch.float64).index_add_(0, row, kl).tolist()  # [B]
+        return self.finish_part(t, values, r_len, (ref, kl.float().numpy() + 0.0, kl_sum))
+
+    def finish_part(
+        self,
+        t: pa.Table,
+        values: dict[str, list[float | None]],
+        r_len: np.ndarray,
+        kl_cols: tuple[np.ndarray, np.ndarray, list[float]] | None,
+    ) -> tuple[pa.Table, dict[str, int]]:
+        """The part's table from the rewards and (ref_logprobs [N], kl [N], kl_sum [B]) or, when
+        no KL is used, None: those columns null and reward = score."""
+        rid = t["rollout_id"].to_pylist()
         weights = {rf.column: rf.weight for rf in self.fns}
         if self.rm is not None:
             weights[RM_COLUMN] = self.cfg.score.reward_model_weight
         raw = weighted_sum(values, weights, len(rid))
         score = [clip(x, self.cfg.score.score_clip) for x in raw]
         offsets = pa.array(np.concatenate([[0], np.cumsum(r_len)]).astype(np.int32))  # [B + 1]
+        ref, kl, kl_sum = kl_cols or (None, None, [None] * len(rid))
         cols: dict[str, Any] = {
             "rollout_id": t["rollout_id"].combine_chunks(),
             "prompt_id": t["prompt_id"].combine_chunks(),
             "reward_raw": raw,
             "score": score,
-            "ref_logprobs": pa.ListArray.from_arrays(offsets, pa.array(ref, pa.float32())),
-            "kl": pa.ListArray.from_arrays(offsets, pa.array(kl.float().numpy() + 0.0, pa.float32())),
+            "ref_logprobs": None
+            if ref is None
+            else pa.ListArray.from_arrays(offsets, pa.array(ref, pa.float32())),
+            "kl": None if kl is None else pa.ListArray.from_arrays(offsets, pa.array(kl, pa.float32())),
             "kl_sum": kl_sum,
             "kl_coef": [self.kl_coef] * len(rid),
             "reward": [
-                None if s is None else s - self.kl_coef * k for s, k in zip(score, kl_sum, strict=True)
+                None if s is None else s if k is None else s - self.kl_coef * k
+                for s, k in zip(score, kl_sum, strict=True)
             ],
             **values,
         }
         schema = with_extra(SCORES, pa.schema([(c, pa.float64()) for c in values]))
-        table = pa.Table.from_arrays([pa.array(cols[f.name], f.type) for f in schema], schema=schema)
+        table = pa.Table.from_arrays(
+            [
+                pa.nulls(len(rid), f.type) if cols[f.name] is None else pa.array(cols[f.name], f.type)
+                for f in schema
+            ],
+            schema=schema,
+        )
         counts = {"rows": len(rid), "tokens": int(r_len.sum()), "unscored": sum(s is None for s in score)}
         counts.update({f"unscored_{c}": sum(v is None for v in vals) for c, vals in values.items()})
         return table, counts

@@ -50,7 +50,7 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
     adv_dir = shards.stage_dir(cfg.run_dir, iteration, "advantages")
     start, inputs = _inputs(cfg, iteration, adv_dir)
     # read (and check) the shards first: bad input fails before the stage is marked started
-    data = load_shards(adv_dir) if force or shards.manifest(sdir) is None else None
+    data = load_shards(adv_dir, cfg.train.kl_coef > 0) if force or shards.manifest(sdir) is None else None
     stage = shards.StageRun(sdir, "train", identity(cfg), inputs, force, cfg.to_dict())
     rank, world = dist.rank_world()
     if stage.complete:
@@ -61,7 +61,14 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
         checkpoint.remove(sdir / CHECKPOINT_DIR)
         (sdir / METRICS_FILE).unlink(missing_ok=True)
     dist.barrier()
-    return _train(cfg, iteration, start, stage, data if data is not None else load_shards(adv_dir), quiet)
+    return _train(
+        cfg,
+        iteration,
+        start,
+        stage,
+        data if data is not None else load_shards(adv_dir, cfg.train.kl_coef > 0),
+        quiet,
+    )
 
 
 def _inputs(cfg: Config, iteration: int, adv_dir: Path) -> tuple[str, dict[str, Any]]:
