@@ -61,14 +61,8 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
         checkpoint.remove(sdir / CHECKPOINT_DIR)
         (sdir / METRICS_FILE).unlink(missing_ok=True)
     dist.barrier()
-    return _train(
-        cfg,
-        iteration,
-        start,
-        stage,
-        data if data is not None else load_shards(adv_dir, cfg.train.kl_coef > 0),
-        quiet,
-    )
+    data = data if data is not None else load_shards(adv_dir, cfg.train.kl_coef > 0)
+    return _train(cfg, iteration, start, stage, data, quiet)
 
 
 def _inputs(cfg: Config, iteration: int, adv_dir: Path) -> tuple[str, dict[str, Any]]:
