@@ -27,10 +27,12 @@ def sample(
     top_k: int = 0,
     stop_ids: set[int] | None = None,
     pad_id: int = 0,
+    banned_ids: set[int] | None = None,
 ) -> list[tuple[list[int], list[float], str]]:
     """Per row: (response token ids, behaviour log-probs, finish reason 'stop' | 'length').
 
-    `max_new_tokens` is one budget for every row or one per row."""
+    `max_new_tokens` is one budget for every row or one per row. `banned_ids` are never sampled
+    (removed like top-k filtering: the log-prob stays the full-vocabulary one)."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -44,6 +46,7 @@ def sample(
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     stops = torch.as_tensor(sorted(stop_ids or set()), dtype=torch.long, device=device)  # [S]
+    banned = torch.as_tensor(sorted(banned_ids or set()), dtype=torch.long, device=device)  # [K]
     cache = DynamicCache()
     logits = model(
         input_ids=ids,
@@ -64,6 +67,8 @@ def sample(
     reasons = ["length"] * n
     for step in range(steps):
         scaled = logits.float() / temperature  # [b, V]
+        if banned.numel():
+            scaled[:, banned] = float("-inf")
         u = torch.stack([torch.rand((), generator=gens[int(r)]) for r in live.tolist()])  # [b]
         tok = sample_from_uniform(filter_logits(scaled, top_k, top_p), u)  # [b]
         lp = logprobs_from_logits(logits, tok, temperature)  # [b] float32, full vocabulary

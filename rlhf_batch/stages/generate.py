@@ -6,6 +6,14 @@ from its own generator, seeded by (seed, rollout_id): a rollout does not depend 
 rows shared its batch (up to the floating-point effects of batch shape). The behaviour log-prob
 of each sampled token is log_softmax(logits / temperature) over the full vocabulary in float32
 (before top-k / top-p filtering), the same definition score and train use.
+
+Ends and special tokens: a row stops on every end token the model declares (the tokenizer's
+EOS, each id of `generation_config.eos_token_id`, which may be a list, and the token a chat
+template closes an assistant turn with, e.g. `<|im_end|>`). The pad token is never sampled
+(unless it is also a stop token): it is filtered out like top-k, the log-prob keeps the full
+vocabulary. `response` is the text the model wrote with special tokens kept (`<|unk|>`,
+`<|im_start|>`, ...), only the final stop token left out, so a reward function sees them; the
+manifest counts the rollouts holding one (`with_special_tokens`).
 """
 
 from __future__ import annotations
@@ -90,7 +98,8 @@ def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False
         bar = _progress(len(todo) * g.prompts_per_part * g.num_generations, quiet)
         for n in todo:
             table = generate_part(model, tok, prompts, n, cfg, iteration, policy, bar)
-            stage.write(n, table, schema, {"rollouts": table.num_rows})
+            counts = {"rollouts": table.num_rows, "with_special_tokens": _with_special(table, model, tok)}
+            stage.write(n, table, schema, counts)
         bar.close()
     extra = {"prompt_counts": prompts.counts, "policy": policy, "prompt_batch": prompts.batch}
     return stage.finish(n_parts, extra=extra) or {}
@@ -132,6 +141,7 @@ def generate_part(
             top_k=g.top_k,
             stop_ids=stop_ids,
             pad_id=tok.pad_token_id,
+            banned_ids={tok.pad_token_id} - stop_ids,
         )
         for r, res in zip(batch, out, strict=True):
             results[r] = res
@@ -143,7 +153,9 @@ def generate_part(
         "sample_idx": [s for _, s in rows],
         "prompt": [prompts.texts[i] for i, _ in rows],
         "prompt_ids": [prompts.tokens[i] for i, _ in rows],
-        "response": tok.batch_decode([r[0] for r in results], skip_special_tokens=True),
+        "response": tok.batch_decode(
+            [r[0][:-1] if r[0] and r[0][-1] in stop_ids else r[0] for r in results], skip_special_tokens=False
+        ),
         "response_ids": [r[0] for r in results],
         "behavior_logprobs": [r[1] for r in results],
         "finish_reason": [r[2] for r in results],
@@ -160,7 +172,38 @@ def _stop_ids(model: Any, tok: Any) -> set[int]:
     ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     extra = getattr(model.generation_config, "eos_token_id", None)
     ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
-    return ids
+    return ids | _end_of_turn(tok)
+
+
+def _special_ids(tok: Any) -> set[int]:
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    return set(tok.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+
+
+def _end_of_turn(tok: Any) -> set[int]:
+    """The special token the chat template closes an assistant turn with (none without one)."""
+    if not getattr(tok, "chat_template", None):
+        return set()
+    marker = "ZQXJ"
+    turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tok.apply_chat_template(turn, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render an assistant turn has no end token to add
+        return set()
+    if not isinstance(text, str) or marker not in text:
+        return set()
+    ids = tok(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+    return {ids[0]} if ids and ids[0] in _special_ids(tok) else set()
+
+
+def _with_special(table: pa.Table, model: Any, tok: Any) -> int:
+    """Rollouts whose response holds a special token before its final stop token."""
+    stops, special = _stop_ids(model, tok), _special_ids(tok)
+    n = 0
+    for ids in table.column("response_ids").to_pylist():
+        body = ids[:-1] if ids and ids[-1] in stops else ids
+        n += any(i in special for i in body)
+    return n
 
 
 def _progress(total: int, quiet: bool) -> Any:

@@ -323,7 +323,8 @@ class Scorer:
         raw = weighted_sum(values, weights, len(rid))
         score = [clip(x, self.cfg.score.score_clip) for x in raw]
         offsets = pa.array(np.concatenate([[0], np.cumsum(r_len)]).astype(np.int32))  # [B + 1]
-        ref, kl, kl_sum = kl_cols or (None, None, [None] * len(rid))
+        ref, kl = (kl_cols[0], kl_cols[1]) if kl_cols else (None, None)
+        kl_sum: list[float | None] = list(kl_cols[2]) if kl_cols else [None] * len(rid)
         cols: dict[str, Any] = {
             "rollout_id": t["rollout_id"].combine_chunks(),
             "prompt_id": t["prompt_id"].combine_chunks(),
