@@ -4,9 +4,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 AIRFLOW_VENV := .venv-airflow
+TRL_VENV := .venv-trl
 RUN_DIR ?= runs/demo
 
-.PHONY: setup airflow test test-fast demo lint bench soak clean
+.PHONY: setup airflow trl test test-fast demo lint bench bench-learning soak clean
 
 setup: $(VENV)/.installed
 
@@ -23,6 +24,15 @@ $(AIRFLOW_VENV)/.installed: constraints-airflow.txt
 	test -x $(AIRFLOW_VENV)/bin/python || $(PYTHON) -m venv $(AIRFLOW_VENV)
 	$(AIRFLOW_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(AIRFLOW_VENV)/bin/python -m pip install --quiet -c constraints-airflow.txt apache-airflow
+	touch $@
+
+# TRL (the learning benchmark's peer) lives in its own venv, with the same torch as ours.
+trl: $(TRL_VENV)/.installed
+
+$(TRL_VENV)/.installed: constraints-trl.txt
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install --quiet -c constraints-trl.txt trl
 	touch $@
 
 # pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure
@@ -43,8 +53,11 @@ lint: setup
 bench: setup
 	$(PY) benchmarks/run_all.py
 
+bench-learning: setup trl
+	$(PY) benchmarks/bench_learning.py
+
 soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak
 
 clean:
-	rm -rf $(VENV) $(AIRFLOW_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRL_VENV) runs .pytest_cache
