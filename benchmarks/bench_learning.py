@@ -43,7 +43,7 @@ SHARED = {
     "eps": 0.1,
     "max_grad_norm": 1.0,
 }
-TRL_ROLLOUTS_PER_STEP = 32  # ours: tokens_per_step = 128, ~25-30 rollouts of the demo's ~4-8 tokens
+TRL_ROLLOUTS_PER_STEP = 64  # ours: tokens_per_step = 256, ~50-60 rollouts of the demo's ~4-8 tokens
 
 
 def mapping(b: int) -> str:
@@ -53,8 +53,9 @@ def mapping(b: int) -> str:
         "clip: eps_low = epsilon (0.1); lr 5e-3 constant, no warmup, AdamW defaults, max_grad_norm 1; "
         "KL: kl_in_reward false, train.kl_coef 0 = beta 0; aggregation token_mean = loss_type 'dapo'; "
         "advantage grpo (r - mean) / (std + 1e-6) = scale_rewards 'group' (std + 1e-4); "
-        f"optimizer step: tokens_per_step 128 (~25-30 rollouts) vs per_device_train_batch_size "
-        f"{TRL_ROLLOUTS_PER_STEP} x steps_per_generation 16; max new tokens 8, temperature 1; "
+        f"optimizer step: tokens_per_step 256 (~50-60 rollouts) vs per_device_train_batch_size "
+        f"{TRL_ROLLOUTS_PER_STEP} x steps_per_generation {8 * b // TRL_ROLLOUTS_PER_STEP}; max new tokens 8, "
+        "temperature 1; "
         "differences: ours drops zero-variance groups from the token count, stops also on <|im_end|> "
         "and keeps special tokens in the text the reward sees (TRL decodes with skip_special_tokens)"
     )
