@@ -134,3 +134,35 @@ def test_the_shortened_demo_learns_and_would_not_with_a_zero_learning_rate(tmp_p
         gains[lr] = scores[-1] - scores[0]
     assert gains["5e-3"] > 0.1  # measured: ~0.19 (0.004 -> 0.19)
     assert abs(gains["0.0"]) < 0.02  # the same test with lr = 0 fails the learning assertion
+
+
+@pytest.mark.slow
+def test_prompt_batches_are_the_same_whether_a_run_is_extended_or_sized_by_epochs(
+    make_config, tmp_path: Path
+) -> None:
+    # 12 prompts, 5 per iteration: 2 iterations per epoch. A run of 1 iteration extended to 3 and a
+    # run sized as 2 epochs (4 iterations) sample the same prompts at iterations 0..2.
+    extra = "[generate]\nprompts_per_iteration = 5\n[train]\nlr = 1e-3\ntokens_per_step = 256"
+    path, cfg = make_config(extra, iterations=1, threads=1, in_process=True)
+    assert run(str(path), "--quiet").returncode == 0
+    more = run(str(path), "--quiet", "--iterations", "3")
+    assert more.returncode == 0, more.stderr
+    epath, ecfg = make_config(
+        extra, epochs=2, threads=1, in_process=True, run_dir=str(tmp_path / "e"), name="e.toml"
+    )
+    by_epochs = run(str(epath), "--quiet")
+    assert by_epochs.returncode == 0, by_epochs.stderr
+
+    def batches(c, n: int) -> list[dict]:
+        return [
+            shards.manifest(shards.stage_dir(c.run_dir, it, "rollouts"))["prompt_batch"] for it in range(n)
+        ]
+
+    assert shards.manifest(shards.stage_dir(ecfg.run_dir, 3, "train")) is not None  # 2 epochs x 2 iterations
+    assert batches(cfg, 3) == batches(ecfg, 3)
+    assert [(b["epoch"], b["positions"]) for b in batches(ecfg, 4)] == [
+        (0, [0, 5]),
+        (0, [5, 10]),
+        (1, [0, 5]),
+        (1, [5, 10]),
+    ]
