@@ -5,9 +5,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 AIRFLOW_VENV := .venv-airflow
 TRACKIO_VENV := .venv-trackio
+TRL_VENV := .venv-trl
 RUN_DIR ?= runs/demo
 
-.PHONY: setup airflow trackio test test-fast demo lint bench soak clean
+.PHONY: setup airflow trackio trl test test-fast demo lint bench bench-learning soak clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +36,15 @@ $(TRACKIO_VENV)/.installed: constraints-trackio.txt
 	$(TRACKIO_VENV)/bin/python -m pip install --quiet -c constraints-trackio.txt trackio
 	touch $@
 
+# TRL (the learning benchmark's peer) lives in its own venv, with the same torch as ours.
+trl: $(TRL_VENV)/.installed
+
+$(TRL_VENV)/.installed: constraints-trl.txt
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install --quiet -c constraints-trl.txt trl
+	touch $@
+
 # pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure
 # then a short random-kill soak (6 kills; `make soak` runs 24)
 test: setup airflow trackio
@@ -55,8 +65,11 @@ lint: setup
 bench: setup
 	$(PY) benchmarks/run_all.py
 
+bench-learning: setup trl
+	$(PY) benchmarks/bench_learning.py
+
 soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak
 
 clean:
-	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(TRL_VENV) runs .pytest_cache

@@ -64,6 +64,7 @@ class RunLock:
 
 def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -> None:
     from rlhf_batch.executor import is_done
+    from rlhf_batch.prompts import run_iterations
     from rlhf_batch.stages.registry import pipeline
 
     cfg = load_config(config_path, overrides)
@@ -72,7 +73,11 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
             from rlhf_batch.models import set_threads
 
             set_threads(cfg.threads)
-        for it in range(cfg.iterations):
+        if cfg.demo and cfg.epochs:
+            from rlhf_batch.tiny import ensure_demo_assets
+
+            ensure_demo_assets(cfg)  # the prompt set sizes the run
+        for it in range(run_iterations(cfg)):
             for stage_class in pipeline():
                 stage = stage_class(cfg, it)
                 if is_done(stage):
@@ -118,10 +123,11 @@ def reward_by_iteration(cfg: Config) -> list[dict[str, Any]]:
     """Mean score and reward of each iteration whose scores are complete."""
     import pyarrow.compute as pc
 
+    from rlhf_batch.prompts import run_iterations
     from rlhf_batch.schemas import SCORES
 
     out = []
-    for it in range(cfg.iterations):
+    for it in range(run_iterations(cfg)):
         sdir = layout.folder(cfg.run_dir, it, "scores")
         if manifests.manifest(sdir) is None:
             break

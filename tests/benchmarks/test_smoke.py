@@ -25,6 +25,8 @@ ROWS = {  # benchmark script -> the rows it must append
         "advantage stage peak memory",
     ],
     "bench_train.py": ["train tokens/s", "train MFU", "train padding"],
+    # TRL's side runs only where .venv-trl exists (make trl); make test does not install it
+    "bench_learning.py": ["learning: mean score by iteration", "learning: best score", "learning: wall time"],
 }
 
 
