@@ -6,9 +6,10 @@ PY     := $(VENV)/bin/python
 AIRFLOW_VENV := .venv-airflow
 TRACKIO_VENV := .venv-trackio
 VLLM_VENV := .venv-vllm
+TRL_VENV := .venv-trl
 RUN_DIR ?= runs/demo
 
-.PHONY: setup airflow trackio vllm test test-fast demo lint bench soak clean
+.PHONY: setup airflow trackio vllm trl test test-fast demo lint bench bench-learning soak clean
 
 setup: $(VENV)/.installed
 
@@ -48,6 +49,15 @@ $(VLLM_VENV)/.installed: pyproject.toml constraints-vllm.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 
+# TRL (the learning benchmark's peer) lives in its own venv, with the same torch as ours.
+trl: $(TRL_VENV)/.installed
+
+$(TRL_VENV)/.installed: constraints-trl.txt
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install --quiet -c constraints-trl.txt trl
+	touch $@
+
 # pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure
 # then a short random-kill soak (6 kills; `make soak` runs 24)
 test: setup airflow trackio vllm
@@ -68,8 +78,11 @@ lint: setup
 bench: setup
 	$(PY) benchmarks/run_all.py
 
+bench-learning: setup trl
+	$(PY) benchmarks/bench_learning.py
+
 soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak
 
 clean:
-	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) $(TRL_VENV) runs .pytest_cache

@@ -54,6 +54,8 @@ class GenerateConfig:
     max_prompt_tokens: int = knob(1024, "generate")
     overlong: Literal["error", "truncate_left", "skip"] = knob("error", "generate")
     num_generations: int = knob(8, "generate")  # G samples per prompt
+    # B prompts per iteration from a per-epoch seeded shuffle; 0: every prompt, in file order
+    prompts_per_iteration: int = knob(0, "generate")
     max_new_tokens: int = knob(256, "generate")
     temperature: float = knob(1.0, "generate", "import", "score", "train")
     top_p: float = knob(1.0, "generate")
@@ -69,6 +71,7 @@ class GenerateConfig:
 
     def validate(self) -> None:
         _need(self.num_generations >= 1, "generate.num_generations", "must be >= 1")
+        _need(self.prompts_per_iteration >= 0, "generate.prompts_per_iteration", "must be >= 0 (0: all)")
         _need(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         _need(self.temperature > 0, "generate.temperature", "must be > 0")
         _need(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
@@ -249,6 +252,7 @@ class Config:
     run_dir: str = knob("runs/default", "generate", "train")
     seed: int = knob(0, "generate", "advantage", "train")
     iterations: int = knob(1)
+    epochs: int = knob(0)  # > 0: size the run in passes over the prompt set instead (overrides iterations)
     policy_model: str = knob("", "generate", "train")  # initial policy (iteration 0)
     ref_model: str = knob("")  # default: the initial policy (score records the resolved one)
     reward_model: str = knob("", "score")  # optional sequence-classification model (1 label)
@@ -298,6 +302,7 @@ class Config:
 
     def validate(self) -> None:
         _need(self.iterations >= 1, "iterations", "must be >= 1")
+        _need(self.epochs >= 0, "epochs", "must be >= 0 (0: the run is sized by iterations)")
         _need(self.threads >= 0, "threads", "must be >= 0")
         _need(not (gone := tracking.missing(self.report_to)), "report_to", f"asks for {gone}")
         _need(self.keep_policies >= 0, "keep_policies", "must be >= 0")

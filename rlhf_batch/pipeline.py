@@ -78,6 +78,7 @@ class RunLock:
 
 def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -> None:
     from rlhf_batch.executor import is_done
+    from rlhf_batch.prompts import run_iterations
     from rlhf_batch.stages.registry import pipeline
 
     cfg = load_config(config_path, overrides)
@@ -86,6 +87,11 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
             from rlhf_batch.models import set_threads
 
             set_threads(cfg.threads)
+        if cfg.demo and cfg.epochs:
+            from rlhf_batch.tiny import ensure_demo_assets
+
+            ensure_demo_assets(cfg)  # the prompt set sizes the run
+        cfg.iterations = run_iterations(cfg)  # `epochs`, when set, sizes the run
         for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
             for stage_class in pipeline():
                 if not stage_class.runs_at(cfg, it):
@@ -153,10 +159,11 @@ def reward_by_iteration(cfg: Config) -> list[dict[str, Any]]:
     """Mean score and reward of each iteration whose scores are complete."""
     import pyarrow.compute as pc
 
+    from rlhf_batch.prompts import run_iterations
     from rlhf_batch.schemas import SCORES
 
     out = []
-    for it in range(cfg.iterations):
+    for it in range(run_iterations(cfg)):
         sdir = layout.folder(cfg.run_dir, it, "scores")
         if manifests.manifest(sdir) is None:
             break

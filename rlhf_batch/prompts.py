@@ -17,7 +17,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlhf_batch.config import GenerateConfig
+from rlhf_batch.config import Config, GenerateConfig
 from rlhf_batch.errors import StageError
 from rlhf_batch.ids import prompt_hash
 from rlhf_batch.schemas import ROLLOUTS
@@ -30,6 +30,7 @@ class Prompts:
     tokens: list[list[int]]  # prompt token ids
     carried: pa.Table  # the other columns, one row per prompt
     counts: dict[str, int] = field(default_factory=dict)  # skipped / truncated prompts
+    batch: dict[str, Any] = field(default_factory=dict)  # the iteration's epoch and positions
 
 
 def check_path(path: str) -> Path:
@@ -97,11 +98,15 @@ def _read_datasets_dir(p: Path) -> pa.Table:
     return ds.flatten_indices().data.table
 
 
-def load_prompts(cfg: GenerateConfig, tokenizer: Any) -> Prompts:
+def load_prompts(cfg: GenerateConfig, tokenizer: Any, iteration: int | None = None, seed: int = 0) -> Prompts:
+    """The prompts of the file, or (`iteration` given) those iteration `iteration` takes."""
     table = read_table(cfg.prompts)
     where = cfg.prompts
     if table.num_rows == 0:
         raise StageError(f"{where}: the prompt file is empty")
+    batch: dict[str, Any] = {}
+    if iteration is not None:
+        table, batch = _take_batch(table, cfg, iteration, seed, where)
     texts, chat = _texts(table, cfg, tokenizer, where)
     ids = _ids(table, texts, cfg.id_column, where)
     used = {cfg.prompt_column, cfg.messages_column, cfg.id_column}
@@ -112,7 +117,36 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any) -> Prompts:
         if ROLLOUTS.get_field_index(name) >= 0:
             raise StageError(f"{where}: column '{name}' clashes with a rollouts column; rename it")
     tokens = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
-    return _limit(Prompts(ids, texts, tokens, carried), cfg, tokenizer, where)
+    out = _limit(Prompts(ids, texts, tokens, carried), cfg, tokenizer, where)
+    out.batch = batch
+    return out
+
+
+def _take_batch(
+    table: pa.Table, cfg: GenerateConfig, iteration: int, seed: int, where: str
+) -> tuple[pa.Table, dict[str, Any]]:
+    """The rows iteration `iteration` takes (core.prompt_batches) and what the manifest records."""
+    from rlhf_batch.core.prompt_batches import rows_for
+
+    try:
+        b, rows = rows_for(iteration, table.num_rows, cfg.prompts_per_iteration, seed)
+    except ValueError as e:
+        raise StageError(f"{where}: generate.prompts_per_iteration: {e}") from None
+    info = {"epoch": b.epoch, "positions": [b.start, b.stop], "rows": rows, "prompts_in_set": table.num_rows}
+    return (table if cfg.prompts_per_iteration == 0 else table.take(pa.array(rows, pa.int64()))), info
+
+
+def run_iterations(cfg: Config) -> int:
+    """The run's number of iterations: `iterations`, or `epochs` passes over the prompt set."""
+    if cfg.epochs == 0:
+        return cfg.iterations
+    from rlhf_batch.core.prompt_batches import iterations_per_epoch
+
+    n = read_table(cfg.generate.prompts).num_rows
+    try:
+        return cfg.epochs * iterations_per_epoch(n, cfg.generate.prompts_per_iteration)
+    except ValueError as e:
+        raise StageError(f"{cfg.generate.prompts}: generate.prompts_per_iteration: {e}") from None
 
 
 MESSAGES = "prompt_messages"  # the rollouts column that carries chat prompts' messages

@@ -27,15 +27,18 @@ def sample(
     top_k: int = 0,
     stop_ids: set[int] | None = None,
     pad_id: int = 0,
+    banned_ids: set[int] | None = None,
 ) -> list[tuple[list[int], list[float], str]]:
     """Per row: (response token ids, behaviour log-probs, finish reason 'stop' | 'length').
 
-    `max_new_tokens` is one budget for every row or one per row."""
+    `max_new_tokens` is one budget for every row or one per row. `banned_ids` are never sampled
+    (removed like top-k filtering: the log-prob stays the full-vocabulary one)."""
     device = next(model.parameters()).device
     n = len(prompts)
     logits, cache, attn, next_pos = _prefill(model, prompts, pad_id, device)
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     stops = torch.as_tensor(sorted(stop_ids or set()), dtype=torch.long, device=device)  # [S]
+    banned = torch.as_tensor(sorted(banned_ids or set()), dtype=torch.long, device=device)  # [K]
     live = torch.arange(n, device=device)  # [b] original row of each running row
     budget = torch.as_tensor(
         [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens), device=device
@@ -46,6 +49,8 @@ def sample(
     reasons = ["length"] * n
     for step in range(steps):
         scaled = logits.float() / temperature  # [b, V]
+        if banned.numel():
+            scaled[:, banned] = float("-inf")
         u = torch.stack([torch.rand((), generator=gens[int(r)]) for r in live.tolist()])  # [b]
         tok = sample_from_uniform(filter_logits(scaled, top_k, top_p), u)  # [b]
         lp = logprobs_from_logits(logits, tok, temperature)  # [b] float32, full vocabulary

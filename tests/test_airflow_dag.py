@@ -46,7 +46,7 @@ def test_dag_runs_two_iterations_of_the_demo(tmp_path: Path) -> None:
             m = manifests.manifest(layout.folder(run_dir, it, stage))
             assert m is not None, f"iteration {it} {stage} is not complete"
         rollouts = manifests.manifest(layout.folder(run_dir, it, "rollouts"))
-        assert rollouts is not None and rollouts["rows"] == 256 * 8  # the demo's 256 prompts x G = 8
+        assert rollouts is not None and rollouts["rows"] == 64 * 8  # 64 prompts per iteration x G 8
         assert (layout.policy_dir(run_dir, it) / "config.json").exists()
     assert not layout.iter_dir(run_dir, 2).exists()  # exactly the two iterations the Variable asked for
     # iteration 1 sampled from iteration 0's policy

@@ -149,3 +149,35 @@ def test_run_cli_and_airflow_dag_use_the_registry_order() -> None:
     assert list(ast.literal_eval(value)) == names  # the DAG runs in Airflow's own venv: a copy, checked
     commands = {c.name or c.callback.__name__ for c in app.registered_commands}  # type: ignore[union-attr]
     assert {s.name for s in stages()} <= commands
+
+
+@pytest.mark.slow
+def test_prompt_batches_are_the_same_whether_a_run_is_extended_or_sized_by_epochs(
+    make_config, tmp_path: Path
+) -> None:
+    # 12 prompts, 5 per iteration: 2 iterations per epoch. A run of 1 iteration extended to 3 and a
+    # run sized as 2 epochs (4 iterations) sample the same prompts at iterations 0..2.
+    extra = "[generate]\nprompts_per_iteration = 5\n[train]\nlr = 1e-3\ntokens_per_step = 256"
+    path, cfg = make_config(extra, iterations=1, threads=1, in_process=True)
+    assert run(str(path), "--quiet").returncode == 0
+    more = run(str(path), "--quiet", "--iterations", "3")
+    assert more.returncode == 0, more.stderr
+    epath, ecfg = make_config(
+        extra, epochs=2, threads=1, in_process=True, run_dir=str(tmp_path / "e"), name="e.toml"
+    )
+    by_epochs = run(str(epath), "--quiet")
+    assert by_epochs.returncode == 0, by_epochs.stderr
+
+    def batches(c, n: int) -> list[dict]:
+        return [
+            manifests.manifest(layout.folder(c.run_dir, it, "rollouts"))["prompt_batch"] for it in range(n)
+        ]
+
+    assert manifests.manifest(layout.folder(ecfg.run_dir, 3, "train")) is not None  # 2 epochs x 2 iterations
+    assert batches(cfg, 3) == batches(ecfg, 3)
+    assert [(b["epoch"], b["positions"]) for b in batches(ecfg, 4)] == [
+        (0, [0, 5]),
+        (0, [5, 10]),
+        (1, [0, 5]),
+        (1, [5, 10]),
+    ]

@@ -8,6 +8,12 @@ for ``KL(pi || ref)`` estimated from tokens sampled from ``pi``, with ``logp = l
 * ``k2 = 0.5 * d**2``                       (biased, always >= 0)
 * ``k3 = exp(d) - d - 1``                   (unbiased, always >= 0)
 
+k3 is bounded as verl's ``low_var_kl`` bounds it: ``d`` is clamped to ``[-K3_LOG_RATIO_CLAMP,
+K3_LOG_RATIO_CLAMP]`` (20) before the ``exp`` and the result to ``[0, K3_CLAMP]`` (10). One
+token can then add at most 10 to a KL sum or a loss, however far the policy has drifted from
+the reference (TRL leaves k3 unbounded: one token at ``d = 10`` adds 22015). Where a clamp binds,
+that token's KL gradient is 0. k1 and k2 are not clamped.
+
 Controllers hold the KL coefficient ``beta``. Their state is a plain JSON-serialisable dict
 (``state_dict()``), restored with ``controller_from_state``; nothing is pickled.
 """
@@ -22,14 +28,16 @@ import torch
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 CONTROLLER_KINDS = ("constant", "adaptive")
+K3_LOG_RATIO_CLAMP = 20.0  # |ref_logp - logp| clamped to this before the exp (verl's low_var_kl)
+K3_CLAMP = 10.0  # k3 per token clamped to [0, K3_CLAMP] (verl's low_var_kl)
 ADAPTIVE_ERROR_CLIP = 0.2  # Ziegler et al. 2019 clip the proportional error to [-0.2, 0.2]
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
     """Per-token KL estimate, same shape as the (equal-shaped) inputs.
 
-    k3 is computed as ``expm1(d) - d`` (precise near 0) and clamped at 0 against rounding.
-    All three are exactly 0 where ``logp == ref_logp``.
+    k3 is ``bounded_k3`` (see the module docstring). All three are exactly 0 where
+    ``logp == ref_logp``.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
@@ -40,7 +48,14 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k1
         return -d  # [...]
     if estimator == "k2":
         return 0.5 * d * d  # [...]
-    return (torch.expm1(d) - d).clamp_min(0.0)  # [...]
+    return bounded_k3(d)  # [...]
+
+
+def bounded_k3(d: torch.Tensor) -> torch.Tensor:
+    """k3 ``exp(d) - d - 1`` of the log-ratio ``d = ref_logp - logp``, bounded: ``d`` clamped to
+    ``[-20, 20]``, the result to ``[0, 10]``. Computed as ``expm1(d) - d`` (precise near 0)."""
+    d = d.clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)  # [...]
+    return (torch.expm1(d) - d).clamp(0.0, K3_CLAMP)  # [...]
 
 
 def sequence_kl(kl_tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

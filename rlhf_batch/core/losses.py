@@ -29,6 +29,8 @@ from collections.abc import Callable
 import torch
 from tensordict import TensorClass
 
+from rlhf_batch.core.kl import bounded_k3
+
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
@@ -64,9 +66,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def k3(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator ``exp(ref - logp) - (ref - logp) - 1`` (>= 0), 0 on padding."""
+    """Per-token k3 estimator ``exp(ref - logp) - (ref - logp) - 1``, 0 on padding, bounded as
+    ``core.kl.bounded_k3`` bounds it (log-ratio clamped to +-20, value to [0, 10])."""
     d = torch.where(mask, ref - logp, 0.0)  # [B, T], masked before exp
-    return torch.exp(d) - d - 1.0  # [B, T]
+    return bounded_k3(d)  # [B, T]
 
 
 def _aggregate(

@@ -7,6 +7,18 @@ rows shared its batch (up to the floating-point effects of batch shape). The beh
 of each sampled token is log_softmax(logits / temperature) over the full vocabulary in float32
 (before top-k / top-p filtering), the same definition score and train use. With
 generate.engine = "vllm", vLLM samples the rows instead (VLLMEngine), under the same definitions.
+
+Ends and special tokens: a row stops on every end token the model declares (the tokenizer's
+EOS, each id of `generation_config.eos_token_id`, which may be a list, and the token a chat
+template closes an assistant turn with, e.g. `<|im_end|>`). The pad token is never sampled
+(unless it is also a stop token): it is filtered out like top-k, the log-prob keeps the full
+vocabulary. `response` is the text the model wrote with special tokens kept (`<|unk|>`,
+`<|im_start|>`, ...), only the final stop token left out, so a reward function sees them; the
+manifest counts the rollouts holding one (`with_special_tokens`).
+
+Prompt batches: with `generate.prompts_per_iteration` > 0 iteration K takes its batch of a
+per-epoch seeded shuffle of the prompt set (core/prompt_batches.py); the manifest records the
+epoch and the positions (`prompt_batch`).
 """
 
 from __future__ import annotations
@@ -50,7 +62,7 @@ class Generate(Stage):
         from rlhf_batch.models import load_tokenizer
 
         self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
-        self.prompts = load_prompts(self.cfg.generate, self.tok)
+        self.prompts = load_prompts(self.cfg.generate, self.tok, self.iteration, self.cfg.seed)
         return math.ceil(len(self.prompts.ids) / self.cfg.generate.prompts_per_part)
 
     def progress_total(self, todo: list[int]) -> int:
@@ -68,14 +80,20 @@ class Generate(Stage):
             self.engine, self.tok, self.prompts, n, self.cfg, self.iteration, self.policy, bar
         )
         schema = with_extra(ROLLOUTS, self.prompts.carried.schema)
-        return Part(table, schema, {"rollouts": table.num_rows})
+        counts = {"rollouts": table.num_rows, "with_special_tokens": _with_special(table, self.tok)}
+        return Part(table, schema, counts)
 
     def manifest_extra(self) -> dict[str, Any]:
         engine = {
             "engine": self.cfg.generate.engine,
             "engine_version": engine_version(self.cfg.generate.engine),
         }
-        return {"prompt_counts": self.prompts.counts, "policy": self.policy, **engine}
+        return {
+            "prompt_counts": self.prompts.counts,
+            "policy": self.policy,
+            "prompt_batch": self.prompts.batch,
+            **engine,
+        }
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
@@ -118,6 +136,8 @@ class HFEngine:
         fault_point("rollouts:model-loaded")
         _check_lengths(self.model, prompts, self.g)
         self.stop_ids, self.pad_id = _stop_ids(self.model, tok), tok.pad_token_id
+        # the pad token is never sampled (unless it also ends a row)
+        self.banned_ids = set() if self.pad_id is None else {self.pad_id} - self.stop_ids
 
     def sample(
         self, prompts: list[list[int]], seeds: list[int], bar: Any
@@ -141,6 +161,7 @@ class HFEngine:
                 top_k=g.top_k,
                 stop_ids=self.stop_ids,
                 pad_id=self.pad_id,
+                banned_ids=self.banned_ids,
             )
             for r, res in zip(batch, out, strict=True):
                 results[r] = res
@@ -214,7 +235,10 @@ def generate_part(
         "sample_idx": [s for _, s in rows],
         "prompt": [prompts.texts[i] for i, _ in rows],
         "prompt_ids": [prompts.tokens[i] for i, _ in rows],
-        "response": tok.batch_decode([r[0] for r in results], skip_special_tokens=True),
+        # special tokens kept; a row that stopped ends with its stop token, left out of the text
+        "response": tok.batch_decode(
+            [r[0][:-1] if r[2] == "stop" else r[0] for r in results], skip_special_tokens=False
+        ),
         "response_ids": [r[0] for r in results],
         "behavior_logprobs": [r[1] for r in results],
         "finish_reason": [r[2] for r in results],
@@ -231,4 +255,37 @@ def _stop_ids(model: Any, tok: Any) -> set[int]:
     ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     extra = getattr(model.generation_config, "eos_token_id", None)
     ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
-    return ids
+    return ids | _end_of_turn(tok)
+
+
+def _special_ids(tok: Any) -> set[int]:
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    return set(tok.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
+
+
+def _end_of_turn(tok: Any) -> set[int]:
+    """The special token the chat template closes an assistant turn with (none without one)."""
+    if not getattr(tok, "chat_template", None):
+        return set()
+    marker = "ZQXJ"
+    turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tok.apply_chat_template(turn, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render an assistant turn has no end token to add
+        return set()
+    if not isinstance(text, str) or marker not in text:
+        return set()
+    ids = tok(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+    return {ids[0]} if ids and ids[0] in _special_ids(tok) else set()
+
+
+def _with_special(table: pa.Table, tok: Any) -> int:
+    """Rollouts whose response holds a special token before its final stop token (a row that
+    finished with 'stop' ends with the token that stopped it)."""
+    special = _special_ids(tok)
+    n = 0
+    ids_col, reasons = table.column("response_ids").to_pylist(), table.column("finish_reason").to_pylist()
+    for ids, reason in zip(ids_col, reasons, strict=True):
+        body = ids[:-1] if reason == "stop" else ids
+        n += any(i in special for i in body)
+    return n

@@ -11,6 +11,12 @@ Columns (``schemas.SCORES`` plus extras):
   (float64), ``kl_coef`` the beta used (0 when ``kl_in_reward`` is off) and
   ``reward = score - kl_coef * kl_sum`` (null when ``score`` is null; counted as ``unscored``).
 
+No KL, no reference: when KL is used neither in the reward (``kl_in_reward`` off or
+``kl_reward_coef`` 0) nor in the loss (``train.kl_loss_coef`` 0), ``ref_logprobs``, ``kl`` and
+``kl_sum`` are null, ``kl_coef`` is 0 and ``reward = score``; the reference model is not loaded, so
+reward functions alone cost no model forward (the reference's config and tokenizer are still
+read to check the rollouts' token ids). train's ``kl_to_ref`` metric is then 0.
+
 Reference == policy: when a rollout's ``policy`` column names the reference model's directory,
 its reference log-probs ARE its behaviour log-probs (same weights, same log-prob definition), so
 they are copied instead of recomputed: ``kl`` is exactly 0 and no reference forward runs. Any
@@ -66,7 +72,7 @@ class Score(Stage):
     name, folder, unit, unit_scale = "score", layout.SCORES, "tok", True
 
     def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "ref_model": self.cfg.ref}
+        return {**super().identity(), "ref_model": self.cfg.ref, "ref_logprobs": kl_used(self.cfg)}
 
     def inputs(self) -> dict[str, Any]:
         cfg, it = self.cfg, self.iteration
@@ -122,8 +128,18 @@ class Score(Stage):
         return Part(table, table.schema, counts)
 
     def manifest_extra(self) -> dict[str, Any]:
-        extra = controller_extra(self.sdir, self.plan(), self.ctl, self.kl_coef)
+        extra = (
+            controller_extra(self.sdir, self.plan(), self.ctl, self.kl_coef)
+            if kl_used(self.cfg)
+            else {"kl_coef": 0.0, "mean_kl_sum": None, "kl_controller": self.ctl.state_dict()}
+        )
         return {**extra, "max_tokens_per_batch": self.cfg.score.max_tokens_per_batch}
+
+
+def kl_used(cfg: Config) -> bool:
+    """KL to the reference enters the reward or the loss, so score computes reference log-probs."""
+    s = cfg.score
+    return (s.kl_in_reward and s.kl_reward_coef > 0) or cfg.train.kl_loss_coef > 0
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
@@ -170,6 +186,7 @@ class Scorer:
 
     def __init__(self, cfg: Config, policies: list[str], fns: list[RewardFunction], kl_coef: float):
         self.cfg, self.fns, self.kl_coef = cfg, fns, kl_coef
+        self.kl = kl_used(cfg)
         self.device = dist.stage_device(cfg.device)
         self.ref_tok = check_tokenizers(cfg, policies)
         self.vocab_size = config_vocab_size(cfg.ref)
@@ -210,36 +227,46 @@ class Scorer:
         if self.rm is not None:
             seqs = self.rm.sequences(t, prompt_ids, response_ids)
             values[RM_COLUMN] = self.rm.scores(seqs, self.cfg.score.max_tokens_per_batch, progress).tolist()
-        r_len = np.array([len(r) for r in response_ids], dtype=np.int64)  # [B]
-        beh = pc.list_flatten(t["behavior_logprobs"]).to_numpy().astype(np.float32)  # [N]
-        ref = self.ref_logprobs(t, prompt_ids, response_ids, beh, r_len, progress)  # [N]
-        kl = kl_estimate(
-            torch.from_numpy(beh).double(), torch.from_numpy(ref).double(), self.cfg.score.kl_estimator
-        )  # [N] float64
-        kl_sum = _sequence_sums(kl, r_len)  # [B] float64
         weights = {rf.column: rf.weight for rf in self.fns}
         if self.rm is not None:
             weights[RM_COLUMN] = self.cfg.score.reward_model_weight
         raw = weighted_sum(values, weights, len(rid))
         score = [clip(x, self.cfg.score.score_clip) for x in raw]
+        r_len = np.array([len(r) for r in response_ids], dtype=np.int64)  # [B]
         offsets = pa.array(np.concatenate([[0], np.cumsum(r_len)]).astype(np.int32))  # [B + 1]
+        n = len(rid)
+        reward: list[float | None] = score  # no KL used
+        if self.kl:
+            beh = pc.list_flatten(t["behavior_logprobs"]).to_numpy().astype(np.float32)  # [N]
+            ref = self.ref_logprobs(t, prompt_ids, response_ids, beh, r_len, progress)  # [N]
+            kl = kl_estimate(
+                torch.from_numpy(beh).double(), torch.from_numpy(ref).double(), self.cfg.score.kl_estimator
+            )  # [N] float64
+            kl_sum = _sequence_sums(kl, r_len)  # [B] float64
+            kl_cols: dict[str, Any] = {
+                "ref_logprobs": pa.ListArray.from_arrays(offsets, pa.array(ref, pa.float32())),
+                "kl": pa.ListArray.from_arrays(offsets, pa.array(kl.float().numpy() + 0.0, pa.float32())),
+                "kl_sum": kl_sum.tolist(),
+            }
+            reward = _shaped(score, kl_sum, self.kl_coef)
+        else:  # no KL used: no reference forward, those columns null
+            progress(int(r_len.sum()) + sum(len(p) for p in prompt_ids))
+            kl_cols = {c: pa.nulls(n, SCORES.field(c).type) for c in ("ref_logprobs", "kl", "kl_sum")}
         cols: dict[str, Any] = {
             "rollout_id": t["rollout_id"].combine_chunks(),
             "prompt_id": t["prompt_id"].combine_chunks(),
             "reward_raw": raw,
             "score": score,
-            "ref_logprobs": pa.ListArray.from_arrays(offsets, pa.array(ref, pa.float32())),
-            "kl": pa.ListArray.from_arrays(offsets, pa.array(kl.float().numpy() + 0.0, pa.float32())),
-            "kl_sum": kl_sum.tolist(),
-            "kl_coef": [self.kl_coef] * len(rid),
-            "reward": _shaped(score, kl_sum, self.kl_coef),
+            **kl_cols,
+            "kl_coef": [self.kl_coef] * n,
+            "reward": reward,
             **values,
             **extra,
         }
         typed = [(c, pa.float64()) for c in values] + [(c, a.type) for c, a in extra.items()]
         schema = with_extra(SCORES, pa.schema(typed))
         table = pa.Table.from_arrays([pa.array(cols[f.name], f.type) for f in schema], schema=schema)
-        counts = {"rows": len(rid), "tokens": int(r_len.sum()), "unscored": sum(s is None for s in score)}
+        counts = {"rows": n, "tokens": int(r_len.sum()), "unscored": sum(s is None for s in score)}
         counts.update({f"unscored_{c}": sum(v is None for v in vals) for c, vals in values.items()})
         return table, counts
 

@@ -80,7 +80,8 @@ class Train(Stage):
         return {"advantages": adv["key"], "policy": prev.get("key")}
 
     def check(self) -> None:
-        self.data = load_rows(self.adv_dir)  # bad input fails before the folder is marked started
+        # bad input fails before the folder is marked started; null ref_logprobs only without the KL loss
+        self.data = load_rows(self.adv_dir, need_ref=self.cfg.train.kl_loss_coef > 0)
 
     def plan(self) -> int:
         return 0

@@ -46,7 +46,7 @@ class TrainRows:
     ids_off: np.ndarray  # [N + 1]
     prompt_lens: np.ndarray  # [N] int64
     old: np.ndarray  # [sum T] float32, behaviour log-probs (or recomputed ones)
-    ref: np.ndarray  # [sum T] float32, reference log-probs
+    ref: np.ndarray | None  # [sum T] float32, reference log-probs; None: all null (no KL used)
     resp_off: np.ndarray  # [N + 1]
     adv: np.ndarray  # [N] float32
     behavior: np.ndarray | None = None  # [sum T] the engine's log-probs, kept when `old` is recomputed
@@ -81,15 +81,22 @@ def _flat(arr: pa.ListArray, dtype: Any) -> np.ndarray:
     return np.asarray(arr.flatten().to_numpy(zero_copy_only=False), dtype=dtype)
 
 
-def load_rows(sdir: Path) -> TrainRows:
-    """Read and check a complete advantages stage; errors name the directory, rollout and column."""
+def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
+    """Read and check a complete advantages stage; errors name the directory, rollout and column.
+    `ref_logprobs` may be null in every row (score used no KL) unless `need_ref`."""
     table = read_stage(sdir, ADVANTAGES, columns=COLUMNS).combine_chunks()
     if table.num_rows == 0:
         raise StageError(
             f"{sdir}: the advantages table has 0 rows (every group filtered out?); nothing to train on"
         )
     rids = table.column("rollout_id").to_pylist()
-    for name in COLUMNS[1:]:
+    no_ref = table.column("ref_logprobs").null_count == table.num_rows  # score used no KL
+    if no_ref and need_ref:
+        raise StageError(
+            f"{sdir}: train.kl_loss_coef > 0 needs ref_logprobs, but they are null (scored without KL); "
+            "score the iteration again with train.kl_loss_coef set"
+        )
+    for name in [c for c in COLUMNS[1:] if not (no_ref and c == "ref_logprobs")]:
         col = table.column(name)
         if col.null_count:
             row = pc.index(pc.is_null(col), True).as_py()
@@ -98,7 +105,7 @@ def load_rows(sdir: Path) -> TrainRows:
     plen = table.column("prompt_len").to_numpy().astype(np.int64)  # [N]
     resp = seq - plen  # [N]
     _check(sdir, rids, (plen < 1) | (resp < 0), "prompt_len", "must be in [1, len(input_ids)]")
-    for name in ("behavior_logprobs", "ref_logprobs"):
+    for name in ("behavior_logprobs",) if no_ref else ("behavior_logprobs", "ref_logprobs"):
         n = pc.list_value_length(table.column(name)).to_numpy().astype(np.int64)  # [N]
         _check(sdir, rids, n != resp, name, "must have one value per response token")
     adv = table.column("advantage").to_numpy().astype(np.float32)  # [N]
@@ -106,9 +113,12 @@ def load_rows(sdir: Path) -> TrainRows:
     if resp.sum() == 0:
         raise StageError(f"{sdir}: no row has a response token; nothing to train on")
     chunk = {name: table.column(name).chunk(0) for name in COLUMNS[1:]}
-    old, ref = _flat(chunk["behavior_logprobs"], np.float32), _flat(chunk["ref_logprobs"], np.float32)
+    old = _flat(chunk["behavior_logprobs"], np.float32)
+    ref = None if no_ref else _flat(chunk["ref_logprobs"], np.float32)
     resp_off = _offsets(resp)
     for name, flat in (("behavior_logprobs", old), ("ref_logprobs", ref)):
+        if flat is None:
+            continue
         bad = np.flatnonzero(~np.isfinite(flat))  # token positions; a NaN would poison the loss
         if bad.size:
             row = int(np.searchsorted(resp_off, bad[0], side="right")) - 1
@@ -228,7 +238,8 @@ def micro_batch(s: TrainRows, rows: Sequence[int], device: Any) -> Any:
     for k, i in enumerate(rows):
         ids[k, : seq[k]] = s.ids[s.ids_off[i] : s.ids_off[i + 1]]
         old[k, : resp[k]] = s.old[s.resp_off[i] : s.resp_off[i + 1]]
-        ref[k, : resp[k]] = s.ref[s.resp_off[i] : s.resp_off[i + 1]]
+        if s.ref is not None:
+            ref[k, : resp[k]] = s.ref[s.resp_off[i] : s.resp_off[i + 1]]
     mask = np.arange(t)[None, :] < resp[:, None]  # [B, T]
     extra = {}
     if s.behavior is not None:  # truncated importance sampling: the engine's log-probs too
@@ -242,7 +253,7 @@ def micro_batch(s: TrainRows, rows: Sequence[int], device: Any) -> Any:
         "seq_lens": seq,
         "prompt_lens": s.prompt_lens[rows],
         "old_logprobs": old,
-        "ref_logprobs": ref,
+        **({} if s.ref is None else {"ref_logprobs": ref}),
         "advantages": s.adv[rows],
         "mask": mask,
     }

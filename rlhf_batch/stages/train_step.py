@@ -140,7 +140,7 @@ class Trainer:
                     td["old_logprobs"],
                     td["advantages"],
                     mask,
-                    ref_logprobs=td["ref_logprobs"],
+                    ref_logprobs=td.get("ref_logprobs", None),
                     entropy=ent if tc.entropy_coef else ent.detach(),
                     denominator=denominator,
                     behavior_logprobs=td.get("behavior_logprobs", None),

@@ -35,6 +35,8 @@ ROWS = {  # benchmark script -> the rows it must append
         "train LoRA tokens/s",
         "train LoRA trainable parameters",
     ],
+    # TRL's side runs only where .venv-trl exists (make trl); make test does not install it
+    "bench_learning.py": ["learning: mean score by iteration", "learning: best score", "learning: wall time"],
 }
 
 

@@ -44,6 +44,19 @@ def test_estimators_by_hand() -> None:
     assert kl_estimate(ref, logp, "k3").item() == pytest.approx(0.7182818284590451, rel=1e-12)
 
 
+def test_k3_estimate_is_bounded_k1_k2_are_not() -> None:
+    # logp = -15, ref = 0: d = 15. k3 = e^15 - 16 ~ 3.27e6 -> clamped to 10;
+    # k1 = logp - ref = -15 ; k2 = 0.5 * 15^2 = 112.5 (no clamp)
+    logp, ref = torch.tensor(-15.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
+    assert kl_estimate(logp, ref, "k3").item() == 10.0
+    assert kl_estimate(logp, ref, "k1").item() == -15.0
+    assert kl_estimate(logp, ref, "k2").item() == 112.5
+    # d = 2.3: e^2.3 - 3.3 = 9.974182455 - 3.3 = 6.674182455, below the bound
+    assert kl_estimate(
+        torch.tensor(0.0, dtype=torch.float64), torch.tensor(2.3, dtype=torch.float64), "k3"
+    ).item() == (pytest.approx(6.674182455, rel=1e-9))
+
+
 def test_default_estimator_is_k1_and_any_shape() -> None:
     # k1 = logp - ref elementwise; 0-D and [2, 1, 2] shapes are preserved
     assert kl_estimate(torch.tensor(-0.5), torch.tensor(-1.5)).item() == 1.0

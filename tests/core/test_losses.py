@@ -567,3 +567,34 @@ def test_property_micro_batches_sum_to_big_batch(c: Case) -> None:
     b, gb = c.run(slice(c.split, None), denominator=max(n, 1))
     assert torch.allclose(a.loss + b.loss, big.loss, atol=1e-5)
     assert torch.allclose(torch.cat([ga, gb]), grad, atol=1e-6)
+
+
+def test_k3_is_bounded_at_the_clamps() -> None:
+    # d = ref - logp, clamped to [-20, 20], then k3 = e^d - d - 1 clamped to [0, 10].
+    # d = 2:     e^2 - 3 = 7.389056 - 3 = 4.389056               (no clamp binds)
+    # d = 2.5:   e^2.5 - 3.5 = 12.182494 - 3.5 = 8.682494         (just under 10)
+    # d = 3:     e^3 - 4 = 20.085537 - 4 = 16.085537 -> 10         (value clamp)
+    # d = 25:    clamped to 20 -> e^20 - 21 ~ 4.85e8 -> 10         (both clamps)
+    # d = -10.5: e^-10.5 + 10.5 - 1 = 0.0000275 + 9.5 = 9.5000275  (no clamp binds)
+    # d = -12:   e^-12 + 11 = 11.0000061 -> 10                     (value clamp)
+    d = T_([[2.0, 2.5, 3.0, 25.0, -10.5, -12.0]])
+    logp = torch.zeros_like(d, requires_grad=True)
+    out = k3(logp, d, full_mask(1, 6))
+    expected = T_([[4.389056, 8.682494, 10.0, 10.0, 9.5000275, 10.0]])
+    assert torch.allclose(out, expected, atol=1e-5)
+    out.sum().backward()
+    # d k3 / d logp = 1 - e^d where no clamp binds, 0 where one does:
+    # d = 2: 1 - 7.389056 = -6.389056 ; d = 2.5: 1 - 12.182494 = -11.182494 ; d = -10.5: 1 - 0.0000275
+    expected_grad = T_([[-6.389056, -11.182494, 0.0, 0.0, 0.9999725, 0.0]])
+    assert torch.allclose(logp.grad, expected_grad, atol=1e-5)
+
+
+def test_kl_to_ref_metric_is_bounded() -> None:
+    # one token with logp = -30 under a reference that gives it 0: d = 30 -> clamped -> k3 = 10,
+    # one token at d = 0 -> 0: kl_to_ref = 5 (unbounded it would be (e^30 - 31) / 2 ~ 5.3e12)
+    logp = T_([[-30.0, 0.0]])
+    out = grpo_loss(
+        logp, logp.clone(), T_([0.0]), full_mask(1, 2), ref_logprobs=T_([[0.0, 0.0]]), kl_coef=1.0
+    )
+    close(out.kl_to_ref, 5.0)
+    close(out.loss_kl_to_ref, 5.0)

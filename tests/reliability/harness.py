@@ -43,9 +43,11 @@ def overrides(assets: Assets, run_dir: Path, iterations: int = ITERATIONS) -> li
         f"generate.prompts={assets.prompts}",
         f"iterations={iterations}",
         "threads=1",
+        "generate.prompts_per_iteration=0",  # all 48 prompts every iteration
         "generate.prompts_per_part=16",
         "score.rows_per_part=128",
         "advantage.rows_per_part=32",
+        "train.tokens_per_step=512",
         "train.checkpoint_every=2",
     ]
     return [a for s in sets for a in ("--set", s)]

@@ -699,9 +699,19 @@ def train_over_zero_rows(ctx: Ctx):  # noqa: ANN201
 @case
 def nan_reference_logprob_in_the_advantages(ctx: Ctx):  # noqa: ANN201
     args = _train(ctx)
+
+    def with_ref(t):  # noqa: ANN001, ANN202 - the demo scores without KL: give every row reference log-probs
+        return t.set_column(t.schema.get_field_index("ref_logprobs"), "ref_logprobs", t["behavior_logprobs"])
+
+    n = 1
+    while ctx.part("advantages", n).exists():
+        ctx.edit("advantages", with_ref, n=n)
+        n += 1
     ctx.edit(
         "advantages",
-        lambda t: set_row(t, "ref_logprobs", 3, [float("nan")] + t["ref_logprobs"][3].as_py()[1:]),
+        lambda t: set_row(
+            with_ref(t), "ref_logprobs", 3, [float("nan")] + t["behavior_logprobs"][3].as_py()[1:]
+        ),
     )
     return args, [f"rollout {ctx.rid('advantages', 3)}: column 'ref_logprobs' has a NaN or inf log-prob"]
 

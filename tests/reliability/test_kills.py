@@ -30,9 +30,9 @@ from tests.reliability.harness import (
     wait_for,
 )
 
-# Per stage at least: model load (advantage: its DuckDB pool built), mid-write of a part (between
-# the temporary file and its rename, or just after the rename), between the last part and the
-# manifest; then points of iteration 1 (the score stage loads its reference model only there).
+# Per stage at least: model load (advantage: its DuckDB pool built; score loads no model, the demo
+# uses no KL), mid-write of a part (between the temporary file and its rename, or just after the
+# rename), between the last part and the manifest; then points of iteration 1.
 CHAINS = {
     "generate+score": [
         "rollouts:model-loaded",
@@ -43,7 +43,7 @@ CHAINS = {
         "scores:part-1:done",
         "scores:manifest",
         "rollouts:part-0:tmp",
-        "scores:model-loaded",
+        "scores:part-0:done",
         "scores:part-2:tmp",  # iteration 1
     ],
     "advantage+train": [

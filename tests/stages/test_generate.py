@@ -34,7 +34,8 @@ def test_rollouts_table_ids_and_carried_columns(make_config) -> None:
         assert len(row["behavior_logprobs"]) == len(row["response_ids"]) <= 6
         assert row["finish_reason"] in ("stop", "length")
         assert (row["finish_reason"] == "length") == (
-            len(row["response_ids"]) == 6 and row["response_ids"][-1] != 0
+            len(row["response_ids"]) == 6
+            and row["response_ids"][-1] not in (0, 4)  # <|endoftext|>, <|im_end|>
         )
         assert row["policy"] == cfg.policy_model
 
@@ -100,10 +101,11 @@ def test_pad_equal_to_eos_keeps_the_eos_token_and_its_logprob(make_config, tmp_p
     _, cfg = make_config(policy_model=str(path))
     generate.run(cfg, 0, quiet=True)
     t = rollouts(cfg).to_pylist()
-    stopped = [r for r in t if r["finish_reason"] == "stop"]
+    assert all(r["response_ids"][-1] in (0, 4) for r in t if r["finish_reason"] == "stop")  # EOS, <|im_end|>
+    stopped = [r for r in t if r["finish_reason"] == "stop" and r["response_ids"][-1] == 0]
     assert stopped, "the EOS-biased model should stop some responses"
     for r in stopped:
-        assert r["response_ids"][-1] == 0 and len(r["behavior_logprobs"]) == len(r["response_ids"])
+        assert len(r["behavior_logprobs"]) == len(r["response_ids"])
     with torch.no_grad():
         logp, mask, _ = response_logprobs(
             model,
@@ -307,3 +309,63 @@ def test_changing_reward_or_ref_model_does_not_refuse_complete_rollouts(make_con
     assert not executor.is_done(generate.Generate(hotter, 0))
     with pytest.raises(StageError, match=r"config.generate.temperature: 1.0 on disk, 0.5 now"):
         generate.run(hotter, 0, quiet=True)
+
+
+def test_prompt_batches_follow_the_seeded_epoch_order_and_are_recorded(
+    make_config, demo_prompts: Path
+) -> None:
+    from rlhf_batch.core.prompt_batches import epoch_order
+    from rlhf_batch.prompts import run_iterations
+
+    # 12 prompts, B = 5: 12 // 5 = 2 iterations per epoch (2 rows of each epoch unused)
+    _, cfg = make_config("[generate]\nprompts_per_iteration = 5", seed=3)
+    file_ids = [json.loads(line)["id"] for line in demo_prompts.read_text().splitlines()]
+    taken = []
+    for it in range(3):
+        if it:  # a stand-in for iteration it-1's trained policy
+            init_model(layout.policy_dir(cfg.run_dir, it - 1), seed=it)
+            executor.claim(layout.folder(cfg.run_dir, it - 1, "train"), "train", {"test": True}, {}).finish(0)
+        m = generate.run(cfg, it, quiet=True)
+        ids = rollouts(cfg, it).column("prompt_id").to_pylist()
+        assert m["rows"] == len(ids) == 5 * 4
+        taken.append((m["prompt_batch"], list(dict.fromkeys(ids))))
+    # iteration 0: epoch 0 positions [0, 5); 1: epoch 0 [5, 10); 2: epoch 1 [0, 5)
+    assert [(b["epoch"], b["positions"]) for b, _ in taken] == [(0, [0, 5]), (0, [5, 10]), (1, [0, 5])]
+    for b, ids in taken:
+        order = epoch_order(12, 3, b["epoch"])
+        assert b["rows"] == order[b["positions"][0] : b["positions"][1]].tolist()
+        assert ids == [file_ids[r] for r in b["rows"]] and b["prompts_in_set"] == 12
+    assert not set(taken[0][1]) & set(taken[1][1])  # one epoch takes each prompt at most once
+    # the run is sized in epochs: 2 epochs x 2 iterations
+    _, by_epochs = make_config("[generate]\nprompts_per_iteration = 5", epochs=2, name="e.toml")
+    assert run_iterations(by_epochs) == 4
+    _, too_big = make_config(
+        "[generate]\nprompts_per_iteration = 13", name="big.toml", run_dir=str(cfg.run_dir) + "2"
+    )
+    with pytest.raises(
+        StageError, match="generate.prompts_per_iteration: prompts_per_iteration = 13 exceeds the 12"
+    ):
+        generate.run(too_big, 0, quiet=True)
+
+
+def test_stops_on_every_end_token_never_samples_pad_and_keeps_special_tokens_in_the_text(make_config) -> None:
+    # At temperature 50 the tiny model samples nearly uniformly over its 105 tokens: in 12 x 16
+    # rollouts of up to 16 tokens, each special token would appear ~20+ times if it could.
+    _, cfg = make_config(generate={"temperature": 50.0, "num_generations": 16, "max_new_tokens": 16})
+    m = generate.run(cfg, 0, quiet=True)
+    tok = load_tokenizer(cfg.policy_model)
+    eos, pad, unk, im_start, im_end = (
+        tok.convert_tokens_to_ids(t)
+        for t in ("<|endoftext|>", "<|pad|>", "<|unk|>", "<|im_start|>", "<|im_end|>")
+    )
+    rows = rollouts(cfg).to_pylist()
+    assert all(pad not in r["response_ids"] for r in rows)  # never sampled
+    ends = {r["response_ids"][-1] for r in rows if r["finish_reason"] == "stop"}
+    assert ends == {eos, im_end}  # the chat template's end of turn ends a response too
+    for r in rows:
+        body = r["response_ids"][:-1] if r["finish_reason"] == "stop" else r["response_ids"]
+        assert eos not in body and im_end not in body  # nothing after an end token
+        assert r["response"] == tok.decode(body, skip_special_tokens=False)
+    holding = [r for r in rows if {unk, im_start} & set(r["response_ids"])]
+    assert holding and all("<|unk|>" in r["response"] or "<|im_start|>" in r["response"] for r in holding)
+    assert m["counts"]["with_special_tokens"] == len(holding)

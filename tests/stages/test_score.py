@@ -285,12 +285,39 @@ def test_kl_sign_and_estimators(make_config, estimator: str, delta: float, per_t
             assert (r["reward"] < r["score"]) == (delta > 0)
 
 
-def test_kl_out_of_the_reward_keeps_kl_and_sets_kl_coef_0(make_config) -> None:
-    _, cfg = make_config(score={"kl_in_reward": False})
+def test_kl_out_of_the_reward_but_in_the_loss_keeps_kl_and_sets_kl_coef_0(make_config) -> None:
+    _, cfg = make_config(score={"kl_in_reward": False}, train={"kl_loss_coef": 0.1})
     write_rollouts(cfg, policy="other", delta=0.25)
     score.run(cfg, 0, quiet=True)
     for r in scores(cfg):
         assert r["kl_coef"] == 0.0 and r["reward"] == r["score"] and r["kl_sum"] > 0.7  # 3+ tokens x 0.25
+
+
+@pytest.mark.parametrize("no_kl", [{"kl_in_reward": False}, {"kl_reward_coef": 0.0}])
+def test_no_reference_forward_when_no_kl_is_used(
+    make_config, tiny_model: Path, tmp_path: Path, no_kl
+) -> None:
+    # The reference: the policy's config and tokenizer with unreadable weights, so any attempt to
+    # load it (for a forward pass) fails; rollouts of another policy would need that forward.
+    ref = shutil.copytree(tiny_model, tmp_path / "ref_without_weights")
+    for w in ref.glob("*.safetensors"):
+        w.write_bytes(b"not safetensors")
+    _, cfg = make_config(score=no_kl, ref_model=str(ref))
+    write_rollouts(cfg, policy="other", delta=0.25)
+    m = score.run(cfg, 0, quiet=True)
+    rows = scores(cfg)
+    assert len(rows) == 12
+    for r in rows:
+        assert r["ref_logprobs"] is None and r["kl"] is None and r["kl_sum"] is None
+        assert r["kl_coef"] == 0.0 and r["reward"] == r["score"] is not None
+    assert m["mean_kl_sum"] is None and m["kl_coef"] == 0.0
+    # the same rollouts with KL in the reward do need the reference's weights
+    _, with_kl = make_config(
+        score={"kl_reward_coef": 0.1}, ref_model=str(ref), run_dir=str(tmp_path / "kl"), name="kl.toml"
+    )
+    write_rollouts(with_kl, policy="other", delta=0.25)
+    with pytest.raises(Exception, match="safetensors|header|deserializ"):
+        score.run(with_kl, 0, quiet=True)
 
 
 def test_adaptive_controller_beta_carries_from_iteration_to_iteration(make_config) -> None:

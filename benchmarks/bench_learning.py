@@ -1,0 +1,262 @@
+"""Learning, side by side with TRL: the demo task with rlhf-batch and with TRL's GRPOTrainer.
+
+Both start from the same tiny model (`rlhf_batch.tiny.init_model`, seed 0) and the same 256
+demo prompts, with the same G, learning rate, PPO epochs, clip range, prompts per iteration,
+max new tokens and temperature, no KL, on one torch thread each. Recorded per iteration: the
+mean score of the rollouts sampled in that iteration (before training on them); and the wall
+time of the whole process (Python start-up, imports, model loads, the loop) and of the loop
+alone (ours: every stage of every iteration, in-process as `run` does it with
+`in_process = true`; TRL: `trainer.train()`). Rows go to benchmarks/results.md, the curves to
+benchmarks/learning.png.
+
+TRL runs in its own venv, `.venv-trl` (`make trl`, pinned by constraints-trl.txt with the same
+torch); without it (as in the smoke test) only rlhf-batch runs and the TRL cells read '-'.
+
+    make bench-learning                      # creates .venv-trl if missing, then runs this
+    .venv/bin/python benchmarks/bench_learning.py --iterations 30
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+TRL_PYTHON = common.ROOT / ".venv-trl" / "bin" / "python"
+DEMO = common.ROOT / "pipelines" / "demo.toml"
+# The settings both sides share; ours come from pipelines/demo.toml, checked against these.
+SHARED = {
+    "num_generations": 8,
+    "prompts_per_iteration": 64,
+    "max_new_tokens": 8,
+    "temperature": 1.0,
+    "lr": 5e-3,
+    "ppo_epochs": 2,
+    "eps": 0.1,
+    "max_grad_norm": 1.0,
+}
+TRL_ROLLOUTS_PER_STEP = 64  # ours: tokens_per_step = 256, ~50-60 rollouts of the demo's ~4-8 tokens
+
+
+def mapping(b: int) -> str:
+    return (
+        f"G: num_generations = num_generations (8); prompts/iteration: prompts_per_iteration ({b}) = "
+        f"generation_batch_size / num_generations ({8 * b} / 8); PPO epochs: ppo_epochs = num_iterations (2); "
+        "clip: eps_low = epsilon (0.1); lr 5e-3 constant, no warmup, AdamW defaults, max_grad_norm 1; "
+        "KL: kl_in_reward false, train.kl_loss_coef 0 = beta 0; aggregation token_mean = loss_type 'dapo'; "
+        "advantage grpo (r - mean) / (std + 1e-6) = scale_rewards 'group' (std + 1e-4); "
+        f"optimizer step: tokens_per_step 256 (~50-60 rollouts) vs per_device_train_batch_size "
+        f"{TRL_ROLLOUTS_PER_STEP} x steps_per_generation {8 * b // TRL_ROLLOUTS_PER_STEP}; max new tokens 8, "
+        "temperature 1; "
+        "differences: ours drops zero-variance groups from the token count, stops also on <|im_end|> "
+        "and keeps special tokens in the text the reward sees (TRL decodes with skip_special_tokens)"
+    )
+
+
+def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
+    from rlhf_batch.config import load_config
+    from rlhf_batch.models import set_threads
+    from rlhf_batch.pipeline import reward_by_iteration
+
+    overrides = [f"run_dir={spec['run_dir']}", f"iterations={spec['iterations']}"]
+    overrides += [f"generate.prompts_per_iteration={spec['prompts_per_iteration']}"]
+    overrides += [f"generate.prompts={spec['prompts']}", f"policy_model={spec['model']}", "demo=false"]
+    cfg = load_config(DEMO, overrides)
+    set_threads(cfg.threads)
+    from rlhf_batch.executor import execute
+    from rlhf_batch.stages.registry import pipeline
+
+    stage_classes = pipeline()  # imports (torch, transformers, duckdb) before the clock, as TRL's
+    t0 = time.perf_counter()
+    for it in range(cfg.iterations):
+        for stage_class in stage_classes:
+            execute(stage_class(cfg, it), quiet=True)
+    loop = time.perf_counter() - t0
+    return {"loop_s": loop, "scores": [r["score"] for r in reward_by_iteration(cfg)]}
+
+
+def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
+    import importlib.util
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)
+    mod_spec = importlib.util.spec_from_file_location("demo", common.ROOT / "rlhf_batch/rewards/demo.py")
+    demo = importlib.util.module_from_spec(mod_spec)  # type: ignore[arg-type]
+    mod_spec.loader.exec_module(demo)  # type: ignore[union-attr]
+    rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines()]
+    scores: list[float] = []
+
+    def letter_count(prompts, completions, letter, count, **_):  # noqa: ANN001, ANN202
+        s = demo.letter_count(prompts=prompts, responses=completions, letter=letter, count=count)
+        scores.append(sum(s) / len(s))  # one call per generation batch = one iteration
+        return s
+
+    g, b = SHARED["num_generations"], spec["prompts_per_iteration"]
+    per_step = min(TRL_ROLLOUTS_PER_STEP, g * b)
+    steps_per_gen = g * b // per_step
+    args = GRPOConfig(
+        output_dir=spec["run_dir"],
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        learning_rate=SHARED["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=SHARED["max_grad_norm"],
+        num_generations=g,
+        per_device_train_batch_size=per_step,
+        gradient_accumulation_steps=1,
+        steps_per_generation=steps_per_gen,
+        num_iterations=SHARED["ppo_epochs"],
+        max_steps=spec["iterations"] * steps_per_gen * SHARED["ppo_epochs"],
+        epsilon=SHARED["eps"],
+        beta=0.0,
+        loss_type="dapo",
+        scale_rewards="group",
+        max_completion_length=SHARED["max_new_tokens"],
+        temperature=SHARED["temperature"],
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+    )
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=letter_count,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+    )
+    t0 = time.perf_counter()
+    trainer.train()
+    return {"loop_s": time.perf_counter() - t0, "scores": scores}
+
+
+def run_side(python: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """One side in a fresh process: its figures plus the whole process's wall time."""
+    cmd = [str(python), __file__, "--worker", name, "--spec", json.dumps(spec)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT, timeout=7200)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_learning: the {name} worker failed:\n{proc.stderr[-4000:]}")
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_s": wall}
+
+
+def best(scores: list[float]) -> tuple[float, int]:
+    i = max(range(len(scores)), key=lambda k: scores[k])
+    return scores[i], i
+
+
+def plot(path: Path, ours: list[float], trl: list[float] | None, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(len(ours)), ours, marker=".", label="rlhf-batch")
+    if trl:
+        ax.plot(range(len(trl)), trl, marker=".", label="TRL GRPOTrainer")
+    ax.set(xlabel="iteration", ylabel="mean score of the iteration's rollouts", title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = common.parser(__doc__ or "")
+    p.add_argument("--iterations", type=int, default=30)
+    p.add_argument("--png", type=Path, help="default: learning.png beside --results")
+    p.add_argument("--no-trl", action="store_true", help="run rlhf-batch only")
+    args = p.parse_args()
+    if args.worker:
+        spec = json.loads(args.spec)
+        common.emit(worker_ours(spec) if args.worker == "ours" else worker_trl(spec))
+        return
+    iterations = 2 if args.tiny else args.iterations
+    b = 16 if args.tiny else SHARED["prompts_per_iteration"]
+    use_trl = not args.no_trl and TRL_PYTHON.exists()
+    common.CACHE.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=common.CACHE) as tmp:
+        from rlhf_batch.rewards.demo import write_prompts
+        from rlhf_batch.tiny import init_model
+
+        model, prompts = (
+            init_model(Path(tmp, "model"), seed=0),
+            write_prompts(Path(tmp, "prompts.jsonl"), 256),
+        )
+        spec = {
+            "model": str(model),
+            "prompts": str(prompts),
+            "iterations": iterations,
+            "prompts_per_iteration": b,
+        }
+        ours = run_side(Path(sys.executable), "ours", {**spec, "run_dir": str(Path(tmp, "ours"))})
+        trl = run_side(TRL_PYTHON, "trl", {**spec, "run_dir": str(Path(tmp, "trl"))}) if use_trl else None
+    workload = (
+        f"demo task, 256 prompts, {b} per iteration x G 8, {iterations} iterations, tiny Qwen2 (2 layers), "
+        f"1 torch thread each; {mapping(b)}"
+    )
+    fmt = " ".join(f"{s:.3f}" for s in ours["scores"])
+    tfmt = " ".join(f"{s:.3f}" for s in trl["scores"]) if trl else "- (no .venv-trl: make trl)"
+    common.append_row(args.results, "learning: mean score by iteration", workload, "mean score", fmt, tfmt)
+    ob, oi = best(ours["scores"])
+    target, met = "-", None
+    cells = {"baseline": "-", "ratio": "-"}
+    if trl:
+        tb, ti = best(trl["scores"])
+        reach = next((k for k, s in enumerate(ours["scores"]) if s >= tb), None)
+        cells = {"baseline": f"{tb:.3f} at iteration {ti}"}
+        cells["ratio"] = (
+            f"ours reaches it at iteration {reach}" if reach is not None else "ours does not reach it"
+        )
+        target = "TRL's best score in no more iterations"
+        met = reach is not None and reach <= ti
+    common.append_row(
+        args.results,
+        "learning: best score",
+        "as above",
+        "best mean score (iteration)",
+        f"{ob:.3f} at iteration {oi}",
+        cells["baseline"],
+        cells["ratio"],
+        target=target,
+        met=met,
+    )
+    whole = f"whole process {ours['process_s']:.0f}s, loop {ours['loop_s']:.0f}s"
+    t_whole = f"whole process {trl['process_s']:.0f}s, loop {trl['loop_s']:.0f}s" if trl else "-"
+    ratio = f"{trl['process_s'] / ours['process_s']:.1f}x (whole processes)" if trl else "-"
+    common.append_row(
+        args.results,
+        "learning: wall time",
+        "as above",
+        "wall time",
+        whole,
+        t_whole,
+        ratio,
+        target="ours <= TRL's whole process / 2" if trl else "-",
+        met=(ours["process_s"] * 2 <= trl["process_s"]) if trl else None,
+    )
+    png = args.png or args.results.parent / "learning.png"
+    plot(png, ours["scores"], trl["scores"] if trl else None, f"demo task, {b} prompts x 8 per iteration")
+    print(f"plot: {png}")
+
+
+if __name__ == "__main__":
+    main()
