@@ -1,7 +1,7 @@
 """Atomic training checkpoints: weights, optimizer, RNG and data position; nothing is unpickled.
 
     <root>/step-00000012/model.safetensors   weights (safetensors save_model: tied weights ok)
-                         optimizer.pt        optimizer state, read with torch.load(weights_only=True)
+                         optimizer.safetensors + optimizer.json   optimizer state (optim_state.py)
                          rng.safetensors     torch CPU (and CUDA) RNG states
                          state.json          next step, stage key, metrics rows so far
 
@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from rlhf_batch import optim_state
 from rlhf_batch.errors import StageError
 
 PREFIX = "step-"
@@ -78,7 +79,8 @@ def save(
             save_model(model, str(tmp / "model.safetensors"))
         else:
             save_file(full[0], str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict() if full is None else full[1], tmp / "optimizer.pt")
+        optim = optimizer.state_dict() if full is None else full[1]
+        optim_state.save(tmp, optim, optim_state.param_names(model), {})
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -122,20 +124,14 @@ def load_latest(
     if state.get("key") != key:
         raise StageError(f"{path}: checkpoint of another config or input; re-run with --force to start over")
     if sharded:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = StateDictOptions(full_state_dict=True)  # each rank keeps its shard of the full tensors
         weights: dict[str, Any] = load_file(str(path / "model.safetensors"))
         set_model_state_dict(model, weights, options=full)
-        optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        set_optimizer_state_dict(model, optimizer, optim, options=full)
     else:
         load_model(model, str(path / "model.safetensors"), device=str(device))
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    optim_state.restore(path, model, optimizer, sharded)
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
     cuda = [rng[f"cuda{i}"] for i in range(len(rng) - 1) if f"cuda{i}" in rng]

@@ -128,8 +128,11 @@ class TrainConfig:
     ppo_epochs: int = knob(1, "train")
     lr: float = knob(1e-5, "train")
     weight_decay: float = knob(0.0, "train")
-    warmup_steps: int = knob(0, "train")
+    warmup_steps: int = knob(0, "train")  # over the run's optimizer steps (once per run)
     lr_schedule: Literal["constant", "cosine", "linear"] = knob("constant", "train")
+    # the schedule's length in optimizer steps over the whole run; 0: iterations x the steps of the
+    # first iteration that trains (recorded with the optimizer state and kept from then on)
+    total_steps: int = knob(0, "train")
     max_grad_norm: float = knob(1.0, "train")
     tokens_per_step: int = knob(65536, "train")  # real tokens per optimizer step (global)
     max_tokens_per_batch: int = knob(16384, "train")  # token budget of one micro-batch
@@ -153,6 +156,8 @@ class TrainConfig:
     def validate(self) -> None:
         _need(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
         _need(self.lr >= 0, "train.lr", "must be >= 0")
+        _need(self.total_steps >= 0, "train.total_steps", "must be >= 0 (0: estimated)")
+        _need(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _need(self.eps_low > 0, "train.eps_low", "must be > 0")
         _need(self.dual_clip == 0 or self.dual_clip > 1, "train.dual_clip", "must be 0 (off) or > 1")
         _need(self.tokens_per_step >= 1, "train.tokens_per_step", "must be >= 1")

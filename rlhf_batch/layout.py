@@ -7,6 +7,7 @@
     RUN_DIR/iter=0003/policy/                           the policy train writes (HF model dir)
     RUN_DIR/iter=0003/train/metrics.parquet             train's metrics, one row per step
     RUN_DIR/iter=0003/train/checkpoint/step-N/          train's checkpoints while it runs
+    RUN_DIR/iter=0003/train/optimizer/                  AdamW state at the end of the iteration
 
 A stage (a command: generate, import, score, advantage, train) writes one folder (rollouts,
 scores, advantages, train); the unit of work and of resume inside a folder is a *part*.
@@ -21,6 +22,7 @@ STARTED = "_started.json"
 LOCK = ".run.lock"
 METRICS_FILE = "metrics.parquet"
 CHECKPOINT_DIR = "checkpoint"
+OPTIMIZER_DIR = "optimizer"
 POLICY_DIR = "policy"
 ROLLOUTS, SCORES, ADVANTAGES, TRAIN = "rollouts", "scores", "advantages", "train"
 FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN)
@@ -42,6 +44,11 @@ def policy_dir(run_dir: str | Path, it: int) -> Path:
 
 def checkpoint_dir(run_dir: str | Path, it: int) -> Path:
     return folder(run_dir, it, TRAIN) / CHECKPOINT_DIR
+
+
+def optimizer_dir(run_dir: str | Path, it: int) -> Path:
+    """The AdamW state (and global step) train of iteration `it` ended with; `it + 1` starts from it."""
+    return folder(run_dir, it, TRAIN) / OPTIMIZER_DIR
 
 
 def part_name(rank: int, n: int) -> str:

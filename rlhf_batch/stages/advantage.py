@@ -34,9 +34,10 @@ Semantics (config [advantage]):
 * Manifest `counts`: rows_in, unscored, truncated, truncated_dropped, truncated_zeroed,
   rows_dropped_small, rows_dropped_zero_variance, rows_out, pooled_rows, groups_total,
   groups_dropped_small, groups_dropped_zero_variance, groups_out (current iteration only;
-  pooled_rows = older rows in the statistics); also `window_iters` and `batch_std`. Empty input,
-  or every group filtered, is a StageError saying which filter and how to relax it, raised
-  before anything is written. Identity: config = seed + [advantage]; inputs = content hashes of
+  pooled_rows = older rows in the statistics); also `window_iters` and `batch_std`. Empty input
+  is a StageError raised before anything is written. Every group filtered is not: the stage
+  writes 0 parts and its manifest says which filters did it and how to relax each
+  (`no_trainable_rows`); train then takes zero steps and carries the policy forward. Identity: config = seed + [advantage]; inputs = content hashes of
   the pooled rollouts/scores manifests (a re-scored iteration invalidates its advantages).
 * Integrity (checked before anything is written): every rollout has exactly one score row with
   its prompt_id, no rollout_id repeats, no reward is +/-inf. The score stage writes its rows in
@@ -110,7 +111,10 @@ class Advantage(Stage):
         _write_parts(self.con, out, self.cfg, self.iteration, self.params, todo, bar)
 
     def manifest_extra(self) -> dict[str, Any]:
-        return {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
+        extra = {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
+        if self.counts["rows_out"] == 0:  # train takes zero steps and says why
+            extra["no_trainable_rows"] = f"every training row was filtered out: {_why(self.counts, self.cfg)}"
+        return extra
 
     def close(self) -> None:
         if self.con is not None:
@@ -265,15 +269,11 @@ def _check(con: Any, run_dir: str) -> None:
 
 
 def _counts(con: Any, cfg: Config, iteration: int) -> dict[str, int]:
-    """What the filters did (the manifest's counts); an error when nothing is left to train on."""
+    """What the filters did (the manifest's counts). Nothing left to train on is not an error:
+    the stage writes 0 parts and says why in the manifest (`no_trainable_rows`)."""
     values = {"iter": iteration, "zero_truncated": cfg.advantage.truncated == "zero"}
     cur = con.execute(sql_text("advantage_counts"), values)
-    counts = {d[0]: int(v) for d, v in zip(cur.description, cur.fetchall()[0], strict=True)}
-    if counts["rows_out"] == 0:
-        raise StageError(
-            f"{_where(cfg, iteration)}: every training row was filtered out ({_why(counts, cfg)})"
-        )
-    return counts
+    return {d[0]: int(v) for d, v in zip(cur.description, cur.fetchall()[0], strict=True)}
 
 
 def _why(c: dict[str, int], cfg: Config) -> str:

@@ -48,6 +48,7 @@ class Stage:
     single_writer: ClassVar[bool] = False  # rank 0 writes every part (others only wait)
     unit: ClassVar[str] = "part"  # of the progress bar
     unit_scale: ClassVar[bool] = False
+    force: bool = False  # set by the executor: the run was asked to replace what differs
 
     def __init__(self, cfg: Config, iteration: int):
         self.cfg, self.iteration = cfg, iteration
