@@ -467,17 +467,13 @@ def test_iteration_starts_from_the_previous_policy(make_config, tiny_model: Path
     assert max_diff(w1, w0) == 0.0 < max_diff(w1, weights(tiny_model))
 
 
-def test_missing_empty_or_bad_advantages_are_named(make_config, tiny_model: Path) -> None:
+def test_missing_or_bad_advantages_are_named(make_config, tiny_model: Path) -> None:
+    # (an empty advantages table is not an error: train takes zero steps, test_train_carry.py)
     _, cfg = make_config()
     with pytest.raises(StageError, match=r"iter=0000/advantages: advantages are missing"):
         train.run(cfg, 0, quiet=True)
-    sdir = write_advantages(cfg.run_dir, ADVANTAGES.empty_table())
-    with pytest.raises(StageError, match="0 rows"):
-        train.run(cfg, 0, quiet=True)
     table = make_table(tiny_model, [3, 3], [2, 2])
     bad = table.set_column(4, "behavior_logprobs", pa.array([[-1.0, -1.0], [-1.0]], pa.list_(pa.float32())))
-    for p in sdir.iterdir():
-        p.unlink()
     write_advantages(cfg.run_dir, bad)
     with pytest.raises(StageError, match=r"rollout 0000-p0-1: column 'behavior_logprobs'"):
         train.run(cfg, 0, quiet=True)

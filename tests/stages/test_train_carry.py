@@ -154,3 +154,51 @@ def test_schedule_change_mid_run_is_refused_unless_force(make_config, tiny_model
     assert m["optimizer"]["changed"] == {"lr_schedule": ["linear", "cosine"]}
     # the new schedule at the run's steps 4..7 of 8: 0.5 (1 + cos(pi (s - 3) / 5)), s = 4: 0.904508
     assert metrics(cfg.run_dir, 1).column("lr").to_pylist()[0] == pytest.approx(1e-2 * 0.904508, rel=1e-5)
+
+
+def constant(*, responses: list[str], **_: Any) -> list[float]:
+    """A reward that tells no response apart: every group has zero variance."""
+    return [0.5] * len(responses)
+
+
+def test_run_goes_on_through_iterations_with_no_trainable_row(make_config, tiny_model: Path, capfd) -> None:
+    from rlhf_batch.pipeline import run_pipeline
+
+    score = {"reward_functions": ["tests.stages.test_train_carry:constant"], "kl_in_reward": False}
+    path, cfg = make_config(iterations=2, in_process=True, train={"lr": 1e-2}, score=score)
+    run_pipeline(path, [], quiet=True)
+    err = capfd.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2, err  # one line per iteration, saying why
+    assert warnings[1].startswith("warning: iteration 1: no trainable row (every training row was filtered")
+    assert "groups with zero reward variance" in warnings[1] and "policy is carried forward" in warnings[1]
+    for it in (0, 1):
+        m = manifests.manifest(layout.folder(cfg.run_dir, it, "train"))
+        assert (m["rows"], m["counts"]["steps"]) == (0, 0)
+        assert metrics(cfg.run_dir, it).num_rows == 0
+    # the policy after two empty iterations is the initial one, byte for byte
+    assert max_diff(weights(layout.policy_dir(cfg.run_dir, 1)), weights(tiny_model)) == 0.0
+    assert not layout.optimizer_dir(cfg.run_dir, 1).exists()  # no step was ever taken
+
+
+def test_an_empty_iteration_carries_the_optimizer_state_unchanged(make_config, tiny_model: Path) -> None:
+    _, cfg = make_config(train_toml(**KEYS), iterations=3)
+    write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8), iteration=0)
+    write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8).slice(0, 0), iteration=1)
+    write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8, seed=1), iteration=2)
+    for it in (0, 1, 2):
+        train.run(cfg, it, quiet=True)
+    opt0, opt1 = layout.optimizer_dir(cfg.run_dir, 0), layout.optimizer_dir(cfg.run_dir, 1)
+    for name in (optim_state.TENSORS, optim_state.META):
+        assert (opt1 / name).read_bytes() == (opt0 / name).read_bytes()
+    policy = [layout.policy_dir(cfg.run_dir, it) / "model.safetensors" for it in (0, 1)]
+    assert policy[1].read_bytes() == policy[0].read_bytes()
+    m2 = manifests.manifest(layout.folder(cfg.run_dir, 2, "train"))
+    # total = iterations (3) x 4 steps of iteration 0 = 12; iteration 2 goes on at step 4
+    assert m2["optimizer"] == {
+        "global_step_start": 4,
+        "global_step": 8,
+        "total_steps": 12,
+        "carried_from": 1,
+        "changed": {},
+    }
