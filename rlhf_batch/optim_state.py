@@ -48,8 +48,10 @@ def save(out: Path, state_dict: dict[str, Any], names: list[str], extra: dict[st
             else:
                 values.setdefault(name, {})[k] = v
     groups = [
-        {**{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"},
-         "params": [_name(p, names) for p in g["params"]]}
+        {
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"},
+            "params": [_name(p, names) for p in g["params"]],
+        }
         for g in state_dict["param_groups"]
     ]
     save_file(tensors, str(out / TENSORS))

@@ -92,7 +92,9 @@ class Train(Stage):
             from rlhf_batch.stages.train_empty import carry_forward
 
             carried = carry_forward(self.cfg, self.iteration, self.start, self.adv_dir, self.prev)
-            self.result = TrainResult([], self.cfg.train.ppo_epochs, 0, self.start, dist.rank_world()[1], carried)
+            self.result = TrainResult(
+                [], self.cfg.train.ppo_epochs, 0, self.start, dist.rank_world()[1], carried
+            )
         else:
             self.result = _train(self.cfg, self.iteration, self.start, out, self.data, bar, self.prev)
         self.result.optimizer["changed"] = self.changed

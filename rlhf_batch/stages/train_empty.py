@@ -21,7 +21,6 @@ def carry_forward(
     cfg: Any, iteration: int, start: str, adv_dir: Path, prev: tuple[Path, dict[str, Any]] | None
 ) -> dict[str, Any]:
     """Rank 0 writes; returns the manifest's `optimizer` entry (the global step is unchanged)."""
-    import pyarrow as pa
 
     from rlhf_batch.schemas import METRICS
 

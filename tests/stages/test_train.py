@@ -226,7 +226,10 @@ def test_train_writes_policy_metrics_and_manifest(make_config, tiny_model: Path)
     assert (m["rows"], counts["steps"], counts["sequences"], counts["tokens"]) == (6, 6, 12, 96)
     # no checkpoint left; the AdamW state the next iteration continues from
     assert sorted(p.name for p in sdir.iterdir()) == ["_manifest.json", "metrics.parquet", "optimizer"]
-    assert sorted(p.name for p in (sdir / "optimizer").iterdir()) == ["optimizer.json", "optimizer.safetensors"]
+    assert sorted(p.name for p in (sdir / "optimizer").iterdir()) == [
+        "optimizer.json",
+        "optimizer.safetensors",
+    ]
     assert m["optimizer"] == {
         "global_step_start": 0,
         "global_step": 6,

@@ -26,7 +26,12 @@ from tests.stages.test_train import make_table, max_diff, metrics, train_toml, w
 # 8 rows of 3 prompt + 4 response tokens, 8 tokens per step: 4 steps of 2 rows, in file order
 STEPS = ([0, 1], [2, 3], [4, 5], [6, 7])
 KEYS = dict(
-    lr=1e-2, warmup_steps=3, lr_schedule="linear", tokens_per_step=8, max_tokens_per_batch=64, checkpoint_every=2
+    lr=1e-2,
+    warmup_steps=3,
+    lr_schedule="linear",
+    tokens_per_step=8,
+    max_tokens_per_batch=64,
+    checkpoint_every=2,
 )
 # the run's schedule: total = iterations (2) x 4 steps = 8; warmup (s + 1) / 3 for s < 3, then
 # 1 - (s - 3) / 5: factors 1/3, 2/3, 1, 1 | 0.8, 0.6, 0.4, 0.2 (warmup once, decay over the run)
@@ -52,7 +57,9 @@ def plain_adamw(model_dir: Path, tables: list[pa.Table], *, reset_between_iterat
             old = torch.tensor([t["behavior_logprobs"][i] for i in rows])  # [2, 4]
             ref = torch.tensor([t["ref_logprobs"][i] for i in rows])  # [2, 4]
             adv = torch.tensor([t["advantage"][i] for i in rows], dtype=torch.float32)  # [2]
-            out = grpo_loss(logp, old, adv, mask, ref_logprobs=ref, eps_low=0.2, eps_high=0.2, denominator=8.0)
+            out = grpo_loss(
+                logp, old, adv, mask, ref_logprobs=ref, eps_low=0.2, eps_high=0.2, denominator=8.0
+            )
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -147,7 +154,9 @@ def test_schedule_change_mid_run_is_refused_unless_force(make_config, tiny_model
         write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8, seed=it), iteration=it)
     train.run(cfg, 0, quiet=True)
     _, cosine = make_config(train_toml(**{**KEYS, "lr_schedule": "cosine"}), name="c.toml", iterations=2)
-    with pytest.raises(StageError, match=r"train.lr_schedule 'linear' -> 'cosine' since iteration 0.*--force"):
+    with pytest.raises(
+        StageError, match=r"train.lr_schedule 'linear' -> 'cosine' since iteration 0.*--force"
+    ):
         train.run(cosine, 1, quiet=True)
     assert not layout.folder(cfg.run_dir, 1, "train").exists()  # refused before anything was written
     m = train.run(cosine, 1, force=True, quiet=True)
