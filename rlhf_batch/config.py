@@ -112,6 +112,10 @@ class AdvantageConfig:
     min_group_size: int = knob(2, "advantage")  # drop groups with fewer scored rollouts
     truncated: Literal["keep", "drop", "zero"] = knob("keep", "advantage")  # finish_reason = 'length'
     bucket_tokens: int = knob(64, "advantage")  # width of a length bucket
+    # dynamic sampling: fewer informative groups than this after the filters -> a top-up round
+    # of generate + score (the next prompts of the order); 0: off
+    min_groups: int = knob(0, "advantage")
+    max_topup_rounds: int = knob(2, "advantage")  # the cap on top-up rounds per iteration
     rows_per_part: int = knob(4096, "advantage")
 
     def validate(self) -> None:
@@ -120,6 +124,8 @@ class AdvantageConfig:
         _need(self.window >= 1, "advantage.window", "must be >= 1")
         _need(self.min_group_size >= 1, "advantage.min_group_size", "must be >= 1")
         _need(self.bucket_tokens >= 1, "advantage.bucket_tokens", "must be >= 1")
+        _need(self.min_groups >= 0, "advantage.min_groups", "must be >= 0 (0: off)")
+        _need(self.max_topup_rounds >= 0, "advantage.max_topup_rounds", "must be >= 0")
         _need(self.rows_per_part >= 1, "advantage.rows_per_part", "must be >= 1")
 
 

@@ -8,6 +8,7 @@
     RUN_DIR/iter=0003/train/metrics.parquet             train's metrics, one row per step
     RUN_DIR/iter=0003/train/checkpoint/step-N/          train's checkpoints while it runs
     RUN_DIR/iter=0003/train/optimizer/                  AdamW state at the end of the iteration
+    RUN_DIR/iter=0003/topup=01/rollouts/ (and scores/)  a top-up round of the iteration (topup.py)
 
 A stage (a command: generate, import, score, advantage, train) writes one folder (rollouts,
 scores, advantages, train); the unit of work and of resume inside a folder is a *part*.
@@ -32,9 +33,10 @@ def iter_dir(run_dir: str | Path, it: int) -> Path:
     return Path(run_dir) / f"iter={it:04d}"
 
 
-def folder(run_dir: str | Path, it: int, name: str) -> Path:
-    """The output folder `name` (rollouts, scores, advantages, train) of iteration `it`."""
-    return iter_dir(run_dir, it) / name
+def folder(run_dir: str | Path, it: int, name: str, topup: int = 0) -> Path:
+    """The output folder `name` (rollouts, scores, advantages, train) of iteration `it`; of its
+    top-up round `topup` when > 0 (rollouts and scores only)."""
+    return iter_dir(run_dir, it) / (f"topup={topup:02d}" if topup else "") / name
 
 
 def policy_dir(run_dir: str | Path, it: int) -> Path:

@@ -88,19 +88,25 @@ class Advantage(Stage):
         if self.iteration < 0:
             raise StageError(f"--iter must be >= 0, got {self.iteration}")
         self.window = _window(self.cfg, self.iteration)
-        return {
+        self.rounds = topup_rounds(self.cfg, self.iteration)
+        inputs = {
             f"iter={it:04d}/{folder}": manifests.file_fingerprint(
                 layout.folder(self.cfg.run_dir, it, folder) / layout.MANIFEST
             )
             for it in self.window
             for folder in (layout.ROLLOUTS, layout.SCORES)
         }
+        for r in self.rounds:  # top-up rounds of this iteration, one table with round 0
+            for folder in (layout.ROLLOUTS, layout.SCORES):
+                path = layout.folder(self.cfg.run_dir, self.iteration, folder, r) / layout.MANIFEST
+                inputs[f"iter={self.iteration:04d}/topup={r:02d}/{folder}"] = manifests.file_fingerprint(path)
+        return inputs
 
     def check(self) -> None:
         """Pool, check and count in DuckDB: bad or empty input fails before the folder is started."""
         self.tmp = layout.iter_dir(self.cfg.run_dir, self.iteration) / ".advantages-duckdb.tmp"
         self.con = _connect(self.tmp)
-        self.params = _prepare(self.con, self.cfg, self.iteration, self.window)
+        self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds)
         faults.fault_point("advantages:pool")
         self.counts = _counts(self.con, self.cfg, self.iteration)
 
@@ -112,6 +118,8 @@ class Advantage(Stage):
 
     def manifest_extra(self) -> dict[str, Any]:
         extra = {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
+        if self.cfg.advantage.min_groups:
+            extra["topup_rounds"] = self.rounds
         if self.counts["rows_out"] == 0:  # train takes zero steps and says why
             extra["no_trainable_rows"] = f"every training row was filtered out: {_why(self.counts, self.cfg)}"
         return extra
@@ -125,6 +133,29 @@ class Advantage(Stage):
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Advantages of iteration `iteration`; returns the manifest (existing one if complete)."""
     return execute(Advantage(cfg, iteration), force=force, quiet=quiet)
+
+
+def topup_rounds(cfg: Config, iteration: int) -> list[int]:
+    """The complete top-up rounds 1, 2, ... of iteration `iteration` (up to the first missing)."""
+    out: list[int] = []
+    for r in range(1, cfg.advantage.max_topup_rounds + 1):
+        folders = (layout.folder(cfg.run_dir, iteration, f, r) for f in (layout.ROLLOUTS, layout.SCORES))
+        if not all(manifests.manifest(d) is not None for d in folders):
+            break
+        out.append(r)
+    return out
+
+
+def informative_groups(cfg: Config, iteration: int) -> int:
+    """Groups of iteration `iteration` (round 0 and its complete top-up rounds) that the filters
+    leave: what `advantage.min_groups` is compared with."""
+    stage = Advantage(cfg, iteration)
+    try:
+        stage.inputs()
+        stage.check()
+        return stage.counts["groups_out"]
+    finally:
+        stage.close()
 
 
 def _window(cfg: Config, iteration: int) -> list[int]:
@@ -152,10 +183,10 @@ def _where(cfg: Config, iteration: int) -> str:
     return f"iteration {iteration} ({layout.iter_dir(cfg.run_dir, iteration)})"
 
 
-def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema) -> list[tuple[str, int]]:
+def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema, topup: int = 0) -> list[tuple[str, int]]:
     """(path, rows) of the parts a complete stage's manifest lists, schema-checked (errors name
     file and column); rows from the file's footer."""
-    sdir = layout.folder(run_dir, it, stage)
+    sdir = layout.folder(run_dir, it, stage, topup)
     out = []
     for p in (manifests.manifest(sdir) or {}).get("parts", []):
         path = sdir / p["file"]
@@ -180,11 +211,17 @@ def _connect(tmp: Path) -> Any:
     return con
 
 
-def _prepare(con: Any, cfg: Config, iteration: int, window: list[int]) -> dict[str, Any]:
-    """Build the `pool` and `groups` temp tables; check integrity; return the query parameters."""
+def _prepare(
+    con: Any, cfg: Config, iteration: int, window: list[int], rounds: tuple[int, ...] | list[int] = ()
+) -> dict[str, Any]:
+    """Build the `pool` and `groups` temp tables; check integrity; return the query parameters.
+    The top-up `rounds` of `iteration` are read after its round 0, as one table."""
     a = cfg.advantage
     rollouts = {it: _parts(cfg.run_dir, it, "rollouts", ROLLOUTS) for it in window}
     scores = {it: _parts(cfg.run_dir, it, "scores", SCORES) for it in window}
+    for r in rounds:
+        rollouts[iteration] += _parts(cfg.run_dir, iteration, "rollouts", ROLLOUTS, r)
+        scores[iteration] += _parts(cfg.run_dir, iteration, "scores", SCORES, r)
     for stage in ("rollouts", "scores"):
         if not (manifests.manifest(layout.folder(cfg.run_dir, iteration, stage)) or {}).get("rows"):
             raise StageError(
