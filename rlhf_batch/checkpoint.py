@@ -64,17 +64,11 @@ def save(
     """Write checkpoint `step` (the number of optimizer steps done) and drop older ones; `full`:
     the state dicts `gather` returned on rank 0, written instead of `model` and `optimizer`."""
     import torch
-    from safetensors import SafetensorError
     from safetensors.torch import save_file, save_model
 
-    from rlhf_batch.atomic import write_error
+    from rlhf_batch.atomic import write_dir_atomic
 
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
+    def write(tmp: Path) -> None:
         if full is None:
             save_model(model, str(tmp / "model.safetensors"))
         else:
@@ -86,13 +80,10 @@ def save(
             rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
         save_file(rng, str(tmp / "rng.safetensors"))
         (tmp / "state.json").write_text(json.dumps({**state, "next_step": step}, indent=1))
-        fsync_tree(tmp)
-    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each writer reports it
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise write_error(final, e) from e
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync_tree(root)
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    write_dir_atomic(final, write)
     for old in root.iterdir():
         if old != final:
             shutil.rmtree(old, ignore_errors=True)

@@ -82,7 +82,8 @@ def _stage(
         from rlhf_batch.errors import UserError
 
         raise UserError(f"--topup must be >= 0, got {topup}")
-    execute(get(name)(cfg, iteration, topup), force=force, quiet=quiet)
+    stage = get(name)(cfg, iteration, topup) if topup else get(name)(cfg, iteration)
+    execute(stage, force=force, quiet=quiet)
 
 
 @app.command()

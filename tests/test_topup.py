@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+import pytest
 
 from rlhf_batch import layout, manifests, topup
 from rlhf_batch.config import load_config
@@ -99,3 +100,40 @@ def test_topup_resumes_and_a_rerun_does_nothing(make_config, tmp_path: Path) -> 
     run_pipeline(path, [], quiet=True)
     assert {p: p.stat().st_mtime_ns for p in Path(cfg.run_dir).rglob("_manifest.json")} == mtimes
     assert load_config(path).advantage.min_groups == 13
+
+
+@pytest.mark.slow
+def test_run_killed_in_a_topup_round_resumes_to_the_same_rows(make_config, tmp_path: Path) -> None:
+    # one process per stage (`--topup` on the command line), killed while round 1 generates
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    _, ref = run(make_config, tmp_path / "ref", 13)
+    score = {"reward_functions": ["tests.test_topup:first_token_parity"], "kl_in_reward": False}
+    adv = {"min_groups": 13, "max_topup_rounds": 2}
+    path, cfg = make_config(name="killed.toml", run_dir=str(tmp_path / "killed"), score=score, advantage=adv)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    cmd = [sys.executable, "-m", "rlhf_batch", "run", str(path), "--quiet"]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    round1 = layout.folder(cfg.run_dir, 0, "rollouts", 1)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and not list(round1.glob("part-*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # run and its stage process
+    proc.wait()
+    assert list(round1.glob("part-*")) and manifests.manifest(round1) is None
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    for folder, r in (("rollouts", 1), ("scores", 2), ("advantages", 0)):
+        a = pq.read_table(layout.folder(cfg.run_dir, 0, folder, r)).drop_columns(
+            ["policy"] if folder == "rollouts" else []
+        )
+        b = pq.read_table(layout.folder(ref.run_dir, 0, folder, r)).drop_columns(
+            ["policy"] if folder == "rollouts" else []
+        )
+        assert a.equals(b), folder
