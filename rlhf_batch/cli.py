@@ -45,7 +45,8 @@ ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="The config file (its run_dir is used).")
 ]
 TopUpOpt = Annotated[
-    int, typer.Option("--topup", help="A top-up round of the iteration (advantage.min_groups; `run` decides).")
+    int,
+    typer.Option("--topup", help="A top-up round of the iteration (advantage.min_groups; `run` decides)."),
 ]
 
 

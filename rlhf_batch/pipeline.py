@@ -72,6 +72,7 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
             from rlhf_batch.models import set_threads
 
             set_threads(cfg.threads)
+
         def run_stage(stage: Any) -> None:
             if is_done(stage):
                 return

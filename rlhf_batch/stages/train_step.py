@@ -154,7 +154,9 @@ class Trainer:
             raise StageError(
                 f"train step {step.index}: gradient norm is {grad_norm}; lower train.lr or check the advantages"
             )
-        lr = tc.lr * lr_factor(self.step_offset + step.index, self.total_steps, tc.warmup_steps, tc.lr_schedule)
+        lr = tc.lr * lr_factor(
+            self.step_offset + step.index, self.total_steps, tc.warmup_steps, tc.lr_schedule
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
