@@ -4,6 +4,7 @@
     iter=K/train/metrics.parquet        one row per optimizer step (schemas.METRICS)
     iter=K/train/_manifest.json         written last: the stage is complete
     iter=K/train/checkpoint/step-N/     while running (every `checkpoint_every` steps); removed at the end
+    iter=K/train/optimizer/             the AdamW state iteration K+1 starts from (train_carry.py)
 
 The policy of iteration K starts from iter=K-1/policy (cfg.policy_model for K = 0); the KL
 reference is the stored `ref_logprobs` column, so no reference model is loaded. Dropout is
@@ -193,12 +194,7 @@ def _train(
             _checkpoint(trainer, ckpt_dir, done, {"key": out.key, "epoch": step.epoch, "metrics": rows})
     bar.close()
     live.close()
-    carried = {
-        "global_step_start": offset,
-        "global_step": offset + len(steps),
-        "total_steps": total,
-        "carried_from": iteration - 1 if prev else None,
-    }
+    carried = train_carry.record(offset, offset + len(steps), total, iteration - 1 if prev else None)
     extra = train_carry.state_extra(cfg, offset + len(steps), total, carried["carried_from"])
     _save(cfg, iteration, trainer, start, rows, extra)
     return TrainResult(rows, tc.ppo_epochs, len(data), start, trainer.world, carried)

@@ -68,6 +68,16 @@ def schedule(cfg: Config, prev: dict[str, Any] | None, steps: int) -> tuple[int,
     return offset, cfg.iterations * steps
 
 
+def record(start: int, end: int, total: int | None, carried_from: int | None) -> dict[str, Any]:
+    """The train manifest's `optimizer` entry: the run's global steps before and after."""
+    return {
+        "global_step_start": start,
+        "global_step": end,
+        "total_steps": total,
+        "carried_from": carried_from,
+    }
+
+
 def state_extra(cfg: Config, global_step: int, total: int, carried_from: int | None) -> dict[str, Any]:
     """The JSON written beside the AdamW tensors: where the run's schedule stands."""
     return {

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch import atomic, dist, layout, manifests
+from rlhf_batch.stages.train_carry import record
 
 
 def carry_forward(
@@ -25,12 +26,8 @@ def carry_forward(
     from rlhf_batch.schemas import METRICS
 
     step = int(prev[1]["global_step"]) if prev else 0
-    carried = {
-        "global_step_start": step,
-        "global_step": step,
-        "total_steps": prev[1].get("total_steps") if prev else None,
-        "carried_from": iteration - 1 if prev else None,
-    }
+    total = prev[1].get("total_steps") if prev else None
+    carried = record(step, step, total, iteration - 1 if prev else None)
     if dist.rank_world()[0] != 0:
         return carried
     why = (manifests.manifest(adv_dir) or {}).get("no_trainable_rows") or "the advantages table has 0 rows"
