@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf_batch import layout, manifests, topup
+from rlhf_batch import layout, manifests, topup, tracking
 from rlhf_batch.config import load_config
 from rlhf_batch.pipeline import run_pipeline
 
@@ -137,3 +137,9 @@ def test_run_killed_in_a_topup_round_resumes_to_the_same_rows(make_config, tmp_p
             ["policy"] if folder == "rollouts" else []
         )
         assert a.equals(b), folder
+
+
+def test_a_topup_round_is_tracked_at_its_iteration_under_its_own_keys() -> None:
+    # iter=0003/topup=02/scores: iteration 3 (not the round number), keys apart from round 0's
+    assert tracking._where(layout.folder("r", 3, "scores", 2), "scores") == (3, "scores_topup02")
+    assert tracking._where(layout.folder("r", 3, "rollouts"), "rollouts") == (3, "rollouts")
