@@ -84,3 +84,26 @@ def write_parquet_atomic(
         if isinstance(e, OSError):
             raise write_error(path, e) from e
         raise
+
+
+def write_dir_atomic(final: Path, write: Any) -> None:
+    """Call `write(tmp)` on a fresh hidden directory next to `final`, fsync it and rename it to
+    `final` (replacing an older one): a kill leaves the old directory or the new one."""
+    import shutil
+
+    from safetensors import SafetensorError
+
+    from rlhf_batch.checkpoint import fsync_tree
+
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        write(tmp)
+        fsync_tree(tmp)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each writer reports it
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(final, e) from e
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)

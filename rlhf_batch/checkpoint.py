@@ -1,7 +1,7 @@
 """Atomic training checkpoints: weights, optimizer, RNG and data position; nothing is unpickled.
 
     <root>/step-00000012/model.safetensors   weights (safetensors save_model: tied weights ok)
-                         optimizer.pt        optimizer state, read with torch.load(weights_only=True)
+                         optimizer.safetensors + optimizer.json   optimizer state (optim_state.py)
                          rng.safetensors     torch CPU (and CUDA) RNG states
                          state.json          next step, stage key, metrics rows so far
 
@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from rlhf_batch import optim_state
 from rlhf_batch.errors import StageError
 
 PREFIX = "step-"
@@ -63,34 +64,26 @@ def save(
     """Write checkpoint `step` (the number of optimizer steps done) and drop older ones; `full`:
     the state dicts `gather` returned on rank 0, written instead of `model` and `optimizer`."""
     import torch
-    from safetensors import SafetensorError
     from safetensors.torch import save_file, save_model
 
-    from rlhf_batch.atomic import write_error
+    from rlhf_batch.atomic import write_dir_atomic
 
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:08d}"
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
+    def write(tmp: Path) -> None:
         if full is None:
             save_model(model, str(tmp / "model.safetensors"))
         else:
             save_file(full[0], str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict() if full is None else full[1], tmp / "optimizer.pt")
+        optim = optimizer.state_dict() if full is None else full[1]
+        optim_state.save(tmp, optim, optim_state.param_names(model), {})
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
         save_file(rng, str(tmp / "rng.safetensors"))
         (tmp / "state.json").write_text(json.dumps({**state, "next_step": step}, indent=1))
-        fsync_tree(tmp)
-    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each writer reports it
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise write_error(final, e) from e
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync_tree(root)
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    write_dir_atomic(final, write)
     for old in root.iterdir():
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
@@ -122,20 +115,14 @@ def load_latest(
     if state.get("key") != key:
         raise StageError(f"{path}: checkpoint of another config or input; re-run with --force to start over")
     if sharded:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = StateDictOptions(full_state_dict=True)  # each rank keeps its shard of the full tensors
         weights: dict[str, Any] = load_file(str(path / "model.safetensors"))
         set_model_state_dict(model, weights, options=full)
-        optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
-        set_optimizer_state_dict(model, optimizer, optim, options=full)
     else:
         load_model(model, str(path / "model.safetensors"), device=str(device))
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    optim_state.restore(path, model, optimizer, sharded)
     rng = load_file(str(path / "rng.safetensors"))
     torch.set_rng_state(rng["cpu"])
     cuda = [rng[f"cuda{i}"] for i in range(len(rng) - 1) if f"cuda{i}" in rng]

@@ -44,6 +44,10 @@ TargetArg = Annotated[
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="The config file (its run_dir is used).")
 ]
+TopUpOpt = Annotated[
+    int,
+    typer.Option("--topup", help="A top-up round of the iteration (advantage.min_groups; `run` decides)."),
+]
 
 
 @app.callback()
@@ -59,7 +63,13 @@ def _config(config: Path | None, overrides: list[str] | None):  # noqa: ANN202
 
 
 def _stage(
-    name: str, config: Path, iteration: int, overrides: list[str] | None, force: bool, quiet: bool
+    name: str,
+    config: Path,
+    iteration: int,
+    overrides: list[str] | None,
+    force: bool,
+    quiet: bool,
+    topup: int = 0,
 ) -> None:
     from rlhf_batch import dist
     from rlhf_batch.executor import execute
@@ -69,9 +79,14 @@ def _stage(
 
     cfg = _config(config, overrides)
     set_threads(cfg.threads)
+    if topup < 0:
+        from rlhf_batch.errors import UserError
+
+        raise UserError(f"--topup must be >= 0, got {topup}")
     with stage_lock(cfg.run_dir):
         dist.init(cfg.device)
-        execute(get(name)(cfg, iteration), force=force, quiet=quiet)
+        stage = get(name)(cfg, iteration, topup) if topup else get(name)(cfg, iteration)
+        execute(stage, force=force, quiet=quiet)
 
 
 @app.command()
@@ -81,9 +96,10 @@ def generate(
     set_: SetOpt = None,
     force: ForceOpt = False,
     quiet: QuietOpt = False,
+    topup: TopUpOpt = 0,
 ) -> None:
     """Sample G responses per prompt with the iteration's policy into iter=K/rollouts."""
-    _stage("generate", config, iteration, set_, force, quiet)
+    _stage("generate", config, iteration, set_, force, quiet, topup)
 
 
 @app.command()
@@ -93,9 +109,10 @@ def score(
     set_: SetOpt = None,
     force: ForceOpt = False,
     quiet: QuietOpt = False,
+    topup: TopUpOpt = 0,
 ) -> None:
     """Rewards, reference log-probs, per-token KL and KL-shaped reward into iter=K/scores."""
-    _stage("score", config, iteration, set_, force, quiet)
+    _stage("score", config, iteration, set_, force, quiet, topup)
 
 
 @app.command()

@@ -133,6 +133,10 @@ class AdvantageConfig:
     min_group_size: int = knob(2, "advantage")  # drop groups with fewer scored rollouts
     truncated: Literal["keep", "drop", "zero"] = knob("keep", "advantage")  # finish_reason = 'length'
     bucket_tokens: int = knob(64, "advantage")  # width of a length bucket
+    # dynamic sampling: fewer informative groups than this after the filters -> a top-up round
+    # of generate + score (the next prompts of the order); 0: off
+    min_groups: int = knob(0, "advantage")
+    max_topup_rounds: int = knob(2, "advantage")  # the cap on top-up rounds per iteration
     rows_per_part: int = knob(4096, "advantage")
 
     def validate(self) -> None:
@@ -141,6 +145,8 @@ class AdvantageConfig:
         _need(self.window >= 1, "advantage.window", "must be >= 1")
         _need(self.min_group_size >= 1, "advantage.min_group_size", "must be >= 1")
         _need(self.bucket_tokens >= 1, "advantage.bucket_tokens", "must be >= 1")
+        _need(self.min_groups >= 0, "advantage.min_groups", "must be >= 0 (0: off)")
+        _need(self.max_topup_rounds >= 0, "advantage.max_topup_rounds", "must be >= 0")
         _need(self.rows_per_part >= 1, "advantage.rows_per_part", "must be >= 1")
 
 
@@ -149,8 +155,11 @@ class TrainConfig:
     ppo_epochs: int = knob(1, "train")
     lr: float = knob(1e-5, "train")
     weight_decay: float = knob(0.0, "train")
-    warmup_steps: int = knob(0, "train")
+    warmup_steps: int = knob(0, "train")  # over the run's optimizer steps (once per run)
     lr_schedule: Literal["constant", "cosine", "linear"] = knob("constant", "train")
+    # the schedule's length in optimizer steps over the whole run; 0: iterations x the steps of the
+    # first iteration that trains (recorded with the optimizer state and kept from then on)
+    total_steps: int = knob(0, "train")
     max_grad_norm: float = knob(1.0, "train")
     tokens_per_step: int = knob(65536, "train")  # real tokens per optimizer step (global)
     max_tokens_per_batch: int = knob(16384, "train")  # token budget of one micro-batch
@@ -181,6 +190,7 @@ class TrainConfig:
         _need(self.eps_high >= 0, "train.eps_high", "must be >= 0 (0: same as eps_low)")
         _need(self.norm_const >= 0, "train.norm_const", "must be >= 0")
         _need(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
+        _need(self.total_steps >= 0, "train.total_steps", "must be >= 0 (0: estimated)")
         _need(self.eps_low > 0, "train.eps_low", "must be > 0")
         _need(self.tis_cap == 0 or self.tis_cap >= 1, "train.tis_cap", "must be 0 (off) or >= 1")
         _need(self.dual_clip == 0 or self.dual_clip > 1, "train.dual_clip", "must be 0 (off) or > 1")

@@ -162,6 +162,7 @@ def output_of(stage: Stage) -> StageOutput:
 
 def execute(stage: Stage, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run `stage` to completion (or see it is complete); returns its manifest."""
+    stage.force = force
     try:
         out = output_of(stage)
         if not force and (m := out.done()) is not None:

@@ -11,6 +11,8 @@
     RUN_DIR/iter=0003/policy/adapter/                   with [lora]: the adapter (lora.py)
     RUN_DIR/iter=0003/policy_removed.json               the policy was removed (keep_policies)
     RUN_DIR/init_policy/                                with lora.init_adapter: iteration 0's policy
+    RUN_DIR/iter=0003/train/optimizer/                  AdamW state at the end of the iteration
+    RUN_DIR/iter=0003/topup=01/rollouts/ (and scores/)  a top-up round of the iteration (topup.py)
 
 A stage (a command: generate, import, score, advantage, train, eval) writes one folder (rollouts,
 scores, advantages, train, eval); the unit of work and of resume inside a folder is a *part*.
@@ -25,6 +27,7 @@ STARTED = "_started.json"
 LOCK = ".run.lock"
 METRICS_FILE = "metrics.parquet"
 CHECKPOINT_DIR = "checkpoint"
+OPTIMIZER_DIR = "optimizer"
 POLICY_DIR = "policy"
 ADAPTER_DIR = "adapter"  # inside a policy dir, with [lora]
 POLICY_REMOVED = "policy_removed.json"  # iter=K/: what the removed policy was (retention.py)
@@ -44,9 +47,10 @@ def run_root(sdir: Path) -> Path | None:
     return None
 
 
-def folder(run_dir: str | Path, it: int, name: str) -> Path:
-    """The output folder `name` (rollouts, scores, advantages, train, eval) of iteration `it`."""
-    return iter_dir(run_dir, it) / name
+def folder(run_dir: str | Path, it: int, name: str, topup: int = 0) -> Path:
+    """The output folder `name` (rollouts, scores, advantages, train, eval) of iteration `it`; of its
+    top-up round `topup` when > 0 (rollouts and scores only)."""
+    return iter_dir(run_dir, it) / (f"topup={topup:02d}" if topup else "") / name
 
 
 def policy_dir(run_dir: str | Path, it: int) -> Path:
@@ -61,6 +65,11 @@ def init_policy_dir(run_dir: str | Path) -> Path:
 
 def checkpoint_dir(run_dir: str | Path, it: int) -> Path:
     return folder(run_dir, it, TRAIN) / CHECKPOINT_DIR
+
+
+def optimizer_dir(run_dir: str | Path, it: int) -> Path:
+    """The AdamW state (and global step) train of iteration `it` ended with; `it + 1` starts from it."""
+    return folder(run_dir, it, TRAIN) / OPTIMIZER_DIR
 
 
 def part_name(rank: int, n: int) -> str:

@@ -92,29 +92,61 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
 
             ensure_demo_assets(cfg)  # the prompt set sizes the run
         cfg.iterations = run_iterations(cfg)  # `epochs`, when set, sizes the run
+
+        def run_stage(stage: Any) -> None:
+            if is_done(stage):
+                return
+            rnd = f" (top-up round {stage.topup})" if stage.topup else ""
+            _say(f"iteration {stage.iteration}: {stage.name}{rnd}", quiet)
+            python = cfg.generate.python if stage.name == "generate" else ""  # e.g. vLLM's own venv
+            if cfg.in_process and not python:
+                execute(stage, quiet=quiet)
+            else:
+                _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python)
+
         for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
             for stage_class in pipeline():
                 if not stage_class.runs_at(cfg, it):
                     continue
                 stage = stage_class(cfg, it)
-                if is_done(stage):
-                    continue
-                _say(f"iteration {it}: {stage.name}", quiet)
-                python = cfg.generate.python if stage.name == "generate" else ""  # e.g. vLLM's own venv
-                if cfg.in_process and not python:
-                    execute(stage, quiet=quiet)
-                else:
-                    _run_child(config_path, overrides, stage.name, it, quiet, python)
+                if stage.name == "advantage" and cfg.advantage.min_groups and not is_done(stage):
+                    top_up(cfg, it, run_stage, quiet)
+                run_stage(stage)
     print_summary(cfg)
 
 
+def top_up(cfg: Config, it: int, run_stage: Callable[[Any], None], quiet: bool) -> None:
+    """Dynamic sampling (topup.py): top-up rounds of generate + score while iteration `it` has
+    fewer informative groups than advantage.min_groups, up to advantage.max_topup_rounds. A round
+    already complete was decided before, so a re-run after a kill makes the same decisions."""
+    from rlhf_batch.stages.advantage import informative_groups, topup_rounds
+    from rlhf_batch.stages.registry import get
+
+    a = cfg.advantage
+    for r in range(1, a.max_topup_rounds + 1):
+        if r not in topup_rounds(cfg, it):
+            have = informative_groups(cfg, it)
+            if have >= a.min_groups:
+                return
+            _say(f"iteration {it}: {have} informative groups < advantage.min_groups={a.min_groups}", quiet)
+        for name in ("generate", "score"):
+            run_stage(get(name)(cfg, it, r))
+
+
 def _run_child(
-    config_path: Path, overrides: list[str], stage: str, it: int, quiet: bool, python: str = ""
+    config_path: Path,
+    overrides: list[str],
+    stage: str,
+    it: int,
+    quiet: bool,
+    topup: int = 0,
+    python: str = "",
 ) -> None:
     if python and not os.access(python, os.X_OK):
         raise StageError(f"generate.python: {python} is not an executable interpreter (run `make vllm`?)")
     # -P: the current directory is not put on sys.path, so no file there shadows a module
     cmd = [python or sys.executable, "-P", "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
+    cmd += ["--topup", str(topup)] if topup else []
     cmd += [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
     code = subprocess.run(cmd, preexec_fn=_die_with(os.getpid())).returncode
     if code != 0:

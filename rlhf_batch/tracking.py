@@ -141,14 +141,23 @@ def log_stage(cfg: Any, sdir: Path, manifest: dict[str, Any] | None) -> None:
     if manifest is None or not settings(cfg)["report_to"]:
         return
     try:
-        iteration = int(Path(sdir).parent.name.split("=")[1])
+        iteration, prefix = _where(Path(sdir), manifest["stage"])
         numbers = headline(Path(sdir), manifest)
     except Exception as e:
         warn(f"headline numbers of {sdir} could not be read ({type(e).__name__}: {e})")
         return
     run = Run(cfg)
-    run.log({f"{manifest['stage']}/{k}": v for k, v in numbers.items()}, iteration, "iteration")
+    run.log({f"{prefix}/{k}": v for k, v in numbers.items()}, iteration, "iteration")
     run.close()
+
+
+def _where(sdir: Path, stage: str) -> tuple[int, str]:
+    """(iteration, key prefix) of a stage folder: iter=K/<stage>, or iter=K/topup=RR/<stage> (a
+    top-up round, logged under `<stage>_topupRR/` so it does not overwrite round 0's numbers)."""
+    parent = sdir.parent
+    if parent.name.startswith("topup="):
+        return int(parent.parent.name.split("=")[1]), f"{stage}_topup{int(parent.name.split('=')[1]):02d}"
+    return int(parent.name.split("=")[1]), stage
 
 
 def headline(sdir: Path, manifest: dict[str, Any]) -> dict[str, float]:

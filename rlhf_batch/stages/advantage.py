@@ -34,9 +34,10 @@ Semantics (config [advantage]):
 * Manifest `counts`: rows_in, unscored, truncated, truncated_dropped, truncated_zeroed,
   rows_dropped_small, rows_dropped_zero_variance, rows_out, pooled_rows, groups_total,
   groups_dropped_small, groups_dropped_zero_variance, groups_out (current iteration only;
-  pooled_rows = older rows in the statistics); also `window_iters` and `batch_std`. Empty input,
-  or every group filtered, is a StageError saying which filter and how to relax it, raised
-  before anything is written. Identity: config = seed + [advantage]; inputs = content hashes of
+  pooled_rows = older rows in the statistics); also `window_iters` and `batch_std`. Empty input
+  is a StageError raised before anything is written. Every group filtered is not: the stage
+  writes 0 parts and its manifest says which filters did it and how to relax each
+  (`no_trainable_rows`); train then takes zero steps and carries the policy forward. Identity: config = seed + [advantage]; inputs = content hashes of
   the pooled rollouts/scores manifests (a re-scored iteration invalidates its advantages).
 * Integrity (checked before anything is written): every rollout has exactly one score row with
   its prompt_id, no rollout_id repeats, no reward is +/-inf. The score stage writes its rows in
@@ -87,19 +88,25 @@ class Advantage(Stage):
         if self.iteration < 0:
             raise StageError(f"--iter must be >= 0, got {self.iteration}")
         self.window = _window(self.cfg, self.iteration)
-        return {
+        self.rounds = topup_rounds(self.cfg, self.iteration)
+        inputs = {
             f"iter={it:04d}/{folder}": manifests.file_fingerprint(
                 layout.folder(self.cfg.run_dir, it, folder) / layout.MANIFEST
             )
             for it in self.window
             for folder in (layout.ROLLOUTS, layout.SCORES)
         }
+        for r in self.rounds:  # top-up rounds of this iteration, one table with round 0
+            for folder in (layout.ROLLOUTS, layout.SCORES):
+                path = layout.folder(self.cfg.run_dir, self.iteration, folder, r) / layout.MANIFEST
+                inputs[f"iter={self.iteration:04d}/topup={r:02d}/{folder}"] = manifests.file_fingerprint(path)
+        return inputs
 
     def check(self) -> None:
         """Pool, check and count in DuckDB: bad or empty input fails before the folder is started."""
         self.tmp = layout.iter_dir(self.cfg.run_dir, self.iteration) / ".advantages-duckdb.tmp"
         self.con = _connect(self.tmp)
-        self.params = _prepare(self.con, self.cfg, self.iteration, self.window)
+        self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds)
         faults.fault_point("advantages:pool")
         self.counts = _counts(self.con, self.cfg, self.iteration)
 
@@ -110,7 +117,12 @@ class Advantage(Stage):
         _write_parts(self.con, out, self.cfg, self.iteration, self.params, todo, bar)
 
     def manifest_extra(self) -> dict[str, Any]:
-        return {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
+        extra = {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
+        if self.cfg.advantage.min_groups:
+            extra["topup_rounds"] = self.rounds
+        if self.counts["rows_out"] == 0:  # train takes zero steps and says why
+            extra["no_trainable_rows"] = f"every training row was filtered out: {_why(self.counts, self.cfg)}"
+        return extra
 
     def close(self) -> None:
         if self.con is not None:
@@ -121,6 +133,29 @@ class Advantage(Stage):
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Advantages of iteration `iteration`; returns the manifest (existing one if complete)."""
     return execute(Advantage(cfg, iteration), force=force, quiet=quiet)
+
+
+def topup_rounds(cfg: Config, iteration: int) -> list[int]:
+    """The complete top-up rounds 1, 2, ... of iteration `iteration` (up to the first missing)."""
+    out: list[int] = []
+    for r in range(1, cfg.advantage.max_topup_rounds + 1):
+        folders = (layout.folder(cfg.run_dir, iteration, f, r) for f in (layout.ROLLOUTS, layout.SCORES))
+        if not all(manifests.manifest(d) is not None for d in folders):
+            break
+        out.append(r)
+    return out
+
+
+def informative_groups(cfg: Config, iteration: int) -> int:
+    """Groups of iteration `iteration` (round 0 and its complete top-up rounds) that the filters
+    leave: what `advantage.min_groups` is compared with."""
+    stage = Advantage(cfg, iteration)
+    try:
+        stage.inputs()
+        stage.check()
+        return stage.counts["groups_out"]
+    finally:
+        stage.close()
 
 
 def _window(cfg: Config, iteration: int) -> list[int]:
@@ -148,10 +183,10 @@ def _where(cfg: Config, iteration: int) -> str:
     return f"iteration {iteration} ({layout.iter_dir(cfg.run_dir, iteration)})"
 
 
-def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema) -> list[tuple[str, int]]:
+def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema, topup: int = 0) -> list[tuple[str, int]]:
     """(path, rows) of the parts a complete stage's manifest lists, schema-checked (errors name
     file and column); rows from the file's footer."""
-    sdir = layout.folder(run_dir, it, stage)
+    sdir = layout.folder(run_dir, it, stage, topup)
     out = []
     for p in (manifests.manifest(sdir) or {}).get("parts", []):
         path = sdir / p["file"]
@@ -176,11 +211,17 @@ def _connect(tmp: Path) -> Any:
     return con
 
 
-def _prepare(con: Any, cfg: Config, iteration: int, window: list[int]) -> dict[str, Any]:
-    """Build the `pool` and `groups` temp tables; check integrity; return the query parameters."""
+def _prepare(
+    con: Any, cfg: Config, iteration: int, window: list[int], rounds: tuple[int, ...] | list[int] = ()
+) -> dict[str, Any]:
+    """Build the `pool` and `groups` temp tables; check integrity; return the query parameters.
+    The top-up `rounds` of `iteration` are read after its round 0, as one table."""
     a = cfg.advantage
     rollouts = {it: _parts(cfg.run_dir, it, "rollouts", ROLLOUTS) for it in window}
     scores = {it: _parts(cfg.run_dir, it, "scores", SCORES) for it in window}
+    for r in rounds:
+        rollouts[iteration] += _parts(cfg.run_dir, iteration, "rollouts", ROLLOUTS, r)
+        scores[iteration] += _parts(cfg.run_dir, iteration, "scores", SCORES, r)
     for stage in ("rollouts", "scores"):
         if not (manifests.manifest(layout.folder(cfg.run_dir, iteration, stage)) or {}).get("rows"):
             raise StageError(
@@ -265,15 +306,11 @@ def _check(con: Any, run_dir: str) -> None:
 
 
 def _counts(con: Any, cfg: Config, iteration: int) -> dict[str, int]:
-    """What the filters did (the manifest's counts); an error when nothing is left to train on."""
+    """What the filters did (the manifest's counts). Nothing left to train on is not an error:
+    the stage writes 0 parts and says why in the manifest (`no_trainable_rows`)."""
     values = {"iter": iteration, "zero_truncated": cfg.advantage.truncated == "zero"}
     cur = con.execute(sql_text("advantage_counts"), values)
-    counts = {d[0]: int(v) for d, v in zip(cur.description, cur.fetchall()[0], strict=True)}
-    if counts["rows_out"] == 0:
-        raise StageError(
-            f"{_where(cfg, iteration)}: every training row was filtered out ({_why(counts, cfg)})"
-        )
-    return counts
+    return {d[0]: int(v) for d, v in zip(cur.description, cur.fetchall()[0], strict=True)}
 
 
 def _why(c: dict[str, int], cfg: Config) -> str:

@@ -49,9 +49,11 @@ class Stage:
     single_writer: ClassVar[bool] = False  # rank 0 writes every part (others only wait)
     unit: ClassVar[str] = "part"  # of the progress bar
     unit_scale: ClassVar[bool] = False
+    force: bool = False  # set by the executor: the run was asked to replace what differs
 
-    def __init__(self, cfg: Config, iteration: int):
-        self.cfg, self.iteration = cfg, iteration
+    def __init__(self, cfg: Config, iteration: int, topup: int = 0):
+        # topup > 0: a top-up round of the iteration (generate and score only; topup.py)
+        self.cfg, self.iteration, self.topup = cfg, iteration, topup
 
     @classmethod
     def runs_at(cls, cfg: Config, iteration: int) -> bool:
@@ -61,7 +63,7 @@ class Stage:
 
     @property
     def sdir(self) -> Path:
-        return layout.folder(self.cfg.run_dir, self.iteration, self.folder)
+        return layout.folder(self.cfg.run_dir, self.iteration, self.folder, self.topup)
 
     @property
     def progress_desc(self) -> str:

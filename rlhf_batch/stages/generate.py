@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from rlhf_batch import dist, layout
+from rlhf_batch import dist, layout, topup
 from rlhf_batch.config import Config, GenerateConfig
 from rlhf_batch.errors import StageError
 from rlhf_batch.executor import execute
@@ -56,6 +56,7 @@ class Generate(Stage):
             "prompts": file_fingerprint(check_path(self.cfg.generate.prompts)),
             "policy": model_fingerprint(self.policy, "policy"),
             "iteration": self.iteration,
+            **({"topup": self.topup} if self.topup else {}),
         }
 
     def plan(self) -> int:
@@ -63,11 +64,12 @@ class Generate(Stage):
 
         self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
         self.prompts = load_prompts(self.cfg.generate, self.tok, self.iteration, self.cfg.seed)
-        return math.ceil(len(self.prompts.ids) / self.cfg.generate.prompts_per_part)
+        self.order = topup.round_prompts(self.cfg, len(self.prompts.ids), self.iteration, self.topup)
+        return math.ceil(len(self.order) / self.cfg.generate.prompts_per_part)
 
     def progress_total(self, todo: list[int]) -> int:
         """The rollouts these parts will hold (the last part may hold fewer prompts)."""
-        g, n_prompts = self.cfg.generate, len(self.prompts.ids)
+        g, n_prompts = self.cfg.generate, len(self.order)
         return (
             sum(min(g.prompts_per_part, n_prompts - n * g.prompts_per_part) for n in todo) * g.num_generations
         )
@@ -77,23 +79,30 @@ class Generate(Stage):
 
     def write_part(self, n: int, bar: Any) -> Part:
         table = generate_part(
-            self.engine, self.tok, self.prompts, n, self.cfg, self.iteration, self.policy, bar
+            self.engine,
+            self.tok,
+            self.prompts,
+            n,
+            self.cfg,
+            self.iteration,
+            self.policy,
+            bar,
+            self.order,
+            topup.sample_offset(self.cfg, self.topup),
         )
         schema = with_extra(ROLLOUTS, self.prompts.carried.schema)
         counts = {"rollouts": table.num_rows, "with_special_tokens": _with_special(table, self.tok)}
         return Part(table, schema, counts)
 
     def manifest_extra(self) -> dict[str, Any]:
-        engine = {
-            "engine": self.cfg.generate.engine,
-            "engine_version": engine_version(self.cfg.generate.engine),
-        }
-        return {
+        extra = {
             "prompt_counts": self.prompts.counts,
             "policy": self.policy,
             "prompt_batch": self.prompts.batch,
-            **engine,
+            "engine": self.cfg.generate.engine,
+            "engine_version": engine_version(self.cfg.generate.engine),
         }
+        return {**extra, "topup": self.topup, "prompts_sampled": len(self.order)} if self.topup else extra
 
 
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
@@ -215,12 +224,24 @@ def _check_lengths(model: Any, prompts: Prompts, g: GenerateConfig) -> None:
 
 
 def generate_part(
-    engine: Engine, tok: Any, prompts: Prompts, n: int, cfg: Config, iteration: int, policy: str, bar: Any
+    engine: Engine,
+    tok: Any,
+    prompts: Prompts,
+    n: int,
+    cfg: Config,
+    iteration: int,
+    policy: str,
+    bar: Any,
+    order: list[int] | None = None,
+    first_sample: int = 0,
 ) -> pa.Table:
-    """All rollouts of the prompts in part n, in (prompt, sample) order."""
+    """All rollouts of the prompts in part n (of `order`, default every prompt in file order), in
+    (prompt, sample) order; sample indices start at `first_sample` (a top-up round's)."""
     g = cfg.generate
-    idx = list(range(n * g.prompts_per_part, min((n + 1) * g.prompts_per_part, len(prompts.ids))))
-    rows = [(i, s) for i in idx for s in range(g.num_generations)]  # (prompt index, sample index)
+    order = list(range(len(prompts.ids))) if order is None else order
+    idx = order[n * g.prompts_per_part : (n + 1) * g.prompts_per_part]
+    # (prompt index, sample index)
+    rows = [(i, s) for i in idx for s in range(first_sample, first_sample + g.num_generations)]
     rids = [rollout_id(iteration, prompts.ids[i], s) for i, s in rows]
     results = engine.sample([prompts.tokens[i] for i, _ in rows], [row_seed(cfg.seed, r) for r in rids], bar)
     for rid, (_, logps, _) in zip(rids, results, strict=True):

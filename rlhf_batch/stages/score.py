@@ -77,7 +77,7 @@ class Score(Stage):
     def inputs(self) -> dict[str, Any]:
         cfg, it = self.cfg, self.iteration
         self._load_reward_functions()  # a config without any reward fails before anything is read
-        self.rdir = layout.folder(cfg.run_dir, it, layout.ROLLOUTS)
+        self.rdir = layout.folder(cfg.run_dir, it, layout.ROLLOUTS, self.topup)
         rollouts_manifest = manifest(self.rdir)
         if rollouts_manifest is None:
             raise StageError(

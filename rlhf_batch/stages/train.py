@@ -4,6 +4,7 @@
     iter=K/train/metrics.parquet        one row per optimizer step (schemas.METRICS)
     iter=K/train/_manifest.json         written last: the stage is complete
     iter=K/train/checkpoint/step-N/     while running (every `checkpoint_every` steps); removed at the end
+    iter=K/train/optimizer/             the AdamW state iteration K+1 starts from (train_carry.py)
 
 The policy of iteration K starts from iter=K-1/policy (cfg.policy_model for K = 0); the KL
 reference is the stored `ref_logprobs` column, so no reference model is loaded. With [lora]
@@ -41,6 +42,7 @@ from rlhf_batch.config import Config
 from rlhf_batch.errors import StageError
 from rlhf_batch.executor import StageOutput, execute
 from rlhf_batch.models import model_fingerprint
+from rlhf_batch.stages import train_carry
 from rlhf_batch.stages.base import Stage, start_policy
 from rlhf_batch.stages.train_data import TrainRows, load_rows
 
@@ -80,14 +82,29 @@ class Train(Stage):
         return {"advantages": adv["key"], "policy": prev.get("key")}
 
     def check(self) -> None:
-        # bad input fails before the folder is marked started; null ref_logprobs only without the KL loss
-        self.data = load_rows(self.adv_dir, need_ref=self.cfg.train.kl_loss_coef > 0)
+        # bad input fails before the folder is marked started; no trainable row: zero steps;
+        # null ref_logprobs only without the KL loss
+        rows = (manifests.manifest(self.adv_dir) or {}).get("rows")
+        self.data = load_rows(self.adv_dir, need_ref=self.cfg.train.kl_loss_coef > 0) if rows != 0 else None
+        self.prev = train_carry.previous(self.cfg, self.iteration)
+        self.changed = train_carry.changes(
+            self.cfg, self.iteration, self.prev[1] if self.prev else None, self.force
+        )
 
     def plan(self) -> int:
         return 0
 
     def write_parts(self, todo: list[int], out: StageOutput, bar: Any) -> None:
-        self.result = _train(self.cfg, self.iteration, self.start, out, self.data, bar)
+        if self.data is None:
+            from rlhf_batch.stages.train_empty import carry_forward
+
+            carried = carry_forward(self.cfg, self.iteration, self.start, self.adv_dir, self.prev)
+            self.result = TrainResult(
+                [], self.cfg.train.ppo_epochs, 0, self.start, dist.rank_world()[1], carried
+            )
+        else:
+            self.result = _train(self.cfg, self.iteration, self.start, out, self.data, bar, self.prev)
+        self.result.optimizer["changed"] = self.changed
 
     def manifest_extra(self) -> dict[str, Any]:
         return self.result.manifest_extra()
@@ -115,6 +132,7 @@ class TrainResult:
     sequences: int
     start: str
     world: int
+    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)  # carried state: steps
 
     def manifest_extra(self) -> dict[str, Any]:
         counts = {
@@ -130,11 +148,18 @@ class TrainResult:
             "policy": f"../{layout.POLICY_DIR}",
             "start_policy": self.start,
             "world_size": self.world,
+            "optimizer": self.optimizer,
         }
 
 
 def _train(
-    cfg: Config, iteration: int, start: str, out: StageOutput, data: TrainRows, bar: Any
+    cfg: Config,
+    iteration: int,
+    start: str,
+    out: StageOutput,
+    data: TrainRows,
+    bar: Any,
+    prev: tuple[Path, dict[str, Any]] | None,
 ) -> TrainResult:
     import torch
 
@@ -153,6 +178,10 @@ def _train(
         tc.max_padding,
     )
     trainer = build_trainer(cfg, start, data, steps)
+    if prev is not None:  # the run's AdamW state and step count, as iteration K-1 left them
+        train_carry.restore(trainer, prev[0], tc.weight_decay)
+    offset, total = train_carry.schedule(cfg, prev[1] if prev else None, len(steps))
+    trainer.step_offset, trainer.total_steps = offset, total
     faults.fault_point("train:model-loaded")
     ckpt_dir = out.sdir / layout.CHECKPOINT_DIR
     ckpt = checkpoint.load_latest(
@@ -172,8 +201,10 @@ def _train(
             _checkpoint(trainer, ckpt_dir, done, {"key": out.key, "epoch": step.epoch, "metrics": rows})
     bar.close()
     live.close()
-    _save(cfg, iteration, trainer, start, rows)
-    return TrainResult(rows, tc.ppo_epochs, len(data), start, trainer.world)
+    carried = train_carry.record(offset, offset + len(steps), total, iteration - 1 if prev else None)
+    extra = train_carry.state_extra(cfg, offset + len(steps), total, carried["carried_from"])
+    _save(cfg, iteration, trainer, start, rows, extra)
+    return TrainResult(rows, tc.ppo_epochs, len(data), start, trainer.world, carried)
 
 
 def _show(bar: Any, row: dict[str, Any]) -> None:
@@ -195,16 +226,26 @@ def _checkpoint(trainer: Trainer, root: Path, done: int, state: dict[str, Any]) 
     dist.barrier()
 
 
-def _save(cfg: Config, iteration: int, trainer: Trainer, start: str, rows: list[dict[str, Any]]) -> None:
-    """Rank 0: the policy, then metrics.parquet (the executor writes the manifest last)."""
+def _save(
+    cfg: Config,
+    iteration: int,
+    trainer: Trainer,
+    start: str,
+    rows: list[dict[str, Any]],
+    optimizer_extra: dict[str, Any],
+) -> None:
+    """Rank 0: the optimizer state, the policy, then metrics.parquet (the executor writes the
+    manifest last). Under FSDP every rank takes part in gathering the full state dicts."""
     import pyarrow as pa
     import torch
 
     from rlhf_batch.schemas import METRICS
 
     dist.barrier()
-    weights = checkpoint.gather(trainer.model)[0] if trainer.sharded else None
+    weights, optim = checkpoint.gather(trainer.model, trainer.optimizer) if trainer.sharded else (None, None)
     if trainer.rank == 0:
+        state = trainer.optimizer.state_dict() if optim is None else optim
+        train_carry.save(layout.optimizer_dir(cfg.run_dir, iteration), state, trainer.model, optimizer_extra)
         model = trainer.model if weights is None else _unsharded(cfg, start, weights)
         checkpointing = cfg.train.gradient_checkpointing and weights is None
         out = layout.policy_dir(cfg.run_dir, iteration)

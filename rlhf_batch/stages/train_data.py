@@ -214,10 +214,12 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     Linear warmup (step + 1) / warmup over the first `warmup` steps, then constant, or a
     cosine / linear decay from 1 towards 0 over the remaining steps. The schedule is a pure
     function of the step, so the step index in a checkpoint is the whole scheduler state.
+    `step` counts the run's optimizer steps (over iterations); past `total` the decay stays at
+    its end value (0).
     """
     if step < warmup:
         return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     if schedule == "linear":

@@ -100,13 +100,14 @@ class Trainer:
     data: TrainRows
     tcfg: TrainConfig
     loss_kwargs: dict[str, Any]
-    total_steps: int
+    total_steps: int  # optimizer steps of the whole run (the lr schedule's length)
     device: str
     world: int
     rank: int
     bf16: bool
     tokenizer: Any  # the policy's tokenizer, saved with it
     sharded: bool = False
+    step_offset: int = 0  # optimizer steps the run took before this stage (carried AdamW state)
 
     def _accumulate(self, last: bool) -> Any:
         """DDP: no gradient sync before the step's last micro-batch. FSDP reduce-scatters after
@@ -154,7 +155,9 @@ class Trainer:
             raise StageError(
                 f"train step {step.index}: gradient norm is {grad_norm}; lower train.lr or check the advantages"
             )
-        lr = tc.lr * lr_factor(step.index, self.total_steps, tc.warmup_steps, tc.lr_schedule)
+        lr = tc.lr * lr_factor(
+            self.step_offset + step.index, self.total_steps, tc.warmup_steps, tc.lr_schedule
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()

@@ -688,15 +688,6 @@ def empty_scores(ctx: Ctx):  # noqa: ANN201
 
 
 @case
-def train_over_zero_rows(ctx: Ctx):  # noqa: ANN201
-    empty_stage(ctx, "advantages")
-    return ["train", ctx.config(), "--quiet"], [
-        str(layout.folder(ctx.run, 0, "advantages")),
-        "the advantages table has 0 rows",
-    ]
-
-
-@case
 def nan_reference_logprob_in_the_advantages(ctx: Ctx):  # noqa: ANN201
     args = _train(ctx)
 

@@ -374,17 +374,18 @@ def test_filters_and_counts(make_config: Any, lm: Any, mode: str, counts: dict[s
         assert g4[0]["advantage"] == pytest.approx(-1.1546985, abs=2e-7)
 
 
-def test_all_filtered_is_a_clear_error_and_relaxing_works(make_config: Any, lm: Any) -> None:
+def test_all_filtered_writes_no_part_and_says_why(make_config: Any, lm: Any) -> None:
     _, cfg = make_config()
     write_iteration(cfg.run_dir, 0, rewards("a", [0.5, 0.5]) + rewards("b", [1.0]), lm)
-    with pytest.raises(StageError, match=r"iteration 0 .*every training row was filtered") as e:
-        advantage.run(cfg, 0, quiet=True)
-    msg = str(e.value)
+    m = advantage.run(cfg, 0, quiet=True)
+    assert (m["rows"], m["parts"], m["counts"]["rows_out"]) == (0, [], 0)
+    msg = m["no_trainable_rows"]
+    assert msg.startswith("every training row was filtered out")
     assert "drop_zero_variance=false" in msg and "min_group_size=2" in msg and "\n" not in msg
-    # nothing was left behind, so the relaxed config runs without --force
-    assert not layout.folder(cfg.run_dir, 0, "advantages").exists()
+    # a relaxed config is another config: it replaces the empty folder with --force
     _, relaxed = make_config("[advantage]\ndrop_zero_variance = false\nmin_group_size = 1", name="r.toml")
-    assert advantage.run(relaxed, 0, quiet=True)["rows"] == 3
+    assert advantage.run(relaxed, 0, force=True, quiet=True)["rows"] == 3
+    assert "no_trainable_rows" not in manifests.manifest(layout.folder(cfg.run_dir, 0, "advantages"))
 
 
 def test_empty_and_missing_inputs(make_config: Any, lm: Any) -> None:

@@ -224,7 +224,19 @@ def test_train_writes_policy_metrics_and_manifest(make_config, tiny_model: Path)
     assert m == manifests.manifest(sdir)
     counts = m["counts"]  # 48 tokens x 2 epochs
     assert (m["rows"], counts["steps"], counts["sequences"], counts["tokens"]) == (6, 6, 12, 96)
-    assert sorted(p.name for p in sdir.iterdir()) == ["_manifest.json", "metrics.parquet"]  # no checkpoint
+    # no checkpoint left; the AdamW state the next iteration continues from
+    assert sorted(p.name for p in sdir.iterdir()) == ["_manifest.json", "metrics.parquet", "optimizer"]
+    assert sorted(p.name for p in (sdir / "optimizer").iterdir()) == [
+        "optimizer.json",
+        "optimizer.safetensors",
+    ]
+    assert m["optimizer"] == {
+        "global_step_start": 0,
+        "global_step": 6,
+        "total_steps": 6,  # iterations (1) x 6 steps
+        "carried_from": None,
+        "changed": {},
+    }
     assert max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) > 1e-3
 
 
@@ -466,22 +478,22 @@ def test_iteration_starts_from_the_previous_policy(make_config, tiny_model: Path
     write_advantages(cfg.run_dir, table, iteration=0)
     train.run(cfg, 0, quiet=True)
     _, zero_lr = make_config(train_toml(lr=0.0), name="zero.toml")
-    train.run(zero_lr, 1, quiet=True)
+    # iteration 1 continues iteration 0's optimizer: a new lr is refused unless --force
+    with pytest.raises(StageError, match=r"train.lr 0.01 -> 0.0 since iteration 0.*--force"):
+        train.run(zero_lr, 1, quiet=True)
+    m = train.run(zero_lr, 1, force=True, quiet=True)
+    assert m["optimizer"]["changed"] == {"lr": [0.01, 0.0]}
     w0, w1 = weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(cfg.run_dir, 1))
     assert max_diff(w1, w0) == 0.0 < max_diff(w1, weights(tiny_model))
 
 
-def test_missing_empty_or_bad_advantages_are_named(make_config, tiny_model: Path) -> None:
+def test_missing_or_bad_advantages_are_named(make_config, tiny_model: Path) -> None:
+    # (an empty advantages table is not an error: train takes zero steps, test_train_carry.py)
     _, cfg = make_config()
     with pytest.raises(StageError, match=r"iter=0000/advantages: advantages are missing"):
         train.run(cfg, 0, quiet=True)
-    sdir = write_advantages(cfg.run_dir, ADVANTAGES.empty_table())
-    with pytest.raises(StageError, match="0 rows"):
-        train.run(cfg, 0, quiet=True)
     table = make_table(tiny_model, [3, 3], [2, 2])
     bad = table.set_column(4, "behavior_logprobs", pa.array([[-1.0, -1.0], [-1.0]], pa.list_(pa.float32())))
-    for p in sdir.iterdir():
-        p.unlink()
     write_advantages(cfg.run_dir, bad)
     with pytest.raises(StageError, match=r"rollout 0000-p0-1: column 'behavior_logprobs'"):
         train.run(cfg, 0, quiet=True)

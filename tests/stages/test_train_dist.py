@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
+from safetensors.torch import load_file
 
 from rlhf_batch import checkpoint, layout, manifests
 from rlhf_batch.stages import train
@@ -40,9 +40,9 @@ KEYS = dict(
 )
 
 
-def torchrun_train(config: Path, **env: str) -> subprocess.CompletedProcess:
+def torchrun_train(config: Path, iteration: int = 0, **env: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    cmd += ["-m", "rlhf_batch", "train", str(config), "--iter", "0", "-q"]
+    cmd += ["-m", "rlhf_batch", "train", str(config), "--iter", str(iteration), "-q"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
@@ -97,11 +97,25 @@ def test_fsdp_two_ranks_killed_and_resumed_match_one_rank(
     ckpt = checkpoint.latest(layout.checkpoint_dir(two.run_dir, 0))
     assert ckpt is not None and ckpt.name == "step-00000004" and n_steps > 4
     # written from the gathered full state dicts: AdamW state keyed by parameter name
-    state = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
-    assert "model.layers.0.mlp.up_proj.weight" in state
+    state = load_file(str(ckpt / "optimizer.safetensors"))
+    assert "model.layers.0.mlp.up_proj.weight/exp_avg" in state
     done = torchrun_train(path)  # resumes from the gathered full state dicts of step 4
     assert done.returncode == 0, done.stderr[-4000:]
     train.run(one, 0, quiet=True)
     assert_same_training(two, one, n_steps, tiny_model)
     # the policy is a plain Hugging Face model dir, written whole by rank 0
     assert weights(layout.policy_dir(two.run_dir, 0)).keys() == weights(tiny_model).keys()
+    # the AdamW state the iteration ended with, gathered by name, is the 1-rank one; iteration 1
+    # re-shards it over the 2 ranks and goes on as 1 rank does
+    opt_two = load_file(str(layout.optimizer_dir(two.run_dir, 0) / "optimizer.safetensors"))
+    opt_one = load_file(str(layout.optimizer_dir(one.run_dir, 0) / "optimizer.safetensors"))
+    assert opt_two.keys() == opt_one.keys() and max_diff(opt_two, opt_one) < 1e-5
+    table = make_table(tiny_model, *random_lengths(10, seed=4))
+    write_advantages(two.run_dir, table, iteration=1)
+    write_advantages(one.run_dir, table, iteration=1)
+    done = torchrun_train(path, iteration=1)
+    assert done.returncode == 0, done.stderr[-4000:]
+    m = train.run(one, 1, quiet=True)
+    assert m["optimizer"]["global_step_start"] == n_steps
+    w_two, w_one = weights(layout.policy_dir(two.run_dir, 1)), weights(layout.policy_dir(one.run_dir, 1))
+    assert max_diff(w_two, w_one) < 1e-5 < 1e-4 < max_diff(w_one, weights(layout.policy_dir(one.run_dir, 0)))

@@ -1,0 +1,108 @@
+"""An optimizer state dict as safetensors + JSON, keyed by parameter name; nothing is unpickled.
+
+    <dir>/optimizer.safetensors   every tensor of the state: "<parameter name>/<key>"
+                                  (AdamW: exp_avg, exp_avg_sq and the step count `step`)
+    <dir>/optimizer.json          param_groups (hyper-parameters; `params` as parameter names),
+                                  the state's non-tensor values, and the caller's `extra`
+
+Both forms of a state dict are handled: `torch.optim.Optimizer.state_dict()` keys parameters
+by index (in `model.parameters()` order, which `names` gives), the full state dict of
+`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` (FSDP) by name. The files
+are always by name, so a state written by one form loads into the other. safetensors holds
+tensors only, so loading it runs no code (weights-only by construction).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlhf_batch.errors import StageError
+
+TENSORS, META = "optimizer.safetensors", "optimizer.json"
+
+
+def param_names(model: Any) -> list[str]:
+    """Names of `model.parameters()`, in that order (the optimizer's parameter indices)."""
+    return [n for n, _ in model.named_parameters()]
+
+
+def _name(key: Any, names: list[str]) -> str:
+    return names[key] if isinstance(key, int) else str(key)
+
+
+def save(out: Path, state_dict: dict[str, Any], names: list[str], extra: dict[str, Any]) -> None:
+    """Write `state_dict` into `out` (an existing directory) as TENSORS + META; not atomic by
+    itself: callers write into a temporary directory or rename afterwards."""
+    import torch
+    from safetensors.torch import save_file
+
+    tensors: dict[str, Any] = {}
+    values: dict[str, dict[str, Any]] = {}
+    for key, per_param in state_dict["state"].items():
+        name = _name(key, names)
+        for k, v in per_param.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"{name}/{k}"] = v.detach().cpu().contiguous()
+            else:
+                values.setdefault(name, {})[k] = v
+    groups = [
+        {
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"},
+            "params": [_name(p, names) for p in g["params"]],
+        }
+        for g in state_dict["param_groups"]
+    ]
+    save_file(tensors, str(out / TENSORS))
+    (out / META).write_text(json.dumps({"param_groups": groups, "values": values, **extra}, indent=1))
+
+
+def read_meta(out: Path) -> dict[str, Any] | None:
+    """The META of `out`, or None when there is none."""
+    path = out / META
+    if not path.is_file():
+        return None
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise StageError(f"{path}: unreadable optimizer state ({e})") from None
+
+
+def load(out: Path, names: list[str], by_name: bool) -> dict[str, Any]:
+    """The state dict saved in `out`, keyed by index into `names` (by_name False: for
+    `Optimizer.load_state_dict`) or by name (for FSDP's `set_optimizer_state_dict`)."""
+    from safetensors.torch import load_file
+
+    meta = read_meta(out)
+    if meta is None:
+        raise StageError(f"{out / META}: optimizer state is missing")
+    index = {n: i for i, n in enumerate(names)}
+    missing = [n for g in meta["param_groups"] for n in g["params"] if n not in index]
+    if missing:
+        raise StageError(f"{out}: optimizer state of another model (no parameter {missing[0]!r} here)")
+
+    def key(name: str) -> Any:
+        return name if by_name else index[name]
+
+    state: dict[Any, dict[str, Any]] = {}
+    for full, tensor in load_file(str(out / TENSORS)).items():
+        name, _, k = full.rpartition("/")
+        state.setdefault(key(name), {})[k] = tensor
+    for name, vals in meta["values"].items():
+        state.setdefault(key(name), {}).update(vals)
+    groups = [{**g, "params": [key(n) for n in g["params"]]} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def restore(out: Path, model: Any, optimizer: Any, sharded: bool) -> None:
+    """Load the state saved in `out` into `optimizer` (over `model`'s parameters); `sharded`:
+    they are FSDP-sharded and every rank keeps its shard of the full tensors."""
+    names = param_names(model)
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        full = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, optimizer, load(out, names, by_name=True), options=full)
+    else:
+        optimizer.load_state_dict(load(out, names, by_name=False))

@@ -1,0 +1,102 @@
+"""One optimizer for the run: train of iteration K continues from the AdamW state of K-1.
+
+Train of iteration K ends by writing `iter=K/train/optimizer/` (optim_state.py: safetensors +
+JSON) with, beside the AdamW moments and per-parameter step counts, the run's `global_step`
+after K, the schedule's length `total_steps` and the schedule settings it ran with. Train of
+K+1 loads it before its first step, so Adam's moments, its bias correction and the learning
+rate schedule (warmup once, then the decay over the run's steps) run on as if one process had
+trained every iteration. Iteration 0, or an iteration after one with no state, starts fresh.
+
+Schedule length: `train.total_steps`, or when 0, `iterations` x the steps of the first
+iteration that trains, recorded in the state and kept by every later iteration.
+
+Changing `train.lr`, `weight_decay`, `warmup_steps`, `lr_schedule` or a set `total_steps` in
+the middle of a run is refused (naming the old and new values) unless `--force`: then the
+iteration continues from the carried moments and global step with the new settings (the
+schedule is evaluated at the run's global step with the new values; nothing is replayed), and
+its train manifest records the change under `optimizer.changed`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlhf_batch import atomic, layout, optim_state
+from rlhf_batch.config import Config
+from rlhf_batch.errors import StageError
+
+SCHEDULE = ("lr", "weight_decay", "warmup_steps", "lr_schedule")
+
+
+def previous(cfg: Config, iteration: int) -> tuple[Path, dict[str, Any]] | None:
+    """(directory, JSON) of the optimizer state iteration `iteration - 1` ended with, or None."""
+    if iteration == 0:
+        return None
+    path = layout.optimizer_dir(cfg.run_dir, iteration - 1)
+    meta = optim_state.read_meta(path)
+    return None if meta is None else (path, meta)
+
+
+def changes(cfg: Config, iteration: int, prev: dict[str, Any] | None, force: bool) -> dict[str, Any]:
+    """The schedule settings that differ from the carried state's ({key: [old, new]}); an error
+    naming them unless `force`."""
+    if prev is None:
+        return {}
+    tc = cfg.train
+    now = {k: getattr(tc, k) for k in SCHEDULE}
+    if tc.total_steps:
+        now["total_steps"] = tc.total_steps
+    diff = {k: [prev.get(k), v] for k, v in now.items() if prev.get(k) != v}
+    if diff and not force:
+        said = ", ".join(f"train.{k} {old!r} -> {new!r}" for k, (old, new) in diff.items())
+        raise StageError(
+            f"train iteration {iteration}: {said} since iteration {iteration - 1}, whose optimizer state "
+            f"this iteration continues; re-run with --force to go on from the carried AdamW state and step "
+            f"{prev.get('global_step')} with the new settings"
+        )
+    return diff
+
+
+def schedule(cfg: Config, prev: dict[str, Any] | None, steps: int) -> tuple[int, int]:
+    """(steps the run took before this iteration, the schedule's length in steps)."""
+    offset = int(prev["global_step"]) if prev else 0
+    if cfg.train.total_steps:
+        return offset, cfg.train.total_steps
+    if prev and prev.get("total_steps"):
+        return offset, int(prev["total_steps"])
+    return offset, cfg.iterations * steps
+
+
+def record(start: int, end: int, total: int | None, carried_from: int | None) -> dict[str, Any]:
+    """The train manifest's `optimizer` entry: the run's global steps before and after."""
+    return {
+        "global_step_start": start,
+        "global_step": end,
+        "total_steps": total,
+        "carried_from": carried_from,
+    }
+
+
+def state_extra(cfg: Config, global_step: int, total: int, carried_from: int | None) -> dict[str, Any]:
+    """The JSON written beside the AdamW tensors: where the run's schedule stands."""
+    return {
+        "global_step": global_step,
+        "total_steps": total,
+        "carried_from": carried_from,
+        **{k: getattr(cfg.train, k) for k in SCHEDULE},
+    }
+
+
+def restore(trainer: Any, path: Path, weight_decay: float) -> None:
+    """Load the carried state into the trainer's optimizer. load_state_dict also restores the
+    saved hyper-parameters; weight decay is set back to the config's (lr is set every step)."""
+    optim_state.restore(path, trainer.model, trainer.optimizer, trainer.sharded)
+    for group in trainer.optimizer.param_groups:
+        group["weight_decay"] = weight_decay
+
+
+def save(root: Path, state_dict: dict[str, Any], model: Any, extra: dict[str, Any]) -> None:
+    """Rank 0: the end-of-iteration state, written atomically to `root`."""
+    names = optim_state.param_names(model)
+    atomic.write_dir_atomic(root, lambda tmp: optim_state.save(tmp, state_dict, names, extra))

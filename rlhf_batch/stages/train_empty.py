@@ -1,0 +1,49 @@
+"""An iteration with no trainable row: train takes zero steps and carries the policy forward.
+
+When the advantage stage leaves no row (every group filtered out, whatever the settings), its
+manifest has 0 rows and says why (`no_trainable_rows`). Train then does not fail the run: it
+copies the starting policy unchanged to `iter=K/policy` (the next iteration starts from the same
+weights), carries the optimizer state of iteration K-1 unchanged to `iter=K/train/optimizer`
+(same global step), writes an empty metrics.parquet and prints one warning line saying why.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from rlhf_batch import atomic, dist, layout, manifests
+from rlhf_batch.stages.train_carry import record
+
+
+def carry_forward(
+    cfg: Any, iteration: int, start: str, adv_dir: Path, prev: tuple[Path, dict[str, Any]] | None
+) -> dict[str, Any]:
+    """Rank 0 writes; returns the manifest's `optimizer` entry (the global step is unchanged)."""
+
+    from rlhf_batch.schemas import METRICS
+
+    step = int(prev[1]["global_step"]) if prev else 0
+    total = prev[1].get("total_steps") if prev else None
+    carried = record(step, step, total, iteration - 1 if prev else None)
+    if dist.rank_world()[0] != 0:
+        return carried
+    why = (manifests.manifest(adv_dir) or {}).get("no_trainable_rows") or "the advantages table has 0 rows"
+    print(
+        f"warning: iteration {iteration}: no trainable row ({why}); train took 0 steps and the "
+        "policy is carried forward unchanged",
+        file=sys.stderr,
+        flush=True,
+    )
+    if prev is not None:
+        _copy_dir(prev[0], layout.optimizer_dir(cfg.run_dir, iteration))
+    _copy_dir(Path(start), layout.policy_dir(cfg.run_dir, iteration))
+    sdir = layout.folder(cfg.run_dir, iteration, layout.TRAIN)
+    atomic.write_parquet_atomic(sdir / layout.METRICS_FILE, METRICS.empty_table(), METRICS)
+    return carried
+
+
+def _copy_dir(src: Path, dst: Path) -> None:
+    atomic.write_dir_atomic(dst, lambda tmp: shutil.copytree(src, tmp, dirs_exist_ok=True))
