@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from rlhf_batch.cli import app
@@ -22,20 +24,25 @@ def _manifests(run_dir: Path) -> dict[str, str]:
     return {str(p.relative_to(run_dir)): p.read_text() for p in sorted(run_dir.rglob("_manifest.json"))}
 
 
-def test_threads_are_resolved_recorded_and_compared(make_config) -> None:
+@pytest.fixture(autouse=True)
+def _keep_torch_threads() -> Iterator[None]:
+    """The commands set torch's thread count in this process: later tests compare in-process
+    runs with subprocess ones, so the count is put back."""
     import torch
 
     threads = torch.get_num_threads()
-    try:
-        path, cfg = make_config(threads=0)
-        assert _cli("generate", str(path))[0] == 0
-        m = json.loads((Path(cfg.run_dir) / "iter=0000" / "rollouts" / "_manifest.json").read_text())
-        assert m["config"]["threads"] == len(os.sched_getaffinity(0))  # 0: one per usable CPU
-        code, out = _cli("generate", str(path), "--set", "threads=7")
-        assert code == 1
-        assert f"config.threads: {len(os.sched_getaffinity(0))} on disk, 7 now" in out
-    finally:
-        torch.set_num_threads(threads)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_threads_are_resolved_recorded_and_compared(make_config) -> None:
+    path, cfg = make_config(threads=0)
+    assert _cli("generate", str(path))[0] == 0
+    m = json.loads((Path(cfg.run_dir) / "iter=0000" / "rollouts" / "_manifest.json").read_text())
+    assert m["config"]["threads"] == len(os.sched_getaffinity(0))  # 0: one per usable CPU
+    code, out = _cli("generate", str(path), "--set", "threads=7")
+    assert code == 1
+    assert f"config.threads: {len(os.sched_getaffinity(0))} on disk, 7 now" in out
 
 
 def test_a_copied_run_directory_goes_on_without_redoing_anything(make_config, tmp_path: Path) -> None:

@@ -22,9 +22,10 @@ from rlhf_batch.tiny import init_model
 PARITY = "tests.stages.test_eval:parity"
 
 
-def parity(*, responses: list[str], **_: object) -> list[float]:
-    """1.0 for a response of even length, else 0.0: a 0/1 reward that splits the tiny model's samples."""
-    return [1.0 if len(r) % 2 == 0 else 0.0 for r in responses]
+def parity(*, response_ids: list[list[int]], **_: object) -> list[float]:
+    """1.0 for a response whose token ids have an even sum, else 0.0: a 0/1 reward that splits the
+    tiny model's samples (its text lengths are mostly even: 6 characters, special tokens kept)."""
+    return [1.0 if sum(r) % 2 == 0 else 0.0 for r in response_ids]
 
 
 def carried_value(*, value: list[float], **_: object) -> list[float]:
@@ -65,7 +66,7 @@ def test_parts_and_manifest_metrics_per_data_source(make_config, tmp_path: Path)
     for (
         r
     ) in rows:  # the reward is the function's value, correct is reward >= 1.0, the policy is iteration 0's
-        assert r["reward"] == r["reward_parity"] == parity(responses=[r["response"]])[0]
+        assert r["reward"] == r["reward_parity"] == parity(response_ids=[r["response_ids"]])[0]
         assert r["correct"] == (r["reward"] >= 1.0) and r["policy"] == cfg.policy_model
         assert len(r["behavior_logprobs"]) == len(r["response_ids"]) <= 6
     # the metrics recomputed from the rows with the binomial form of pass@k (math.comb)
