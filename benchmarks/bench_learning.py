@@ -78,7 +78,8 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     for it in range(cfg.iterations):
         for stage_class in stage_classes:
-            execute(stage_class(cfg, it), quiet=True)
+            if stage_class.runs_at(cfg, it):  # (eval runs only with [eval] prompts)
+                execute(stage_class(cfg, it), quiet=True)
     loop = time.perf_counter() - t0
     return {"loop_s": loop, "scores": [r["score"] for r in reward_by_iteration(cfg)]}
 

@@ -70,10 +70,11 @@ def test_vllm_rollouts_match_our_forward_stop_at_eos_and_repeat_with_the_seed(ma
     diffs = []
     for r in got.values():
         ids = r["response_ids"]
-        if r["finish_reason"] == "stop":  # stopped at the EOS (id 0), which is kept, and only there
-            assert ids[-1] == 0 and 0 not in ids[:-1]
+        # the end tokens: EOS (id 0) and the chat template's end of turn <|im_end|> (id 4)
+        if r["finish_reason"] == "stop":  # stopped at an end token, which is kept, and only there
+            assert ids[-1] in (0, 4) and not {0, 4} & set(ids[:-1])
         else:
-            assert r["finish_reason"] == "length" and len(ids) == 8 and 0 not in ids
+            assert r["finish_reason"] == "length" and len(ids) == 8 and not {0, 4} & set(ids)
         with torch.no_grad():
             lp, _, _ = response_logprobs(model, [r["prompt_ids"] + ids], [len(r["prompt_ids"])], 0.8)
         diffs += (lp[0] - torch.tensor(r["behavior_logprobs"])).abs().tolist()

@@ -468,7 +468,8 @@ def reference_weights_nan(ctx: Ctx):  # noqa: ANN201
         t[_first_mlp(t)] = t[_first_mlp(t)] + float("inf")
 
     path = model_copy(ctx, "infref", _edit_weights(inf))
-    return _score(ctx, ref_model=path), ["ref_model", path, "non-finite values"]
+    # KL in the reward: the reference is loaded (without any KL it is not)
+    return _score(ctx, ref_model=path, score={"kl_in_reward": True}), ["ref_model", path, "non-finite values"]
 
 
 # ---------------------------------------------------------------- prompts
