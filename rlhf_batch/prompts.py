@@ -30,7 +30,7 @@ class Prompts:
     tokens: list[list[int]]  # prompt token ids
     carried: pa.Table  # the other columns, one row per prompt
     counts: dict[str, int] = field(default_factory=dict)  # skipped / truncated prompts
-    batch: dict[str, Any] = field(default_factory=dict)  # the iteration's epoch and positions
+    batch: dict[str, Any] = field(default_factory=dict)  # the batch index, epoch and positions taken
 
 
 def check_path(path: str) -> Path:
@@ -98,15 +98,16 @@ def _read_datasets_dir(p: Path) -> pa.Table:
     return ds.flatten_indices().data.table
 
 
-def load_prompts(cfg: GenerateConfig, tokenizer: Any, iteration: int | None = None, seed: int = 0) -> Prompts:
-    """The prompts of the file, or (`iteration` given) those iteration `iteration` takes."""
+def load_prompts(cfg: GenerateConfig, tokenizer: Any, batch: int | None = None, seed: int = 0) -> Prompts:
+    """The prompts of the file, or (`batch` given) those of batch `batch` of the run's prompt order
+    (iteration K's round 0 takes batch K unless top-up rounds took batches before it: topup.py)."""
     table = read_table(cfg.prompts)
     where = cfg.prompts
     if table.num_rows == 0:
         raise StageError(f"{where}: the prompt file is empty")
-    batch: dict[str, Any] = {}
-    if iteration is not None:
-        table, batch = _take_batch(table, cfg, iteration, seed, where)
+    taken: dict[str, Any] = {}
+    if batch is not None:
+        table, taken = _take_batch(table, cfg, batch, seed, where)
     texts, chat = _texts(table, cfg, tokenizer, where)
     ids = _ids(table, texts, cfg.id_column, where)
     used = {cfg.prompt_column, cfg.messages_column, cfg.id_column}
@@ -118,21 +119,27 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any, iteration: int | None = No
             raise StageError(f"{where}: column '{name}' clashes with a rollouts column; rename it")
     tokens = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
     out = _limit(Prompts(ids, texts, tokens, carried), cfg, tokenizer, where)
-    out.batch = batch
+    out.batch = taken
     return out
 
 
 def _take_batch(
-    table: pa.Table, cfg: GenerateConfig, iteration: int, seed: int, where: str
+    table: pa.Table, cfg: GenerateConfig, batch: int, seed: int, where: str
 ) -> tuple[pa.Table, dict[str, Any]]:
-    """The rows iteration `iteration` takes (core.prompt_batches) and what the manifest records."""
+    """The rows batch `batch` takes (core.prompt_batches) and what the manifest records."""
     from rlhf_batch.core.prompt_batches import rows_for
 
     try:
-        b, rows = rows_for(iteration, table.num_rows, cfg.prompts_per_iteration, seed)
+        b, rows = rows_for(batch, table.num_rows, cfg.prompts_per_iteration, seed)
     except ValueError as e:
         raise StageError(f"{where}: generate.prompts_per_iteration: {e}") from None
-    info = {"epoch": b.epoch, "positions": [b.start, b.stop], "rows": rows, "prompts_in_set": table.num_rows}
+    info = {
+        "batch": batch,
+        "epoch": b.epoch,
+        "positions": [b.start, b.stop],
+        "rows": rows,
+        "prompts_in_set": table.num_rows,
+    }
     return (table if cfg.prompts_per_iteration == 0 else table.take(pa.array(rows, pa.int64()))), info
 
 

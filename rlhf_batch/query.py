@@ -3,14 +3,16 @@
 `connect(run_dir)` opens an in-memory DuckDB with seven views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
-    rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet
-    scores      RUN_DIR/iter=*/scores/part-*.parquet
+    rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
+    scores      RUN_DIR/iter=*/scores/part-*.parquet and iter=*/topup=*/scores/part-*.parquet
     advantages  RUN_DIR/iter=*/advantages/part-*.parquet
     metrics     RUN_DIR/iter=*/train/metrics.parquet
     eval        RUN_DIR/iter=*/eval/part-*.parquet: held-out samples with reward and correct
     eval_metrics  RUN_DIR/iter=*/eval/_manifest.json: (iter, data_source, metric, value)
     stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
 
+rollouts, scores and stages also have a `topup` INTEGER column: 0 for an iteration's own rows,
+r for those of its dynamic-sampling top-up round r (RUN_DIR/iter=0003/topup=01/...; topup.py).
 A view whose files do not exist yet is an empty table with the stage's schema. The connection
 is read-only with respect to the run, in two layers: DuckDB may only touch files below RUN_DIR
 (`allowed_directories` + `enable_external_access = false`, then `lock_configuration = true`, so
@@ -44,12 +46,14 @@ VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.schemas)
     "metrics": ("iter=*/train/metrics.parquet", "METRICS"),
     "eval": ("iter=*/eval/part-*.parquet", "EVAL"),
 }
+TOPUP_VIEWS = ("rollouts", "scores")  # also the rows of the top-up rounds (iter=K/topup=RR/), column topup
 # The stage manifests are the record of each stage's run: `numbers` holds every number at the
 # manifest's top level and in its `counts` and `prompt_counts` objects (counts win on a clash),
 # e.g. numbers['unscored'], numbers['kl_coef'], numbers['groups_total'], numbers['prompts_truncated'].
 STAGES_GLOB = "iter=*/*/_manifest.json"
+STAGES_TOPUP_GLOB = "iter=*/topup=*/*/_manifest.json"  # a top-up round's rollouts and scores
 STAGES_VIEW = """
-SELECT iter, regexp_extract(filename, '([^/]+)/_manifest\\.json$', 1) AS stage,
+SELECT iter, regexp_extract(filename, '([^/]+)/_manifest\\.json$', 1) AS stage, topup,
        (json->>'rows')::BIGINT AS rows,
        map_from_entries([{'k': k, 'v': (flat->>k)::DOUBLE} FOR k IN json_keys(flat)
                          IF json_type(flat->k) IN ('UBIGINT', 'BIGINT', 'DOUBLE')]) AS numbers,
@@ -99,23 +103,36 @@ def connect(run_dir: str | Path) -> Any:
         con.execute(f"SET {setting} = false")
     con.execute(NAN_SAFE)
     for name, (pattern, schema_name) in VIEWS.items():
+        rounds = name in TOPUP_VIEWS
+        selects = []
         if files := listed(root, pattern):
-            con.execute(
-                f"CREATE VIEW {name} AS SELECT * FROM read_parquet([{', '.join(map(quote, files))}], "
-                "hive_partitioning = true, hive_types = {'iter': INTEGER}, union_by_name = true)"
-            )
+            selects.append(_read_parts(files, ["iter"], ", 0::INTEGER AS topup" if rounds else ""))
+        if rounds and (files := listed(root, pattern.replace("/", "/topup=*/", 1))):
+            selects.append(_read_parts(files, ["iter", "topup"]))
+        if selects:
+            con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(selects))
         else:  # no files yet: an empty table with the schema, so queries over it still bind
             empty: pa.Table = getattr(schemas, schema_name).empty_table()
             con.register("_empty", empty)
-            con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter FROM _empty")
+            extra = ", NULL::INTEGER AS topup" if rounds else ""
+            con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter{extra} FROM _empty")
             con.unregister("_empty")
-    _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW)
+    _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
     _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
     return con
+
+
+def _read_parts(files: list[str], keys: list[str], extra: str = "") -> str:
+    """SELECT over Parquet files with the Hive keys `keys` (iter=K, topup=RR) as INTEGER columns."""
+    types = ", ".join(f"'{k}': INTEGER" for k in keys)
+    return (
+        f"SELECT *{extra} FROM read_parquet([{', '.join(map(quote, files))}], "
+        f"hive_partitioning = true, hive_types = {{{types}}}, union_by_name = true)"
+    )
 
 
 def listed(root: Path, pattern: str) -> list[str]:
@@ -134,14 +151,21 @@ def listed(root: Path, pattern: str) -> list[str]:
     return out
 
 
-def _manifest_view(con: Any, root: Path, name: str, pattern: str, view: str) -> None:
-    """View `name`: `view` over the manifests matching `pattern` (columns iter, filename, json)."""
-    source = "(SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json WHERE false)"
-    if any(root.glob(pattern)):
-        source = (
-            f"read_json_objects({quote(str(root / pattern))}, filename = true, "
-            "hive_partitioning = true, hive_types = {'iter': INTEGER})"
-        )
+def _manifest_view(con: Any, root: Path, name: str, pattern: str, view: str, topup_pattern: str = "") -> None:
+    """View `name`: `view` over the manifests matching `pattern` (columns iter, filename, json), and
+    with `topup_pattern` those of the top-up rounds too (column topup, 0 for round 0)."""
+    topup = ", 0::INTEGER AS topup" if topup_pattern else ""
+    sources = [
+        f"SELECT *{extra} FROM read_json_objects({quote(str(root / glob))}, filename = true, "
+        f"hive_partitioning = true, hive_types = {{{types}}})"
+        for glob, extra, types in [
+            (pattern, topup, "'iter': INTEGER"),
+            (topup_pattern, "", "'iter': INTEGER, 'topup': INTEGER"),
+        ]
+        if glob and any(root.glob(glob))
+    ]
+    empty = f"SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json{topup.replace('0::', 'NULL::')} WHERE false"
+    source = "(" + (" UNION ALL BY NAME ".join(sources) or empty) + ")"
     con.execute(f"CREATE VIEW {name} AS " + view.replace("{source}", source))
 
 
@@ -320,10 +344,9 @@ def print_status(run_dir: str | Path) -> None:
     con = connect(root)
     try:
         rows = [
-            (str(it), stage, *_stage_status(con, root, it, stage))
+            (str(it), label, *_stage_status(con, root, it, stage, r))
             for it in iters
-            for stage in STATUS_STAGES
-            if stage != "eval" or (root / f"iter={it:04d}" / stage).exists()
+            for label, stage, r in _status_stages(root, it)
         ]
     finally:
         con.close()
@@ -337,14 +360,28 @@ def print_status(run_dir: str | Path) -> None:
         print("  ".join([*cells, r[4]]).rstrip())
 
 
-def _stage_status(con: Any, root: Path, it: int, stage: str) -> tuple[str, str, str]:
-    """(state, rows, details) of one stage of one iteration."""
+def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
+    """(label, stage folder, top-up round) of the rows `status` shows for iteration `it`: each
+    stage, eval only where it ran, and after scores each top-up round's rollouts and scores."""
+    idir = root / f"iter={it:04d}"
+    rounds = sorted(int(p.name[6:]) for p in idir.glob("topup=*") if p.is_dir() and p.name[6:].isdigit())
+    out = []
+    for stage in STATUS_STAGES:
+        if stage != "eval" or (idir / stage).exists():
+            out.append((stage, stage, 0))
+        if stage == "scores":
+            out += [(f"topup={r:02d}/{s}", s, r) for r in rounds for s in ("rollouts", "scores")]
+    return out
+
+
+def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> tuple[str, str, str]:
+    """(state, rows, details) of one stage of one iteration (of its top-up round `topup`)."""
     import duckdb
     import pyarrow.parquet as pq
 
     from rlhf_batch import layout, manifests
 
-    sdir = layout.folder(root, it, stage)
+    sdir = layout.folder(root, it, stage, topup)
     m = manifests.manifest(sdir)
     if stage == "train":
         files = [f for f in [sdir / "metrics.parquet"] if f.exists()]
@@ -364,6 +401,12 @@ def _stage_status(con: Any, root: Path, it: int, stage: str) -> tuple[str, str, 
     if stage == "advantages" and m:
         c = m.get("counts", {})
         details.append(f"kept {c.get('groups_out', '?')}/{c.get('groups_total', '?')} groups")
+        if m.get("topup_rounds"):
+            details.append(f"with top-up rounds {', '.join(map(str, m['topup_rounds']))}")
+    if stage == "rollouts" and topup and m and (b := m.get("prompt_batch") or {}).get("batch") is not None:
+        details.append(
+            f"prompt batch {b['batch']} (epoch {b['epoch']}, positions {b['positions'][0]}-{b['positions'][1]})"
+        )
     if stage == "eval" and m:
         details += eval_details(m)
     if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():

@@ -20,11 +20,11 @@ def first_token_parity(*, response_ids: list[list[int]], **_: Any) -> list[float
     return [float(ids[0] % 2) if ids else 0.0 for ids in response_ids]
 
 
-def test_round_prompts_and_sample_offsets(make_config) -> None:
-    _, cfg = make_config()  # G = 4; today a round takes every prompt, in file order
-    assert topup.round_prompts(cfg, 5, 0, 0) == [0, 1, 2, 3, 4]
-    assert topup.round_prompts(cfg, 5, 3, 2) == [0, 1, 2, 3, 4]  # positions 10..14 wrap to 0..4
-    assert [topup.sample_offset(cfg, r) for r in (0, 1, 2)] == [0, 4, 8]
+def test_every_prompt_rounds_take_the_whole_set_and_sample_indices_move_on(make_config) -> None:
+    _, cfg = make_config()  # prompts_per_iteration = 0 (every prompt): no further prompts to take
+    # every round of iteration 3 takes batch 3, i.e. epoch 3's positions [0, 12) in file order
+    assert [topup.batch_index(cfg, 3, r) for r in (0, 1, 2)] == [3, 3, 3]
+    assert [topup.sample_offset(cfg, r) for r in (0, 1, 2)] == [0, 4, 8]  # G = 4
 
 
 def scores_of(run_dir: str, rounds: list[int]) -> dict[str, list[float]]:
@@ -59,6 +59,11 @@ def test_topup_rounds_until_enough_groups_or_the_cap(make_config, tmp_path: Path
     assert adv["topup_rounds"] == [1, 2]
     gen1 = manifests.manifest(layout.folder(cfg.run_dir, 0, "rollouts", 1))
     assert (gen1["topup"], gen1["prompts_sampled"], gen1["rows"]) == (1, 12, 48)
+    # every prompt per iteration: a round samples the whole set again, in file order
+    round0 = pq.read_table(layout.folder(cfg.run_dir, 0, "rollouts"), columns=["prompt_id"])
+    round1 = pq.read_table(layout.folder(cfg.run_dir, 0, "rollouts", 1), columns=["prompt_id"])
+    assert round1["prompt_id"].to_pylist() == round0["prompt_id"].to_pylist()
+    assert gen1["prompt_batch"]["positions"] == [0, 12]
     # round r's sample indices are 4r..4r+3: ids stay unique over the rounds
     ids = []
     for r in (0, 1, 2):

@@ -10,6 +10,10 @@ through, one killed and resumed, and one extended later with more iterations sam
 prompts at the same iteration.
 
 ``B = 0``: every iteration takes every row in file order (epoch ``K``, positions ``[0, n)``).
+
+The functions count batches (``iteration`` below): batch ``k`` is iteration ``k``'s until a
+dynamic-sampling top-up round takes a batch of its own; from then on each iteration starts
+after the last batch taken (rlhf_batch/topup.py), along the same order.
 """
 
 from __future__ import annotations

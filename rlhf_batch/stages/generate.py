@@ -17,8 +17,9 @@ vocabulary. `response` is the text the model wrote with special tokens kept (`<|
 manifest counts the rollouts holding one (`with_special_tokens`).
 
 Prompt batches: with `generate.prompts_per_iteration` > 0 iteration K takes its batch of a
-per-epoch seeded shuffle of the prompt set (core/prompt_batches.py); the manifest records the
-epoch and the positions (`prompt_batch`).
+per-epoch seeded shuffle of the prompt set (core/prompt_batches.py), a top-up round the next
+batch of the same order (topup.py); the manifest records the batch index, the epoch and the
+positions (`prompt_batch`).
 """
 
 from __future__ import annotations
@@ -52,19 +53,33 @@ class Generate(Stage):
 
             ensure_demo_assets(self.cfg)
         self.policy = start_policy(self.cfg, self.iteration)
+        self.batch = topup.batch_index(self.cfg, self.iteration, self.topup)
         return {
             "prompts": file_fingerprint(check_path(self.cfg.generate.prompts)),
             "policy": model_fingerprint(self.policy, "policy"),
             "iteration": self.iteration,
             **({"topup": self.topup} if self.topup else {}),
+            # the batch of the prompt order this round takes, when top-up rounds moved it off the
+            # iteration's (topup.py; left out otherwise, so the identities of runs without them stay)
+            **({"prompt_batch": self.batch} if self.batch != self.iteration else {}),
         }
+
+    def check(self) -> None:
+        """A top-up round must come before the next iteration takes its prompts: that iteration
+        started after the batches taken so far, this round's included."""
+        nxt = layout.folder(self.cfg.run_dir, self.iteration + 1, layout.ROLLOUTS)
+        if self.topup and self.cfg.generate.prompts_per_iteration and nxt.exists():
+            raise StageError(
+                f"{nxt}: iteration {self.iteration + 1} has started; top-up round {self.topup} of "
+                f"iteration {self.iteration} would take prompts of the order it went on from"
+            )
 
     def plan(self) -> int:
         from rlhf_batch.models import load_tokenizer
 
         self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
-        self.prompts = load_prompts(self.cfg.generate, self.tok, self.iteration, self.cfg.seed)
-        self.order = topup.round_prompts(self.cfg, len(self.prompts.ids), self.iteration, self.topup)
+        self.prompts = load_prompts(self.cfg.generate, self.tok, self.batch, self.cfg.seed)
+        self.order = list(range(len(self.prompts.ids)))
         return math.ceil(len(self.order) / self.cfg.generate.prompts_per_part)
 
     def progress_total(self, todo: list[int]) -> int:
