@@ -234,7 +234,8 @@ def sql(
         typer.Option("--timeout", help="Stop a query still running after this many seconds (0: no limit)."),
     ] = 600.0,
 ) -> None:
-    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, eval with an iter column."""
+    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, eval, stages with an
+    iter column (rollouts, scores, stages: also topup, the dynamic-sampling round)."""
     from rlhf_batch.query import run_sql
     from rlhf_batch.runs import run_dir_of
 

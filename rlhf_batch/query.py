@@ -164,7 +164,8 @@ def _manifest_view(con: Any, root: Path, name: str, pattern: str, view: str, top
         ]
         if glob and any(root.glob(glob))
     ]
-    empty = f"SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json{topup.replace('0::', 'NULL::')} WHERE false"
+    empty = "SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json"
+    empty += (", NULL::INTEGER AS topup" if topup_pattern else "") + " WHERE false"
     source = "(" + (" UNION ALL BY NAME ".join(sources) or empty) + ")"
     con.execute(f"CREATE VIEW {name} AS " + view.replace("{source}", source))
 
