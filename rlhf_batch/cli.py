@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from rlhf_batch import timing  # imported at start: the fallback process start
+
 app = typer.Typer(
     name="rlhf-batch",
     help="Offline batch RL post-training (GRPO with KL control): generate -> score -> advantage -> train.",
@@ -86,7 +88,7 @@ def _stage(
     with stage_lock(cfg.run_dir):
         dist.init(cfg.device)
         stage = get(name)(cfg, iteration, topup) if topup else get(name)(cfg, iteration)
-        execute(stage, force=force, quiet=quiet)
+        execute(stage, force=force, quiet=quiet, since=timing.process_start())
 
 
 @app.command()
@@ -208,7 +210,8 @@ def import_(
     from rlhf_batch.stages.importer import Import
 
     overrides = [*(set_ or []), *([f"run_dir={run_dir}"] if run_dir is not None else [])]
-    execute(Import(_config(config, overrides), iteration, file), force=force, quiet=quiet)
+    stage = Import(_config(config, overrides), iteration, file)
+    execute(stage, force=force, quiet=quiet, since=timing.process_start())
 
 
 @app.command()
