@@ -246,7 +246,8 @@ def sql(
 
 @app.command()
 def status(target: TargetArg = None, run_dir: RunDirOpt = None, config: ConfigOpt = None) -> None:
-    """Per iteration and stage: complete / partial / missing, rows, mean reward, KL, lengths."""
+    """Per iteration and stage: complete / partial / missing, rows, start-up and work seconds, tokens/s,
+    mean reward, KL, lengths."""
     from rlhf_batch.query import print_status
     from rlhf_batch.runs import run_dir_of
 
@@ -265,7 +266,7 @@ def report(
         bool, typer.Option("--tensorboard", help="Also write TensorBoard event files.")
     ] = False,
 ) -> None:
-    """PNG plots and report.html: reward, KL, length by iteration; train metrics by step."""
+    """PNG plots and report.html: reward, KL, length, time per stage by iteration; train metrics by step."""
     from rlhf_batch.report import write_report
     from rlhf_batch.runs import run_dir_of
 

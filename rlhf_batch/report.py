@@ -214,7 +214,6 @@ def _time_plot(data: dict[str, Any], out: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.patches import Patch
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -223,10 +222,19 @@ def _time_plot(data: dict[str, Any], out: Path) -> list[str]:
     legend = []
     for k, stage in enumerate(layout.FOLDERS):
         color = f"C{k}"
-        for part, style in (("startup_s", {"alpha": 0.35, "hatch": "//"}), ("work_s", {})):
+        for part in ("startup_s", "work_s"):
             h = [r["time"].get(stage, {}).get(part, 0.0) for r in rows]
             if any(h):
-                ax.bar(x, h, width=0.7, bottom=bottom, color=color, **style)
+                light = part == "startup_s"
+                ax.bar(
+                    x,
+                    h,
+                    0.7,
+                    bottom,
+                    color=color,
+                    alpha=0.35 if light else 1.0,
+                    hatch="//" if light else None,
+                )
                 bottom = [b + v for b, v in zip(bottom, h, strict=True)]
         if any(stage in r["time"] for r in rows):
             legend.append(Patch(color=color, label=stage))

@@ -21,7 +21,13 @@ from rlhf_batch.stages.importer import import_rollouts
 
 runner = CliRunner()
 STAGES = ("generate", "score", "advantage", "train", "eval")
-FOLDER = {"generate": "rollouts", "score": "scores", "advantage": "advantages", "train": "train", "eval": "eval"}
+FOLDER = {
+    "generate": "rollouts",
+    "score": "scores",
+    "advantage": "advantages",
+    "train": "train",
+    "eval": "eval",
+}
 EPOCHS = 2
 
 
@@ -43,7 +49,12 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, demo_prompts
         "device": "cpu",
         "dtype": "float32",
         "threads": 1,
-        "generate": {"prompts": str(demo_prompts), "num_generations": 4, "max_new_tokens": 6, "prompts_per_part": 5},
+        "generate": {
+            "prompts": str(demo_prompts),
+            "num_generations": 4,
+            "max_new_tokens": 6,
+            "prompts_per_part": 5,
+        },
         "score": {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"], "rows_per_part": 20},
         "advantage": {"drop_zero_variance": False},
         "train": {"ppo_epochs": EPOCHS},
@@ -129,7 +140,16 @@ def status_rows(root: Path) -> dict[tuple[str, str], list[str]]:
     res = runner.invoke(app, ["status", "--run-dir", str(root)])
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
-    assert lines[1].split()[:8] == ["iter", "stage", "state", "rows", "startup_s", "work_s", "tok/s", "details"]
+    assert lines[1].split()[:8] == [
+        "iter",
+        "stage",
+        "state",
+        "rows",
+        "startup_s",
+        "work_s",
+        "tok/s",
+        "details",
+    ]
     return {tuple(line.split()[:2]): line.split()[2:7] for line in lines[2:]}
 
 
