@@ -200,3 +200,19 @@ def test_manifests_without_timing_still_read(run, tmp_path: Path) -> None:
     assert res.stdout.splitlines() == ["n,t,rest", "5,0,0"]
     write_report(root, tmp_path / "report")
     assert (tmp_path / "report/reward.png").exists() and not (tmp_path / "report/time.png").exists()
+
+
+def test_report_adds_top_up_rounds_to_their_stage(run, tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "topped"
+    shutil.copytree(run[0], root, ignore=shutil.ignore_patterns("report"))
+    round_dir = layout.folder(root, 0, "scores", topup=1)
+    round_dir.mkdir(parents=True)
+    (round_dir / layout.MANIFEST).write_text(json.dumps({"timing": {"startup_s": 1.5, "work_s": 0.25}}))
+    write_report(root, tmp_path / "report")
+    summary = json.loads((tmp_path / "report/summary.json").read_text())
+    t = timing(root, "scores")
+    assert summary[0]["time"]["scores"] == pytest.approx(
+        {"startup_s": t["startup_s"] + 1.5, "work_s": t["work_s"] + 0.25}
+    )
