@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from rlhf_batch import timing  # imported at start: the fallback process start
+
 app = typer.Typer(
     name="rlhf-batch",
     help="Offline batch RL post-training (GRPO with KL control): generate -> score -> advantage -> train.",
@@ -86,7 +88,7 @@ def _stage(
     with stage_lock(cfg.run_dir):
         dist.init(cfg.device)
         stage = get(name)(cfg, iteration, topup) if topup else get(name)(cfg, iteration)
-        execute(stage, force=force, quiet=quiet)
+        execute(stage, force=force, quiet=quiet, since=timing.process_start())
 
 
 @app.command()
@@ -208,7 +210,8 @@ def import_(
     from rlhf_batch.stages.importer import Import
 
     overrides = [*(set_ or []), *([f"run_dir={run_dir}"] if run_dir is not None else [])]
-    execute(Import(_config(config, overrides), iteration, file), force=force, quiet=quiet)
+    stage = Import(_config(config, overrides), iteration, file)
+    execute(stage, force=force, quiet=quiet, since=timing.process_start())
 
 
 @app.command()
@@ -244,7 +247,8 @@ def sql(
 
 @app.command()
 def status(target: TargetArg = None, run_dir: RunDirOpt = None, config: ConfigOpt = None) -> None:
-    """Per iteration and stage: complete / partial / missing, rows, mean reward, KL, lengths."""
+    """Per iteration and stage: complete / partial / missing, rows, start-up and work seconds, tokens/s,
+    mean reward, KL, lengths."""
     from rlhf_batch.query import print_status
     from rlhf_batch.runs import run_dir_of
 
@@ -263,7 +267,7 @@ def report(
         bool, typer.Option("--tensorboard", help="Also write TensorBoard event files.")
     ] = False,
 ) -> None:
-    """PNG plots and report.html: reward, KL, length by iteration; train metrics by step."""
+    """PNG plots and report.html: reward, KL, length, time per stage by iteration; train metrics by step."""
     from rlhf_batch.report import write_report
     from rlhf_batch.runs import run_dir_of
 

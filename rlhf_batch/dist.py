@@ -45,6 +45,19 @@ def barrier() -> None:
         td.barrier()
 
 
+def all_sum(n: int) -> int:
+    """The sum of `n` over the ranks (every rank calls it), `n` itself on one process."""
+    if rank_world()[1] <= 1:
+        return n
+    import torch
+    import torch.distributed as td
+
+    device = f"cuda:{torch.cuda.current_device()}" if td.get_backend() == "nccl" else "cpu"
+    total = torch.tensor([n], dtype=torch.int64, device=device)
+    td.all_reduce(total)
+    return int(total.item())
+
+
 def rank_device(device: str, local_rank: int) -> str:
     """A resolved device ("cpu", "cuda") -> the one rank `local_rank` of a node uses."""
     return f"cuda:{local_rank}" if device == "cuda" else device

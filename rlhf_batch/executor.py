@@ -8,6 +8,7 @@ It alone owns what every stage has in common:
 * ranks: rank r writes the missing parts n with n % world == r (rank 0 all of them for a
   single-writer stage);
 * progress: one bar per stage run, on rank 0, unless quiet;
+* timing: start-up, work and tokens (timing.py), the manifest's `timing` entry;
 * the manifest, written last by rank 0 once every part is on disk.
 
 A part is written to a hidden temporary name, fsynced and renamed (atomic.py), so a reader never
@@ -26,6 +27,7 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.faults import fault_point
 from rlhf_batch.manifests import differences, fingerprint, manifest, read_json, write_manifest, written_by
 from rlhf_batch.schemas import SCHEMA_VERSION
+from rlhf_batch.timing import StageClock
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -73,6 +75,7 @@ class StageOutput:
         }
         self.key = fingerprint(self.identity)
         self.complete = False
+        self.clock = StageClock()  # execute() gives it the stage's start
 
     def done(self) -> dict[str, Any] | None:
         """The manifest when the folder is complete with this identity; None when not complete;
@@ -116,7 +119,9 @@ class StageOutput:
         return [n for n in range(n_parts) if mine(n) and n not in have]
 
     def write(self, n: int, part: Part) -> Path:
-        return self.write_table(n, part.table, part.schema, part.counts)
+        path = self.write_table(n, part.table, part.schema, part.counts)
+        self.clock.add(part.tokens)
+        return path
 
     def write_table(self, n: int, table: pa.Table, schema: pa.Schema, counts: dict | None = None) -> Path:
         """Part `n` of this rank, written atomically; `counts` are summed into the manifest."""
@@ -129,6 +134,7 @@ class StageOutput:
         """After every rank is done: rank 0 checks the parts and writes the manifest. `extra` is
         a dict of manifest entries, or a function returning one (called on rank 0 only)."""
         dist.barrier()
+        tokens = dist.all_sum(self.clock.tokens)
         result = None
         if self.rank == 0:
             fault_point(f"{self.folder}:manifest")
@@ -136,6 +142,7 @@ class StageOutput:
             if self.command is not None:
                 record["command"] = self.command
             more = extra() if callable(extra) else extra
+            record["timing"] = self.clock.record(tokens)
             result = write_manifest(
                 self.sdir, self.folder, n_parts, self.key, self.identity, {**record, **(more or {})}
             )
@@ -160,11 +167,17 @@ def output_of(stage: Stage) -> StageOutput:
     )
 
 
-def execute(stage: Stage, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """Run `stage` to completion (or see it is complete); returns its manifest."""
+def execute(
+    stage: Stage, *, force: bool = False, quiet: bool = False, since: float | None = None
+) -> dict[str, Any]:
+    """Run `stage` to completion (or see it is complete); returns its manifest. Its start-up
+    counts from `since` (a `time.monotonic` value: the stage commands give the process start),
+    by default from this call."""
     stage.force = force
+    clock = StageClock(since)
     try:
         out = output_of(stage)
+        out.clock = stage.clock = clock
         if not force and (m := out.done()) is not None:
             _tidy(stage, out)
             return m
@@ -174,6 +187,8 @@ def execute(stage: Stage, *, force: bool = False, quiet: bool = False) -> dict[s
         todo = out.todo(n_parts, stage.single_writer)
         if todo:
             stage.open(todo)
+        if clock.work_start is None:  # unless the stage marked it (earlier)
+            clock.work_begins()
         with _progress(stage, todo, quiet or out.rank != 0) as bar:
             stage.write_parts(todo, out, bar)
         result = out.finish(n_parts, stage.manifest_extra)

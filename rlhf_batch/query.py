@@ -50,6 +50,7 @@ TOPUP_VIEWS = ("rollouts", "scores")  # also the rows of the top-up rounds (iter
 # The stage manifests are the record of each stage's run: `numbers` holds every number at the
 # manifest's top level and in its `counts` and `prompt_counts` objects (counts win on a clash),
 # e.g. numbers['unscored'], numbers['kl_coef'], numbers['groups_total'], numbers['prompts_truncated'].
+# startup_s, work_s, tokens and tokens_per_s come from its `timing` (timing.py; null before it).
 STAGES_GLOB = "iter=*/*/_manifest.json"
 STAGES_TOPUP_GLOB = "iter=*/topup=*/*/_manifest.json"  # a top-up round's rollouts and scores
 STAGES_VIEW = """
@@ -57,7 +58,10 @@ SELECT iter, regexp_extract(filename, '([^/]+)/_manifest\\.json$', 1) AS stage, 
        (json->>'rows')::BIGINT AS rows,
        map_from_entries([{'k': k, 'v': (flat->>k)::DOUBLE} FOR k IN json_keys(flat)
                          IF json_type(flat->k) IN ('UBIGINT', 'BIGINT', 'DOUBLE')]) AS numbers,
-       try_strptime(json->>'created', '%Y-%m-%dT%H:%M:%S%z') AS finished, json AS manifest
+       try_strptime(json->>'created', '%Y-%m-%dT%H:%M:%S%z') AS finished,
+       (json->'timing'->>'startup_s')::DOUBLE AS startup_s, (json->'timing'->>'work_s')::DOUBLE AS work_s,
+       (json->'timing'->>'tokens')::BIGINT AS tokens, (json->'timing'->>'tokens_per_s')::DOUBLE AS tokens_per_s,
+       json AS manifest
 FROM (SELECT *, json_merge_patch(json, coalesce(json->'prompt_counts', '{}'), coalesce(json->'counts', '{}'))
       AS flat FROM {source})
 """
@@ -336,7 +340,8 @@ STATUS_STAGES = ("rollouts", "scores", "advantages", "train", "eval")  # eval: o
 
 
 def print_status(run_dir: str | Path) -> None:
-    """Per iteration and stage: complete / partial / missing, rows and headline numbers."""
+    """Per iteration and stage: complete / partial / missing, rows, start-up and work seconds and
+    tokens/s of the run that completed it (its manifest's `timing`), and headline numbers."""
     root = run_root(run_dir)
     iters = sorted(int(p.name[5:]) for p in root.glob("iter=*") if p.is_dir() and p.name[5:].isdigit())
     if not iters:
@@ -351,14 +356,14 @@ def print_status(run_dir: str | Path) -> None:
         ]
     finally:
         con.close()
-    table = [("iter", "stage", "state", "rows", "details"), *rows]
-    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    table = [("iter", "stage", "state", "rows", "startup_s", "work_s", "tok/s", "details"), *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(7)]
     print(f"run: {root}")
     for r in table:
         cells = [
-            c.rjust(w) if i in (0, 3) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))
+            c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))
         ]
-        print("  ".join([*cells, r[4]]).rstrip())
+        print("  ".join([*cells, r[7]]).rstrip())
 
 
 def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
@@ -375,8 +380,9 @@ def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
     return out
 
 
-def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> tuple[str, str, str]:
-    """(state, rows, details) of one stage of one iteration (of its top-up round `topup`)."""
+def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> tuple[str, ...]:
+    """(state, rows, startup, work, tok/s, details) of one stage of one iteration (of its top-up
+    round `topup`)."""
     import duckdb
     import pyarrow.parquet as pq
 
@@ -415,7 +421,17 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
     elif stage == "train" and (layout.iter_dir(root, it) / layout.POLICY_REMOVED).exists():
         details.append("policy removed (keep_policies)")
     rows = m["rows"] if m and stage != "train" else sum(pq.read_metadata(f).num_rows for f in files)
-    return state, str(rows) if files or m else "-", ", ".join(details)
+    return state, str(rows) if files or m else "-", *timing_cells(m), ", ".join(details)
+
+
+def timing_cells(m: dict[str, Any] | None) -> tuple[str, str, str]:
+    """Start-up and work seconds and tokens/s of a manifest's `timing`; "-" where it has none."""
+    t = (m or {}).get("timing") or {}
+
+    def cell(key: str, spec: str) -> str:
+        return "-" if t.get(key) is None else format(t[key], spec)
+
+    return cell("startup_s", ".1f"), cell("work_s", ".1f"), cell("tokens_per_s", ".0f")
 
 
 def eval_details(m: dict[str, Any]) -> list[str]:

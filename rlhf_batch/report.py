@@ -2,7 +2,8 @@
 
 Reads only complete stages: scores and rollouts per iteration, the advantage manifests (the
 share of groups filtered), the train metrics (iter=K/train/metrics.parquet) and the eval
-manifests and parts (held-out metrics per data source, example completions).
+manifests and parts (held-out metrics per data source, example completions), and every stage
+manifest's `timing` (start-up and work seconds; top-up rounds added to their stage).
 """
 
 from __future__ import annotations
@@ -59,8 +60,25 @@ def collect(run_dir: Path) -> dict[str, Any]:
         ev = manifests.manifest(layout.folder(run_dir, it, layout.EVAL))
         if ev is not None:
             row["eval"] = ev.get("metrics", {})
+        if time := _stage_times(run_dir, it):
+            row["time"] = time
         per_iter.append(row)
     return {"iters": per_iter, "steps": pa.concat_tables(steps) if steps else None, "last": last}
+
+
+def _stage_times(run_dir: Path, it: int) -> dict[str, dict[str, float]]:
+    """Start-up and work seconds per stage folder of iteration `it` whose manifest records them,
+    its top-up rounds' generate and score added to rollouts and scores."""
+    out: dict[str, dict[str, float]] = {}
+    it_dir = layout.iter_dir(run_dir, it)
+    for sdir in [*(it_dir / f for f in layout.FOLDERS), *sorted(it_dir.glob("topup=*/*"))]:
+        timing = (manifests.manifest(sdir) or {}).get("timing") or {}
+        if timing.get("startup_s") is None or timing.get("work_s") is None:
+            continue  # not complete, or written before stages recorded their time
+        t = out.setdefault(sdir.name, {"startup_s": 0.0, "work_s": 0.0})
+        t["startup_s"] += timing["startup_s"]
+        t["work_s"] += timing["work_s"]
+    return out
 
 
 def _mean(col: Any) -> float | None:
@@ -84,7 +102,7 @@ def write_report(
     data = collect(run_dir)
     plots = _plots(data, out)
     examples = _examples(run_dir, data["last"], n_examples) if data["last"] is not None else []
-    plots += _eval_plot(data, out)
+    plots += _eval_plot(data, out) + _time_plot(data, out)
     completions = _eval_examples(run_dir, data, n_examples)
     page = out / "report.html"
     atomic.write_json_atomic(out / "summary.json", data["iters"])
@@ -184,6 +202,52 @@ def _eval_plot(data: dict[str, Any], out: Path) -> list[str]:
     fig.savefig(out / "eval.png", dpi=90)
     plt.close(fig)
     return ["eval.png"]
+
+
+def _time_plot(data: dict[str, Any], out: Path) -> list[str]:
+    """time.png: one bar per iteration, stacked by stage, each stage's start-up (light, hatched)
+    under its work (full colour)."""
+    rows = [r for r in data["iters"] if r.get("time")]
+    if not rows:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    x = [r["iter"] for r in rows]
+    bottom = [0.0] * len(rows)
+    legend = []
+    for k, stage in enumerate(layout.FOLDERS):
+        color = f"C{k}"
+        for part in ("startup_s", "work_s"):
+            h = [r["time"].get(stage, {}).get(part, 0.0) for r in rows]
+            if any(h):
+                light = part == "startup_s"
+                ax.bar(
+                    x,
+                    h,
+                    0.7,
+                    bottom,
+                    color=color,
+                    alpha=0.35 if light else 1.0,
+                    hatch="//" if light else None,
+                )
+                bottom = [b + v for b, v in zip(bottom, h, strict=True)]
+        if any(stage in r["time"] for r in rows):
+            legend.append(Patch(color=color, label=stage))
+    legend.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="start-up"))
+    ax.set(title="time per stage: start-up (hatched) and work", xlabel="iteration", ylabel="seconds")
+    if len(x) <= 20:
+        ax.set_xticks(x)
+    ax.set_xlim(min(x) - 0.6, max(x) + 0.6)
+    ax.legend(handles=legend, fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(out / "time.png", dpi=90)
+    plt.close(fig)
+    return ["time.png"]
 
 
 def _metric_order(key: str) -> tuple[str, int]:

@@ -8,7 +8,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlhf_batch"
 FILES = {  # layer 2: files, models, config
     "config", "errors", "dist", "layout", "atomic", "manifests", "faults", "schemas", "ids",
     "models", "forward", "sampler", "prompts", "checkpoint", "optim_state", "topup", "tiny", "sql",
-    "rewards", "lora", "progress", "tracking", "retention", "engines",
+    "rewards", "lora", "progress", "tracking", "retention", "engines", "timing",
 }  # fmt: skip
 COMMANDS = {"cli", "pipeline", "query", "report", "runs", "__main__"}
 

@@ -70,7 +70,7 @@ from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.executor import StageOutput, execute
 from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
-from rlhf_batch.stages.base import Part, Stage
+from rlhf_batch.stages.base import Part, Stage, list_tokens
 
 MEMORY_LIMIT = "1GB"  # DuckDB's own budget (default: 80% of RAM); the process adds Python + Arrow
 
@@ -104,6 +104,7 @@ class Advantage(Stage):
 
     def check(self) -> None:
         """Pool, check and count in DuckDB: bad or empty input fails before the folder is started."""
+        self.work_begins()  # no model to load: pooling is work
         self.tmp = layout.iter_dir(self.cfg.run_dir, self.iteration) / ".advantages-duckdb.tmp"
         self.con = _connect(self.tmp)
         self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds)
@@ -359,7 +360,7 @@ def _write_parts(
     wanted = set(todo)
     for n, table in enumerate(_chunks(reader, a.rows_per_part)):
         if n in wanted:
-            out.write(n, Part(table, ADVANTAGES))
+            out.write(n, Part(table, ADVANTAGES, tokens=list_tokens(table, "input_ids")))
             bar.update(1)
         if n >= max(todo):
             break

@@ -12,7 +12,9 @@ only on the part number. It declares:
 * `plan()`: the number of parts; `write_part(n, bar)`: the content of part n (the executor
   writes it atomically); `write_parts` for a stage that streams its parts or writes other files;
 * `manifest_extra()`: manifest entries beyond the parts and their summed counts;
-* `on_complete()`: tidy-up once the folder is complete (also when it already was).
+* `on_complete()`: tidy-up once the folder is complete (also when it already was);
+* timing (timing.py): each Part's `tokens`, `self.clock.add(n)` for tokens not written in a
+  Part, and `work_begins()` where start-up ends when that is not after `open` (the default).
 
 `rlhf_batch.executor.execute` owns everything they have in common: refusal and --force, resume
 of missing parts, rank slicing, progress and the manifest.
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from rlhf_batch.executor import StageOutput
+    from rlhf_batch.timing import StageClock
 
 
 @dataclass
@@ -40,6 +43,14 @@ class Part:
     table: pa.Table
     schema: pa.Schema
     counts: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0  # the tokens the stage processed for it (the manifest's timing)
+
+
+def list_tokens(table: pa.Table, *columns: str) -> int:
+    """The total length of the list columns `columns` of `table` (token ids: a part's tokens)."""
+    import pyarrow.compute as pc
+
+    return sum(int(pc.sum(pc.list_value_length(table[c])).as_py() or 0) for c in columns)
 
 
 class Stage:
@@ -50,6 +61,7 @@ class Stage:
     unit: ClassVar[str] = "part"  # of the progress bar
     unit_scale: ClassVar[bool] = False
     force: bool = False  # set by the executor: the run was asked to replace what differs
+    clock: StageClock | None = None  # set by the executor: start-up, work and tokens
 
     def __init__(self, cfg: Config, iteration: int, topup: int = 0):
         # topup > 0: a top-up round of the iteration (generate and score only; topup.py)
@@ -105,6 +117,12 @@ class Stage:
 
     def close(self) -> None:
         """Release what the stage holds (connections, temp files), however it ended."""
+
+    def work_begins(self) -> None:
+        """Start-up ends now (the latest call counts): a stage whose work starts before `open`
+        returns, or which loads its model while writing, says where."""
+        if self.clock is not None:
+            self.clock.work_begins()
 
 
 def start_policy(cfg: Config, iteration: int) -> str:

@@ -39,7 +39,7 @@ from rlhf_batch.manifests import file_fingerprint
 from rlhf_batch.prompts import check_path, load_prompts
 from rlhf_batch.rewards import load_reward_functions, weighted_sum
 from rlhf_batch.schemas import EVAL, with_extra
-from rlhf_batch.stages.base import Part, Stage, start_policy
+from rlhf_batch.stages.base import Part, Stage, list_tokens, start_policy
 from rlhf_batch.stages.generate import generate_part, make_engine
 from rlhf_batch.stages.score import reward_values
 
@@ -146,7 +146,7 @@ class Eval(Stage):
         t = t.append_column(EVAL.field("correct"), pa.array(correct, pa.bool_()))
         schema = with_extra(EVAL, t.schema)
         counts = {"samples": t.num_rows, "unscored": sum(r is None for r in reward)}
-        return Part(t.select(schema.names), schema, counts)
+        return Part(t.select(schema.names), schema, counts, list_tokens(t, "prompt_ids", "response_ids"))
 
     def manifest_extra(self) -> dict[str, Any]:
         return {

@@ -39,7 +39,7 @@ from rlhf_batch.ids import rollout_id, row_seed
 from rlhf_batch.manifests import file_fingerprint
 from rlhf_batch.prompts import Prompts, check_path, load_prompts
 from rlhf_batch.schemas import ROLLOUTS, with_extra
-from rlhf_batch.stages.base import Part, Stage, start_policy
+from rlhf_batch.stages.base import Part, Stage, list_tokens, start_policy
 
 
 class Generate(Stage):
@@ -107,7 +107,7 @@ class Generate(Stage):
         )
         schema = with_extra(ROLLOUTS, self.prompts.carried.schema)
         counts = {"rollouts": table.num_rows, "with_special_tokens": _with_special(table, self.tok)}
-        return Part(table, schema, counts)
+        return Part(table, schema, counts, list_tokens(table, "prompt_ids", "response_ids"))
 
     def manifest_extra(self) -> dict[str, Any]:
         extra = {

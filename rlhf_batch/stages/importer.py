@@ -45,7 +45,7 @@ from rlhf_batch.ids import prompt_hash, rollout_id
 from rlhf_batch.manifests import file_fingerprint
 from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
 from rlhf_batch.schemas import LOGPROBS, ROLLOUTS, TOKENS, with_extra
-from rlhf_batch.stages.base import Part, Stage, start_policy
+from rlhf_batch.stages.base import Part, Stage, list_tokens, start_policy
 
 GIVEN = ("response_ids", "behavior_logprobs")  # an external engine's tokens and log-probs
 COMPUTED = set(ROLLOUTS.names) - {"prompt", "response", "prompt_id", "finish_reason", *GIVEN}
@@ -94,7 +94,8 @@ class Import(Stage):
         part = self.rows.slice(n * per_part, per_part)
         table, counts = tokenize_part(part, self.tok, self.model, self.cfg, self.policy, str(self.path))
         bar.update(part.num_rows)
-        return Part(table, with_extra(ROLLOUTS, self.rows.schema), counts)
+        tokens = list_tokens(table, "prompt_ids", "response_ids")
+        return Part(table, with_extra(ROLLOUTS, self.rows.schema), counts, tokens)
 
     def manifest_extra(self) -> dict[str, Any]:
         return {"source": str(self.path.resolve())}

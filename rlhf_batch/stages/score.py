@@ -64,7 +64,7 @@ from rlhf_batch.models import load_model, model_fingerprint
 from rlhf_batch.rewards import RM_COLUMN, RewardFunction, clip, load_reward_functions, weighted_sum
 from rlhf_batch.rewards.conventions import evaluate
 from rlhf_batch.schemas import ROLLOUTS, SCORES, with_extra
-from rlhf_batch.stages.base import Part, Stage
+from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_dir
 
 
@@ -111,6 +111,8 @@ class Score(Stage):
         self.rollouts = read_complete(self.rdir, ROLLOUTS)
         policies = pc.unique(self.rollouts["policy"].drop_null()).to_pylist()
         self.scorer = Scorer(self.cfg, policies, self.fns, self.kl_coef)
+        if self.scorer.kl and not all(same_dir(p, self.cfg.ref) for p in policies):
+            self.scorer.ref_model  # noqa: B018 - loaded in start-up, not in the first part's time
 
     def progress_total(self, todo: list[int]) -> int:
         if not todo:  # every part is on disk: only the manifest is missing
@@ -125,7 +127,7 @@ class Score(Stage):
         part = self.rollouts.slice(n * rows, rows)
         where = f"{self.rdir} (rows {n * rows}..{n * rows + part.num_rows - 1})"
         table, counts = self.scorer.score_part(part, where, bar.update)
-        return Part(table, table.schema, counts)
+        return Part(table, table.schema, counts, list_tokens(part, "prompt_ids", "response_ids"))
 
     def manifest_extra(self) -> dict[str, Any]:
         extra = (

@@ -192,8 +192,12 @@ def _train(
     bar.total, bar.initial, bar.n = len(steps), first, first
     bar.refresh()
     live = tracking.open_run(cfg, iteration)  # live trackers (report_to): one log per optimizer step
+    out.clock.work_begins()  # the model, optimizer state and checkpoint are loaded
+    seq_lens = data.seq_lens  # [N]
     for step in steps[first:]:
         rows.append(trainer.step(step))
+        mine = [i for mb, weight in step.for_rank(trainer.rank, trainer.world) if weight for i in mb]
+        out.clock.add(int(seq_lens[mine].sum()))  # prompt + response tokens this rank trained on
         live.log_step(rows[-1])
         _show(bar, rows[-1])
         done = step.index + 1
