@@ -197,6 +197,18 @@ def busy_mark(loads: Iterable[float | None], cores: int, own_threads: int, share
     return f"busy: load {max(seen):.1f} > {limit:.1f}"
 
 
+def start_refusal(load: float | None, cores: int) -> str:
+    """Why `make bench` does not start at this 1-minute load average ('' when it may): nothing of
+    the benchmarks runs yet, so anything above `BUSY_SHARE` x cores is other work."""
+    busy = busy_mark([load], cores, own_threads=0)
+    if not busy:
+        return ""
+    return (
+        f"the machine is busy before any benchmark ran ({busy}, {cores} cores): figures would not "
+        "count; wait for a quiet machine, or pass --allow-busy (rows then marked busy)"
+    )
+
+
 CORES = os.cpu_count() or 1
 # Load averages read in this process: at the start, before and after every worker, at every row.
 # A row is marked busy when any of them, up to that row, was high (the benchmark's earlier

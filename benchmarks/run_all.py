@@ -35,12 +35,9 @@ def main() -> None:
     )
     args = p.parse_args()
     print(common.cpu_kind_line(), flush=True)
-    busy = common.busy_mark([common.loadavg()], common.CORES, own_threads=0)
-    if busy and not (args.tiny or args.allow_busy):
-        raise SystemExit(
-            f"the machine is busy before any benchmark ran ({busy}, {common.CORES} cores): figures "
-            "would not count; wait for a quiet machine, or pass --allow-busy (rows then marked busy)"
-        )
+    refusal = common.start_refusal(common.loadavg(), common.CORES)
+    if refusal and not (args.tiny or args.allow_busy):
+        raise SystemExit(refusal)
     common.CACHE.mkdir(parents=True, exist_ok=True)
     extra = ["--tiny"] if args.tiny else []
     t_all = time.perf_counter()

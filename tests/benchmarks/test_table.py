@@ -43,6 +43,16 @@ def test_busy_mark_on_fake_load_averages() -> None:
     assert common.busy_mark([3.0], cores=2, own_threads=2, share=0.25) == "busy: load 3.0 > 2.5"
 
 
+def test_make_bench_refuses_to_start_above_half_the_cores() -> None:
+    # nothing of ours runs yet: busy above 0.5 x 2 = 1.0
+    assert common.start_refusal(0.9, cores=2) == ""
+    assert common.start_refusal(None, cores=2) == ""
+    assert common.start_refusal(1.3, cores=2) == (
+        "the machine is busy before any benchmark ran (busy: load 1.3 > 1.0, 2 cores): figures would "
+        "not count; wait for a quiet machine, or pass --allow-busy (rows then marked busy)"
+    )
+
+
 def test_rows_carry_the_marks_in_the_machine_column(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     results = tmp_path / "results.md"
     monkeypatch.setattr(common, "CORES", 2)
@@ -170,3 +180,19 @@ def test_readme_block_is_replaced_between_the_markers(
     with pytest.raises(SystemExit, match="README.md: no '<!-- bench:start -->'"):
         table.update_readme(readme, results)
     assert readme.read_text() == "# Title\n\nno markers\n"  # nothing lost
+
+
+def test_a_benchmark_that_measures_its_own_peaks_starts_a_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    results = tmp_path / "results.md"
+    monkeypatch.syspath_prepend(str(BENCH))  # run_worker imports peak.py in-process for --tiny
+    monkeypatch.setattr(common, "TINY_RUN", False)
+    args = common.parser("doc").parse_args(["--tiny", "--results", str(results)])
+    peaks = common.peaks_from(args)  # no --peaks: measured here, and recorded
+    common.append_row(results, "score tokens/s", "w", "real tokens/s", "100")
+    rows = table.parse(results.read_text())
+    assert [r["benchmark"] for r in rows] == ["matmul peak", "score tokens/s"]
+    assert rows[0]["ours"].startswith(f"{peaks['fp32_gflops']:.0f} / ")
+    assert rows[0]["workload"].endswith(f"dtype auto here: {common.auto_dtype()}")
+    assert table.runs(rows) == {table.kind(rows[0]): [rows]}  # one run, opened by the peak row
