@@ -47,7 +47,10 @@ GROUP = 8  # rollouts per prompt
 NOTE = (
     "Where the machine column says 'no bf16 units' (AVX2 only), bf16 matmuls run several times slower than "
     "float32, the stages run in float32, and MFU against the bf16 peak is not meaningful (read the figure "
-    "against the float32 peak). Figures are comparable within one run only (a shared machine drifts).\n\n"
+    "against the float32 peak). Figures are comparable within one run only (a shared machine drifts). "
+    "A machine column ending in 'busy: load L > T' means the 1-minute load average exceeded T while that "
+    "benchmark measured (T = its own threads + half the cores), 'tiny' a --tiny run: such rows do not reach "
+    "the README table (benchmarks/table.py).\n\n"
 )
 
 
