@@ -137,6 +137,8 @@ def build(rows: list[Row]) -> str:
             differ = len(targets) > 1
             target = "per column" if differ else targets.pop()
             cells = [cell(r.get(name), differ) for r in chosen.values()]
+            if all(c == "-" for c in cells):
+                continue  # no figure anywhere (a vllm row where vLLM is not installed)
             lines.append(f"| {name} | {metric} | {target} | " + " | ".join(cells) + " |")
     else:
         lines.append("No complete quiet `make bench` run in benchmarks/results.md yet.")

@@ -110,6 +110,7 @@ ROWS = f"""\
 | 2026-01-01 02:00 | {B} | matmul peak | 2048 | GFLOP/s | 180 / 436.0 (500.0) | - | - | - | - | - |
 | 2026-01-01 02:01 | {B} | score tokens/s | w | real tokens/s | 3000 | 350 | 8.6x | - | >= 10x | **no** |
 | 2026-01-01 02:02 | {B} | score MFU | w | MFU | 56% / 24% [40% / 17%] | 9% / 4% | - | - | {MFU_B} | **no** |
+| 2026-01-01 02:02 | {B} | generate tokens/s, vllm engine | vLLM is not installed (make vllm) | - | - | - | - | - | - | - |
 | 2026-01-01 02:03 | {B} | train LoRA tokens/s | w | real tokens/s | 44 | 72 | 0.61x | 1 MB / 2 MB | - | - |
 | 2026-01-01 03:00 | {A} | matmul peak | 2048 | GFLOP/s | 101 / 10.0 (1.0) | - | - | - | - | - |
 | 2026-01-01 03:01 | {A} | generate tokens/s | w | sampled tokens/s | 200 | 60 | 3.3x | - | >= 2x | yes |
@@ -133,7 +134,8 @@ def test_table_puts_the_latest_complete_quiet_run_of_each_kind_side_by_side(
     #    second score tokens/s of the run, 01:03, and the learning row are not shown).
     # B: the run of 02:00 (04:00 lost its score MFU to the busy mark; 05:00 is a tiny run).
     # C: its only run's matmul peak is busy: no complete quiet run.
-    # Columns in kind order (AMD < Intel); the MFU targets differ, so each cell carries its own.
+    # Columns in kind order (AMD < Intel); the MFU targets differ, so each cell carries its own;
+    # the vllm row has no figure in any column and is left out.
     expected = f"""\
 | benchmark | metric | target | {B}<br>run of 2026-01-01 02:00 | {A}<br>run of 2026-01-01 01:00 |
 |---|---|---|---|---|
