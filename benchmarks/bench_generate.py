@@ -266,7 +266,7 @@ def main() -> None:
     append_row(
         args.results,
         "generate tokens/s",
-        f"{common.lengths_text(w)}; ours batch_size {best} ({others}); behaviour log-prob vs forward "
+        f"{common.lengths_text(w)}; float32 both; ours batch_size {best} ({others}); behaviour log-prob vs forward "
         f"max err ours {o['behaviour_err']:.1e}, HF {hf['behaviour_err']:.1e}",
         "sampled tokens/s",
         f"{tps:.0f}",

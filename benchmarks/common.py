@@ -16,6 +16,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,10 @@ GROUP = 8  # rollouts per prompt
 NOTE = (
     "Where the machine column says 'no bf16 units' (AVX2 only), bf16 matmuls run several times slower than "
     "float32, the stages run in float32, and MFU against the bf16 peak is not meaningful (read the figure "
-    "against the float32 peak). Figures are comparable within one run only (a shared machine drifts).\n\n"
+    "against the float32 peak). Figures are comparable within one run only (a shared machine drifts). "
+    "A machine column ending in 'busy: load L > T' means the 1-minute load average exceeded T while that "
+    "benchmark measured (T = its own threads + half the cores), 'tiny' a --tiny run: such rows do not reach "
+    "the README table (benchmarks/table.py).\n\n"
 )
 
 
@@ -68,6 +72,35 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, {isa}, {bf16}"
 
 
+def auto_dtype() -> str:
+    """What `dtype = "auto"` resolves to on this CPU (the stages' default): bfloat16 where the CPU has
+    bf16 matrix units (AVX512-BF16, AMX), else float32."""
+    from rlhf_batch.models import cpu_has_bf16
+
+    return "bfloat16" if cpu_has_bf16() else "float32"
+
+
+def cpu_kind_line() -> str:
+    """One line saying which kind of CPU a run adapts to, printed at the start of `make bench`."""
+    dtype = auto_dtype()
+    peak = "bf16" if dtype == "bfloat16" else "fp32"
+    return (
+        f"# CPU: {machine()}: dtype auto = {dtype}, so the stages run in {dtype} and the MFU targets "
+        f"are read against the {peak} matmul peak"
+    )
+
+
+def mfu_target(dtype: str, target: float, bf16_units: bool) -> tuple[str, bool]:
+    """(target text, whether it is read on executed FLOPs) for a stage that ran in `dtype`.
+    In bfloat16 (dtype auto on a CPU with bf16 units) the target is a share of the bf16 peak on the
+    FLOPs actually executed; in float32 (dtype auto on AVX2 only) a share of the fp32 peak by the
+    formula's FLOPs."""
+    if "bfloat16" in dtype:
+        return f">= {target:.0%} of the bf16 peak on executed FLOPs", True
+    units = "" if bf16_units else " (bf16 peak not meaningful here: no bf16 units)"
+    return f">= {target:.0%} of the fp32 peak{units}", False
+
+
 def append_mfu_row(
     path: Path,
     bench: str,
@@ -83,7 +116,7 @@ def append_mfu_row(
     """The MFU row: `factor` x matmul params x real tokens / s over the matmul peak, against the
     float32 and the bf16 peak; in brackets the utilisation of the FLOPs actually executed (the
     decoder at `executed_tokens`, the LM head at `response_tokens`). Whether the target is met is
-    read against the peak of `dtype`, the dtype the stage ran in."""
+    read as `mfu_target` says for `dtype`, the dtype the stage ran in."""
     body, head = flop_params
 
     def issue(r: dict[str, Any], peak: float) -> float:
@@ -94,8 +127,8 @@ def append_mfu_row(
         return flops / r["seconds"] / (peak * 1e9)
 
     fp32, bf16 = peaks["fp32_gflops"], peaks["bf16_gflops"]
-    used = ("bf16", bf16) if "bfloat16" in dtype else ("fp32", fp32)
-    units = " (bf16 peak not meaningful here: no bf16 units)" if machine().endswith("no bf16 units") else ""
+    text, on_executed = mfu_target(dtype, target, not machine().endswith("no bf16 units"))
+    reached = executed(ours, bf16) if on_executed else issue(ours, fp32)
     append_row(
         path,
         bench,
@@ -104,8 +137,8 @@ def append_mfu_row(
         "[executed FLOPs: fp32 / bf16]",
         f"{issue(ours, fp32):.0%} / {issue(ours, bf16):.0%} [{executed(ours, fp32):.0%} / {executed(ours, bf16):.0%}]",
         f"{issue(naive, fp32):.0%} / {issue(naive, bf16):.0%}",
-        target=f">= {target:.0%} of the {used[0]} peak{units}",
-        met=issue(ours, used[1]) >= target,
+        target=text,
+        met=reached >= target,
     )
 
 
@@ -134,6 +167,65 @@ def measure_peaks(n: int = 2048) -> dict[str, float]:
     out["bf16_mm_gflops"] = _gflops(lambda: a @ b, 2 * 256**3, 0.3)
     out["threads"] = torch.get_num_threads()
     return out
+
+
+# ---------------------------------------------------------------- load of the machine
+
+# A figure counts only if it was measured on a quiet machine. The 1-minute load average counts the
+# runnable threads; a benchmark's own threads are one per core (torch's and DuckDB's pools), so on
+# a quiet machine it reads about `cores` during a measurement (and still shortly after one). Other
+# work beyond half the cores (one busy process on 2 cores) takes a third of the CPU from a
+# benchmark using all of them (2 / (2 + 1)): figures drift by up to 1.5x, more than the ratios
+# measured. Below that the noise of a quiet machine (the benchmark's parent process, its process
+# starts, the system's daemons) would mark quiet runs. The average lags by about a minute, so it
+# catches sustained load (the busy runs of the past read 3-14 on 2 cores), not short bursts.
+BUSY_SHARE = 0.5
+
+
+def loadavg() -> float | None:
+    """The 1-minute load average (/proc/loadavg); None where there is none."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def busy_mark(loads: Iterable[float | None], cores: int, own_threads: int, share: float = BUSY_SHARE) -> str:
+    """'busy: load L > T' when the highest of the 1-minute load averages read around the
+    measurements exceeds T = the benchmark's own threads + `share` x cores; '' when quiet or unknown."""
+    seen = [x for x in loads if x is not None]
+    limit = own_threads + share * cores
+    if not seen or max(seen) <= limit:
+        return ""
+    return f"busy: load {max(seen):.1f} > {limit:.1f}"
+
+
+def start_refusal(load: float | None, cores: int) -> str:
+    """Why `make bench` does not start at this 1-minute load average ('' when it may): nothing of
+    the benchmarks runs yet, so anything above `BUSY_SHARE` x cores is other work."""
+    busy = busy_mark([load], cores, own_threads=0)
+    if not busy:
+        return ""
+    return (
+        f"the machine is busy before any benchmark ran ({busy}, {cores} cores): figures would not "
+        "count; wait for a quiet machine, or pass --allow-busy (rows then marked busy)"
+    )
+
+
+CORES = os.cpu_count() or 1
+# Load averages read in this process: at the start, before and after every worker, at every row.
+# A row is marked busy when any of them, up to that row, was high (the benchmark's earlier
+# measurements feed its later rows).
+LOADS: list[float | None] = [loadavg()]
+TINY_RUN = False  # set by --tiny: the rows of a tiny run are marked "tiny"
+
+
+def row_marks() -> str:
+    """The marks appended to the machine column of the next row: '; tiny', '; busy: load L > T'."""
+    LOADS.append(loadavg())
+    marks = ["tiny"] if TINY_RUN else []
+    busy = busy_mark(LOADS, CORES, own_threads=CORES)
+    return "".join(f"; {m}" for m in [*marks, busy] if m)
 
 
 # ---------------------------------------------------------------- workload
@@ -251,12 +343,16 @@ def run_worker(script: str, name: str, spec: dict[str, Any], timeout: float = 36
     """Run `script --worker name --spec JSON` in a fresh process; its last stdout line is JSON.
     With spec["tiny"] (the smoke test) the worker runs in this process instead: the figures of
     a tiny run mean nothing, and a process start costs seconds."""
-    if spec.get("tiny"):
-        import importlib
+    LOADS.append(loadavg())
+    try:
+        if spec.get("tiny"):
+            import importlib
 
-        return importlib.import_module(script.removesuffix(".py")).WORKERS[name](spec)
-    cmd = [sys.executable, str(HERE / script), "--worker", name, "--spec", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+            return importlib.import_module(script.removesuffix(".py")).WORKERS[name](spec)
+        cmd = [sys.executable, str(HERE / script), "--worker", name, "--spec", json.dumps(spec)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    finally:
+        LOADS.append(loadavg())
     if proc.returncode != 0:
         raise RuntimeError(f"{script} worker {name} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -266,9 +362,21 @@ def emit(result: dict[str, Any]) -> None:
     print(json.dumps(result), flush=True)
 
 
+class _Tiny(argparse.Action):
+    """store_true that also marks this process's rows "tiny" (they are never a run's figures)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=False, **kw)
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        global TINY_RUN
+        TINY_RUN = True
+        setattr(namespace, self.dest, True)
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc)
-    p.add_argument("--tiny", action="store_true", help="tiny model and workload (the smoke test)")
+    p.add_argument("--tiny", action=_Tiny, help="tiny model and workload (the smoke test)")
     p.add_argument("--peaks", type=Path, help="JSON of peak.py; measured here when not given")
     p.add_argument("--results", type=Path, default=RESULTS, help="markdown table to append rows to")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -277,9 +385,24 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 
 def peaks_from(args: argparse.Namespace) -> dict[str, float]:
+    """The peaks run_all measured (--peaks), else measured here; then this benchmark's rows are a
+    run of their own in the results, which starts with its "matmul peak" row."""
     if args.peaks and args.peaks.exists():
         return json.loads(args.peaks.read_text())
-    return run_worker("peak.py", "peak", {"tiny": args.tiny})
+    peaks = run_worker("peak.py", "peak", {"tiny": args.tiny})
+    append_peak_row(args.results, peaks)
+    return peaks
+
+
+def append_peak_row(path: Path, peaks: dict[str, float]) -> None:
+    """The row that starts a run in the results (benchmarks/table.py groups rows into runs by it)."""
+    append_row(
+        path,
+        "matmul peak",
+        f"2048 x 2048 F.linear, all threads; dtype auto here: {auto_dtype()}",
+        "GFLOP/s fp32 / bf16 (bf16 torch.mm)",
+        f"{peaks['fp32_gflops']:.0f} / {peaks['bf16_gflops']:.1f} ({peaks['bf16_mm_gflops']:.1f})",
+    )
 
 
 # ---------------------------------------------------------------- results
@@ -304,7 +427,7 @@ def append_row(
     """Print one result row and append it to the markdown table at `path`."""
     cells = [
         time.strftime("%Y-%m-%d %H:%M"),
-        machine(),
+        machine() + row_marks(),
         bench,
         workload,
         metric,

@@ -1,6 +1,10 @@
 """`make bench`: measure the matmul peaks, then run every benchmark, appending rows to
-benchmarks/results.md. `--tiny` runs everything on the tiny model and workload (the smoke test).
-Each benchmark runs in its own process and each measurement in a fresh worker process."""
+benchmarks/results.md, then rewrite the README's Performance table from it (benchmarks/table.py).
+`--tiny` runs everything on the tiny model and workload (the smoke test).
+Each benchmark runs in its own process and each measurement in a fresh worker process.
+It says which CPU it found and what dtype auto is there; it refuses to start while the machine
+is busy (1-minute load average above half the cores) unless --allow-busy; rows measured under
+load are marked "busy" and left out of the README table."""
 
 from __future__ import annotations
 
@@ -26,7 +30,14 @@ BENCHMARKS = (
 def main() -> None:
     p = common.parser(__doc__ or "")
     p.add_argument("--only", nargs="*", help="run only these benchmarks (e.g. bench_score.py)")
+    p.add_argument(
+        "--allow-busy", action="store_true", help="measure even if the machine is busy (rows marked busy)"
+    )
     args = p.parse_args()
+    print(common.cpu_kind_line(), flush=True)
+    refusal = common.start_refusal(common.loadavg(), common.CORES)
+    if refusal and not (args.tiny or args.allow_busy):
+        raise SystemExit(refusal)
     common.CACHE.mkdir(parents=True, exist_ok=True)
     extra = ["--tiny"] if args.tiny else []
     t_all = time.perf_counter()
@@ -37,14 +48,7 @@ def main() -> None:
         )
         import json
 
-        pk = json.loads(peaks.read_text())
-        common.append_row(
-            args.results,
-            "matmul peak",
-            "2048 x 2048 F.linear, all threads",
-            "GFLOP/s fp32 / bf16 (bf16 torch.mm)",
-            f"{pk['fp32_gflops']:.0f} / {pk['bf16_gflops']:.1f} ({pk['bf16_mm_gflops']:.1f})",
-        )
+        common.append_peak_row(args.results, json.loads(peaks.read_text()))
         failed = []
         for name in args.only or BENCHMARKS:
             t0 = time.perf_counter()
@@ -60,6 +64,11 @@ def main() -> None:
                 failed.append(name)
             print(f"# {name}: {time.perf_counter() - t0:.0f}s", flush=True)
     print(f"# all benchmarks: {time.perf_counter() - t_all:.0f}s; rows appended to {args.results}")
+    if not args.tiny and args.results.resolve() == common.RESULTS:
+        import table
+
+        table.update_readme(common.ROOT / "README.md", args.results)
+        print("# README.md: Performance table rewritten from the latest complete quiet run of each CPU kind")
     if failed:
         raise SystemExit(f"benchmarks failed: {', '.join(failed)}")
 
