@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf_batch import dist, layout, tracking
-from rlhf_batch.atomic import write_json_atomic, write_parquet_atomic
+from rlhf_batch.atomic import set_durable, write_json_atomic, write_parquet_atomic
 from rlhf_batch.errors import StageError
 from rlhf_batch.faults import fault_point
 from rlhf_batch.manifests import differences, fingerprint, manifest, read_json, write_manifest, written_by
@@ -163,6 +163,7 @@ def output_of(stage: Stage) -> StageOutput:
 def execute(stage: Stage, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Run `stage` to completion (or see it is complete); returns its manifest."""
     stage.force = force
+    set_durable(stage.cfg.fsync)
     try:
         out = output_of(stage)
         if not force and (m := out.done()) is not None:
