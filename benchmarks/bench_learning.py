@@ -1,6 +1,7 @@
 """Learning, side by side with TRL: the demo task with rlhf-batch and with TRL's GRPOTrainer.
 
-Both start from the same tiny model (`rlhf_batch.tiny.init_model`, seed 0) and the same 256
+Both start from the same tiny model (`rlhf_batch.tiny.init_model`, `--seed`, default 0, which
+also seeds both runs' sampling and prompt order) and the same 256
 demo prompts, with the same G, learning rate, PPO epochs, clip range, prompts per iteration,
 rollouts per optimizer step, max new tokens and temperature, no KL, on one torch thread each.
 Both stop on the same end tokens, never sample the pad token, and score the same text: TRL's
@@ -72,6 +73,7 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     overrides = [f"run_dir={spec['run_dir']}", f"iterations={spec['iterations']}"]
     overrides += [f"generate.prompts_per_iteration={spec['prompts_per_iteration']}"]
     overrides += [f"generate.prompts={spec['prompts']}", f"policy_model={spec['model']}", "demo=false"]
+    overrides += [f"seed={spec['seed']}"]
     cfg = load_config(DEMO, overrides)
     set_threads(cfg.threads)
     from rlhf_batch.executor import execute
@@ -123,7 +125,7 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
         output_dir=spec["run_dir"],
         use_cpu=True,
         bf16=False,
-        seed=0,
+        seed=spec["seed"],
         learning_rate=SHARED["lr"],
         lr_scheduler_type="constant",
         warmup_steps=0,
@@ -218,6 +220,9 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--png", type=Path, help="default: learning.png beside --results")
     p.add_argument("--no-trl", action="store_true", help="run rlhf-batch only")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the model's init, both runs' sampling and prompt order"
+    )
     p.add_argument("--note", default="", help="appended to the wall-time row (e.g. the machine's load)")
     args = p.parse_args()
     if args.worker:
@@ -233,7 +238,7 @@ def main() -> None:
         from rlhf_batch.tiny import init_model
 
         model, prompts = (
-            init_model(Path(tmp, "model"), seed=0),
+            init_model(Path(tmp, "model"), seed=args.seed),
             write_prompts(Path(tmp, "prompts.jsonl"), 256),
         )
         spec = {
@@ -241,12 +246,14 @@ def main() -> None:
             "prompts": str(prompts),
             "iterations": iterations,
             "prompts_per_iteration": b,
+            "seed": args.seed,
             **end_tokens(model),
         }
         ours = run_side(Path(sys.executable), "ours", {**spec, "run_dir": str(Path(tmp, "ours"))})
         trl = run_side(TRL_PYTHON, "trl", {**spec, "run_dir": str(Path(tmp, "trl"))}) if use_trl else None
     workload = (
-        f"demo task, 256 prompts, {b} per iteration x G 8, {iterations} iterations, tiny Qwen2 (2 layers), "
+        f"demo task, 256 prompts, {b} per iteration x G 8, {iterations} iterations, tiny Qwen2 (2 layers, "
+        f"seed {args.seed}), "
         f"1 torch thread each; {mapping(b)}"
     )
     fmt = " ".join(f"{s:.3f}" for s in ours["scores"])
