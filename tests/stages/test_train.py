@@ -295,6 +295,19 @@ def test_progress_bar_shows_steps_loss_clip_kl_and_tokens_per_second(
     assert f"kl={row['kl_approx']:.2e}" in last and "tok_s=" in last
 
 
+def test_sequences_per_step_sets_the_rows_of_each_optimizer_step(make_config, tiny_model: Path) -> None:
+    # 10 rows of 4 response tokens, 3 rows per step: ceil(10 / 3) = 4 steps an epoch, 2 epochs;
+    # row i goes to step (2i + 1) x 4 // 20: 0, 0, 1, 1, 1, 2, 2, 3, 3, 3 -> 2, 3, 2, 3 rows
+    _, cfg = make_config(train_toml(lr=1e-2, tokens_per_step=1000, sequences_per_step=3, ppo_epochs=2))
+    write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 10, [4] * 10))
+    m = train.run(cfg, 0, quiet=True)
+    rows = metrics(cfg.run_dir).to_pylist()
+    assert m["counts"]["steps"] == 8 and [r["sequences"] for r in rows[:4]] == [2, 3, 2, 3]
+    assert [r["tokens"] for r in rows[:4]] == [8, 12, 8, 12]
+    assert sum(r["sequences"] for r in rows[4:]) == 10  # epoch 1: the same rows again
+    assert m["config"]["train"]["sequences_per_step"] == 3  # it decides the result: recorded
+
+
 def test_lr_schedule_and_grad_norm_in_the_metrics(make_config, tiny_model: Path) -> None:
     # 12 rows x 4 tokens, 8 per step: 6 steps; warmup 2 then cosine over 4 (see test_lr_factor):
     # 0.01 x [0.5, 1, 1, 0.853553, 0.5, 0.146447]
