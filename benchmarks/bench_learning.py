@@ -1,8 +1,12 @@
 """Learning, side by side with TRL: the demo task with rlhf-batch and with TRL's GRPOTrainer.
 
-Both start from the same tiny model (`rlhf_batch.tiny.init_model`, seed 0) and the same 256
+Both start from the same tiny model (`rlhf_batch.tiny.init_model`, `--seed`, default 0, which
+also seeds both runs' sampling and prompt order) and the same 256
 demo prompts, with the same G, learning rate, PPO epochs, clip range, prompts per iteration,
-max new tokens and temperature, no KL, on one torch thread each. Recorded per iteration: the
+rollouts per optimizer step, max new tokens and temperature, no KL, on one torch thread each.
+Both stop on the same end tokens, never sample the pad token, and score the same text: TRL's
+reward decodes `completion_ids` with special tokens kept, as our score stage does (TRL's own
+`completions` drop them, which hides a policy that pads its answers with special tokens). Recorded per iteration: the
 mean score of the rollouts sampled in that iteration (before training on them); and the wall
 time of the whole process (Python start-up, imports, model loads, the loop) and of the loop
 alone (ours: every stage of every iteration, in-process as `run` does it with
@@ -43,7 +47,7 @@ SHARED = {
     "eps": 0.1,
     "max_grad_norm": 1.0,
 }
-TRL_ROLLOUTS_PER_STEP = 64  # ours: tokens_per_step = 256, ~50-60 rollouts of the demo's ~4-8 tokens
+TRL_ROLLOUTS_PER_STEP = 64  # ours: train.sequences_per_step = 64 (pipelines/demo.toml)
 
 
 def mapping(b: int) -> str:
@@ -53,11 +57,11 @@ def mapping(b: int) -> str:
         "clip: eps_low = epsilon (0.1); lr 5e-3 constant, no warmup, AdamW defaults, max_grad_norm 1; "
         "KL: kl_in_reward false, train.kl_loss_coef 0 = beta 0; aggregation token_mean = loss_type 'dapo'; "
         "advantage grpo (r - mean) / (std + 1e-6) = scale_rewards 'group' (std + 1e-4); "
-        f"optimizer step: tokens_per_step 256 (~50-60 rollouts) vs per_device_train_batch_size "
-        f"{TRL_ROLLOUTS_PER_STEP} x steps_per_generation {8 * b // TRL_ROLLOUTS_PER_STEP}; max new tokens 8, "
-        "temperature 1; "
-        "differences: ours drops zero-variance groups from the token count, stops also on <|im_end|> "
-        "and keeps special tokens in the text the reward sees (TRL decodes with skip_special_tokens)"
+        f"optimizer step: sequences_per_step {TRL_ROLLOUTS_PER_STEP} = per_device_train_batch_size "
+        f"{TRL_ROLLOUTS_PER_STEP} (x steps_per_generation {8 * b // TRL_ROLLOUTS_PER_STEP}); max new tokens 8, "
+        "temperature 1; both stop on <|endoftext|> and <|im_end|>, never sample <|pad|>, and the reward reads "
+        "the text with special tokens kept (TRL's reward decodes completion_ids so); "
+        "difference: ours drops zero-variance groups (no rows, no tokens in the normaliser, fewer steps)"
     )
 
 
@@ -69,6 +73,7 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     overrides = [f"run_dir={spec['run_dir']}", f"iterations={spec['iterations']}"]
     overrides += [f"generate.prompts_per_iteration={spec['prompts_per_iteration']}"]
     overrides += [f"generate.prompts={spec['prompts']}", f"policy_model={spec['model']}", "demo=false"]
+    overrides += [f"seed={spec['seed']}"]
     cfg = load_config(DEMO, overrides)
     set_threads(cfg.threads)
     from rlhf_batch.executor import execute
@@ -99,8 +104,17 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines()]
     scores: list[float] = []
 
-    def letter_count(prompts, completions, letter, count, **_):  # noqa: ANN001, ANN202
-        s = demo.letter_count(prompts=prompts, responses=completions, letter=letter, count=count)
+    stops, pad = set(spec["stop_ids"]), spec["pad_id"]
+    tok = AutoTokenizer.from_pretrained(spec["model"])
+
+    def letter_count(prompts, completions, completion_ids, letter, count, **_):  # noqa: ANN001, ANN202
+        # the text our score stage gives the reward: special tokens kept, the final stop token dropped
+        # (TRL's `completions` are decoded with skip_special_tokens, which hides padding with them)
+        texts = tok.batch_decode(
+            [ids[:-1] if ids and ids[-1] in stops else ids for ids in completion_ids],
+            skip_special_tokens=False,
+        )
+        s = demo.letter_count(prompts=prompts, responses=texts, letter=letter, count=count)
         scores.append(sum(s) / len(s))  # one call per generation batch = one iteration
         return s
 
@@ -111,7 +125,7 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
         output_dir=spec["run_dir"],
         use_cpu=True,
         bf16=False,
-        seed=0,
+        seed=spec["seed"],
         learning_rate=SHARED["lr"],
         lr_scheduler_type="constant",
         warmup_steps=0,
@@ -132,9 +146,10 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
         save_strategy="no",
         logging_steps=10**6,
         disable_tqdm=True,
+        generation_kwargs={"suppress_tokens": [pad]},  # as ours: the pad token is never sampled
     )
-    tok = AutoTokenizer.from_pretrained(spec["model"])
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    model.generation_config.eos_token_id = sorted(stops)  # as ours: stop on every end token
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=letter_count,
@@ -147,15 +162,35 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     return {"loop_s": time.perf_counter() - t0, "scores": scores}
 
 
+def end_tokens(model: Path) -> dict[str, Any]:
+    """The tokens our generate stops on and never samples, for TRL to do the same."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from rlhf_batch.models import load_tokenizer
+    from rlhf_batch.stages.generate import _stop_ids
+
+    tok = load_tokenizer(str(model))
+    holder = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(model))
+    return {"stop_ids": sorted(_stop_ids(holder, tok)), "pad_id": tok.pad_token_id}
+
+
 def run_side(python: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One side in a fresh process: its figures plus the whole process's wall time."""
+    import resource
+
     cmd = [str(python), __file__, "--worker", name, "--spec", json.dumps(spec)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT, timeout=7200)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode != 0:
         raise SystemExit(f"bench_learning: the {name} worker failed:\n{proc.stderr[-4000:]}")
-    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_s": wall}
+    # CPU seconds (user + system) of the process: on a shared machine, what wall time would be alone
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "process_s": wall, "process_cpu_s": cpu}
 
 
 def best(scores: list[float]) -> tuple[float, int]:
@@ -185,6 +220,10 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--png", type=Path, help="default: learning.png beside --results")
     p.add_argument("--no-trl", action="store_true", help="run rlhf-batch only")
+    p.add_argument(
+        "--seed", type=int, default=0, help="the model's init, both runs' sampling and prompt order"
+    )
+    p.add_argument("--note", default="", help="appended to the wall-time row (e.g. the machine's load)")
     args = p.parse_args()
     if args.worker:
         spec = json.loads(args.spec)
@@ -199,7 +238,7 @@ def main() -> None:
         from rlhf_batch.tiny import init_model
 
         model, prompts = (
-            init_model(Path(tmp, "model"), seed=0),
+            init_model(Path(tmp, "model"), seed=args.seed),
             write_prompts(Path(tmp, "prompts.jsonl"), 256),
         )
         spec = {
@@ -207,11 +246,14 @@ def main() -> None:
             "prompts": str(prompts),
             "iterations": iterations,
             "prompts_per_iteration": b,
+            "seed": args.seed,
+            **end_tokens(model),
         }
         ours = run_side(Path(sys.executable), "ours", {**spec, "run_dir": str(Path(tmp, "ours"))})
         trl = run_side(TRL_PYTHON, "trl", {**spec, "run_dir": str(Path(tmp, "trl"))}) if use_trl else None
     workload = (
-        f"demo task, 256 prompts, {b} per iteration x G 8, {iterations} iterations, tiny Qwen2 (2 layers), "
+        f"demo task, 256 prompts, {b} per iteration x G 8, {iterations} iterations, tiny Qwen2 (2 layers, "
+        f"seed {args.seed}), "
         f"1 torch thread each; {mapping(b)}"
     )
     fmt = " ".join(f"{s:.3f}" for s in ours["scores"])
@@ -240,13 +282,17 @@ def main() -> None:
         target=target,
         met=met,
     )
-    whole = f"whole process {ours['process_s']:.0f}s, loop {ours['loop_s']:.0f}s"
-    t_whole = f"whole process {trl['process_s']:.0f}s, loop {trl['loop_s']:.0f}s" if trl else "-"
+
+    def times(r: dict[str, Any]) -> str:
+        return f"whole process {r['process_s']:.0f}s (CPU {r['process_cpu_s']:.0f}s), loop {r['loop_s']:.0f}s"
+
+    whole = times(ours)
+    t_whole = times(trl) if trl else "-"
     ratio = f"{trl['process_s'] / ours['process_s']:.1f}x (whole processes)" if trl else "-"
     common.append_row(
         args.results,
         "learning: wall time",
-        "as above",
+        f"as above; {args.note}" if args.note else "as above",
         "wall time",
         whole,
         t_whole,

@@ -17,6 +17,19 @@ from rlhf_batch.layout import tmp_name
 from rlhf_batch.schemas import SCHEMA_VERSION, VERSION_KEY
 
 COUNTS_KEY = b"rlhf_batch.counts"
+_durable = True  # the run's `fsync` setting (set_durable)
+
+
+def set_durable(on: bool) -> None:
+    """The config's `fsync`: false skips every fsync. Renames stay atomic, so a killed process
+    still leaves the old state or the new one; only a power cut may lose the last writes."""
+    global _durable
+    _durable = on
+
+
+def fsync(fd: int) -> None:
+    if _durable:
+        os.fsync(fd)
 
 
 def write_error(path: Path, e: BaseException) -> StageError:
@@ -43,7 +56,7 @@ def fsync_dir(path: Path) -> None:
     that a later manifest lists can be missing."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        fsync(fd)
     finally:
         os.close(fd)
 
@@ -54,7 +67,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=True, default=str)
             f.flush()
-            os.fsync(f.fileno())
+            fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as e:
@@ -75,7 +88,7 @@ def write_parquet_atomic(
         with open(tmp, "wb") as f:
             pq.write_table(table, f, compression="zstd")
             f.flush()
-            os.fsync(f.fileno())
+            fsync(f.fileno())
         fault_point(f"{fault}:tmp")
         os.replace(tmp, path)
         fsync_dir(path.parent)

@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from rlhf_batch import optim_state
+from rlhf_batch import atomic, optim_state
 from rlhf_batch.errors import StageError
 
 PREFIX = "step-"
@@ -34,7 +34,7 @@ def fsync_tree(path: Path) -> None:
     for p in [*sorted(path.iterdir()), path]:
         fd = os.open(p, os.O_RDONLY)
         try:
-            os.fsync(fd)
+            atomic.fsync(fd)
         finally:
             os.close(fd)
 

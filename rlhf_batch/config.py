@@ -162,6 +162,7 @@ class TrainConfig:
     total_steps: int = knob(0, "train")
     max_grad_norm: float = knob(1.0, "train")
     tokens_per_step: int = knob(65536, "train")  # real tokens per optimizer step (global)
+    sequences_per_step: int = knob(0, "train")  # rollouts per optimizer step (global); 0: tokens_per_step
     max_tokens_per_batch: int = knob(16384, "train")  # token budget of one micro-batch
     max_padding: float = knob(0.1, "train")  # close a micro-batch before padding exceeds this share
     eps_low: float = knob(0.2, "train")
@@ -195,6 +196,7 @@ class TrainConfig:
         _need(self.tis_cap == 0 or self.tis_cap >= 1, "train.tis_cap", "must be 0 (off) or >= 1")
         _need(self.dual_clip == 0 or self.dual_clip > 1, "train.dual_clip", "must be 0 (off) or > 1")
         _need(self.tokens_per_step >= 1, "train.tokens_per_step", "must be >= 1")
+        _need(self.sequences_per_step >= 0, "train.sequences_per_step", "must be >= 0 (0: tokens_per_step)")
         _need(self.max_tokens_per_batch >= 1, "train.max_tokens_per_batch", "must be >= 1")
         _need(0 < self.max_padding <= 1, "train.max_padding", "must be in (0, 1]")
 
@@ -275,6 +277,9 @@ class Config:
     # The thread count changes float rounding, so it is part of the model stages' identity.
     threads: int = knob(0, "generate", "import", "score", "train")
     in_process: bool = knob(False)  # run: stages in this process instead of one subprocess each
+    fsync: bool = knob(
+        True
+    )  # fsync what stages write; false: a kill is still safe, a power cut may lose the last writes
     demo: bool = knob(False)  # generate: build the tiny demo model and prompts when missing
     report_to: list[Tracker] = knob([])  # live tracking (README: Live tracking)
     run_name: str = knob("")  # trackers' run name; default: the run_dir's folder name

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf_batch import dist, layout, tracking
-from rlhf_batch.atomic import write_json_atomic, write_parquet_atomic
+from rlhf_batch.atomic import set_durable, write_json_atomic, write_parquet_atomic
 from rlhf_batch.errors import StageError
 from rlhf_batch.faults import fault_point
 from rlhf_batch.manifests import differences, fingerprint, manifest, read_json, write_manifest, written_by
@@ -175,6 +175,7 @@ def execute(
     by default from this call."""
     stage.force = force
     clock = StageClock(since)
+    set_durable(stage.cfg.fsync)
     try:
         out = output_of(stage)
         out.clock = stage.clock = clock

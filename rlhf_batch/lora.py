@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,9 +111,8 @@ def load_adapter(peft_model: Any, adapter: Path) -> None:
 def save_adapter(model: Any, out: Path) -> Any:
     """Before a policy is saved to `out`: a LoRA model writes its adapter to out/adapter and
     returns the merged base model (W + alpha/r * B @ A); any other model is returned as it is."""
-    from peft import PeftModel
-
-    if not isinstance(model, PeftModel):
+    peft = sys.modules.get("peft")  # not imported: not a LoRA model (spares the import)
+    if peft is None or not isinstance(model, peft.PeftModel):
         return model
     model.save_pretrained(str(out / layout.ADAPTER_DIR), safe_serialization=True)
     return model.merge_and_unload()

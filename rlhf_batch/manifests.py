@@ -5,6 +5,7 @@ fingerprints, schema version), the summed per-part counts and package versions."
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import time
@@ -136,7 +137,7 @@ def write_manifest(
         "parts": parts,
         "rows": sum(p["rows"] for p in parts),
         "counts": dict(counts),
-        "versions": _versions(),
+        "versions": dict(_versions()),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **(extra or {}),
     }
@@ -151,6 +152,7 @@ class _Counter(dict):
             self[k] = self.get(k, 0) + v
 
 
+@functools.cache  # read from the installed metadata once per process (a stage run parses it)
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -55,6 +55,8 @@ def test_relative_paths_and_run_dir_placeholder(tmp_path: Path) -> None:
             "'score.reward_weights' has 2",
         ),
         ("[train]\ndual_clip = 0.5\n", [], "'train.dual_clip' must be 0 (off) or > 1"),
+        ("", ["train.sequences_per_step=-1"], "'train.sequences_per_step' must be >= 0"),
+        ("fsync = 'no'\n", [], "'fsync' must be bool"),
         ("[generate\n", [], "not valid TOML"),
     ],
 )

@@ -177,3 +177,28 @@ def test_a_full_disk_under_torch_save_is_named_as_such(tmp_path: Path) -> None:
         )
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)  # lazy: torch may still hold the file
+
+
+def test_fsync_false_skips_the_fsyncs_but_keeps_writes_atomic(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    sdir = tmp_path / "s"
+    try:
+        # durable (the default): claim writes _started.json (file + directory), the part and the
+        # manifest likewise: 2 fsyncs each, 6 in all
+        st = executor.claim(sdir, "scores", {"a": 1}, {})
+        st.write_table(0, table(2), SCHEMA)
+        st.finish(1)
+        assert len(synced) == 6
+        synced.clear()
+        atomic.set_durable(False)  # what execute() does for a config with fsync = false
+        other = executor.claim(tmp_path / "t", "scores", {"a": 1}, {})
+        other.write_table(0, table(2), SCHEMA)
+        m = other.finish(1)
+        assert synced == []
+        assert (
+            m is not None and m["rows"] == 2 and not list((tmp_path / "t").glob(".*"))
+        )  # renamed, no temp left
+    finally:
+        atomic.set_durable(True)

@@ -64,6 +64,8 @@ class Train(Stage):
         ident = {**super().identity(), "norm_const": norm_const(self.cfg)}
         if not self.cfg.lora.enabled:  # [lora] off: folders written before it existed stay complete
             ident.pop("lora", None)
+        if not self.cfg.train.sequences_per_step:  # likewise for steps cut by tokens
+            ident["train"].pop("sequences_per_step", None)
         return ident
 
     def inputs(self) -> dict[str, Any]:
@@ -176,6 +178,7 @@ def _train(
         tc.ppo_epochs,
         seed,
         tc.max_padding,
+        tc.sequences_per_step,
     )
     trainer = build_trainer(cfg, start, data, steps)
     if prev is not None:  # the run's AdamW state and step count, as iteration K-1 left them

@@ -5,12 +5,14 @@ replays exactly the same steps and the data position in a checkpoint is just a s
 
 * Epoch 0 keeps the row order the advantage stage wrote (length-bucketed, seeded). The rows
   are cut into contiguous optimizer steps of about `tokens_per_step` response tokens (there
-  are ceil(total / tokens_per_step) steps and the cuts balance their tokens), and each step
+  are ceil(total / tokens_per_step) steps and the cuts balance their tokens), or, with
+  `sequences_per_step` > 0, of about that many rows (ceil(rows / sequences_per_step) steps,
+  as TRL's per-device batch or verl's mini-batch counts rollouts), and each step
   into micro-batches by `core.batching.token_budget_batches` over the full sequence lengths
   (padded rows x longest row <= `max_tokens_per_batch`; with `max_padding` < 1 a micro-batch
   is also closed before its padding exceeds that share of its tokens: train.max_padding).
 * Epoch e >= 1 reuses those micro-batches in an order shuffled by a generator seeded with
-  (seed, iteration, e), cut again into steps of about `tokens_per_step` tokens.
+  (seed, iteration, e), cut again into steps of about `tokens_per_step` tokens (or rows).
 * Ranks: micro-batch j of a step goes to rank j % world. A rank with fewer micro-batches than
   the others runs the step's shortest row with weight 0, so that every rank does the same
   number of forward/backward passes (DDP needs it). The global batch of a step, and hence its
@@ -191,10 +193,14 @@ def plan_steps(
     epochs: int,
     seed: tuple[int, ...],
     max_padding: float = 1.0,
+    sequences_per_step: int = 0,
 ) -> list[Step]:
     """Every optimizer step of the stage, in order (see the module docstring)."""
+    # what a step's budget counts: response tokens, or rows (sequences_per_step > 0)
+    units = np.ones_like(resp_lens) if sequences_per_step else resp_lens  # [N]
+    budget = sequences_per_step or tokens_per_step
     first: list[list[tuple[int, ...]]] = []
-    for rows in cut_balanced(resp_lens.tolist(), tokens_per_step):
+    for rows in cut_balanced(units.tolist(), budget):
         batches = token_budget_batches([int(seq_lens[i]) for i in rows], max_tokens_per_batch, max_padding)
         first.append([tuple(rows[k] for k in b) for b in batches])
     steps = [_step(i, 0, micro, resp_lens) for i, micro in enumerate(first)]
@@ -202,8 +208,8 @@ def plan_steps(
     for epoch in range(1, epochs):
         rng = np.random.default_rng([*seed, epoch])
         order = [micro_all[j] for j in rng.permutation(len(micro_all))]
-        per_mb = [int(resp_lens[list(mb)].sum()) for mb in order]
-        for group in cut_balanced(per_mb, tokens_per_step):
+        per_mb = [int(units[list(mb)].sum()) for mb in order]
+        for group in cut_balanced(per_mb, budget):
             steps.append(_step(len(steps), epoch, [order[j] for j in group], resp_lens))
     return steps
 

@@ -112,6 +112,7 @@ def demo_scores(run_dir: Path, *sets: str) -> list[float]:
         f"run_dir={run_dir}",
         "train.ppo_epochs=16",
         "train.tokens_per_step=256",
+        "train.sequences_per_step=0",  # steps of 256 tokens, as measured below
         "train.eps_low=0.2",
         *sets,
     ]

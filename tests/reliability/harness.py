@@ -48,6 +48,7 @@ def overrides(assets: Assets, run_dir: Path, iterations: int = ITERATIONS) -> li
         "score.rows_per_part=128",
         "advantage.rows_per_part=32",
         "train.tokens_per_step=512",
+        "train.sequences_per_step=0",  # steps cut by tokens, as above
         "train.checkpoint_every=2",
     ]
     return [a for s in sets for a in ("--set", s)]

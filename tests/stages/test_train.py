@@ -145,6 +145,22 @@ def test_plan_micro_batches_respect_the_token_budget() -> None:
     assert (step.tokens, step.sequences) == (21, 6)
 
 
+def test_plan_with_sequences_per_step_counts_rows_not_tokens() -> None:
+    # 6 rows of 1, 1, 1, 9, 9, 9 response tokens; 2 rows per step -> ceil(6 / 2) = 3 steps of
+    # 2 rows each (row i to step (2i + 1) x 3 // 12), whatever their tokens
+    resp, seq = np.array([1, 1, 1, 9, 9, 9]), np.array([3, 3, 3, 11, 11, 11])
+    plan = plan_steps(resp, seq, 15, 100, 2, (0, 0), sequences_per_step=2)
+    rows = [sorted(i for mb in s.micro for i in mb) for s in plan]  # (a micro-batch runs longest first)
+    assert rows[:3] == [[0, 1], [2, 3], [4, 5]]
+    # tokens of each step: 1 + 1, 1 + 9, 9 + 9; epoch 1 cuts the same 3 micro-batches again
+    assert [(s.epoch, s.tokens, s.sequences) for s in plan[:3]] == [(0, 2, 2), (0, 10, 2), (0, 18, 2)]
+    assert sorted(rows[3:]) == [[0, 1], [2, 3], [4, 5]]
+    assert [s.sequences for s in plan[3:]] == [2, 2, 2]
+    # the same rows cut by tokens: middles 0.5, 1.5, 2.5, 7.5, 16.5, 25.5 of 30 x 2 // 30 -> 0, 0, 0, 0, 1, 1
+    by_tokens = plan_steps(resp, seq, 15, 100, 1, (0, 0))
+    assert [sorted(i for mb in s.micro for i in mb) for s in by_tokens] == [[0, 1, 2, 3], [4, 5]]
+
+
 def test_step_for_rank_pads_short_ranks_with_a_zero_weight_row() -> None:
     step = Step(index=0, epoch=0, micro=((0, 1), (2,), (3,)), tokens=9, sequences=4, filler=2)
     # 3 micro-batches on 2 ranks: rank 0 gets #0 and #2, rank 1 gets #1 and a weight-0 filler
@@ -277,6 +293,19 @@ def test_progress_bar_shows_steps_loss_clip_kl_and_tokens_per_second(
     assert "train iter=0" in last and "2/2" in last
     assert f"loss={row['loss']:.4g}" in last and f"clip={row['clip_fraction']:.3f}" in last
     assert f"kl={row['kl_approx']:.2e}" in last and "tok_s=" in last
+
+
+def test_sequences_per_step_sets_the_rows_of_each_optimizer_step(make_config, tiny_model: Path) -> None:
+    # 10 rows of 4 response tokens, 3 rows per step: ceil(10 / 3) = 4 steps an epoch, 2 epochs;
+    # row i goes to step (2i + 1) x 4 // 20: 0, 0, 1, 1, 1, 2, 2, 3, 3, 3 -> 2, 3, 2, 3 rows
+    _, cfg = make_config(train_toml(lr=1e-2, tokens_per_step=1000, sequences_per_step=3, ppo_epochs=2))
+    write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 10, [4] * 10))
+    m = train.run(cfg, 0, quiet=True)
+    rows = metrics(cfg.run_dir).to_pylist()
+    assert m["counts"]["steps"] == 8 and [r["sequences"] for r in rows[:4]] == [2, 3, 2, 3]
+    assert [r["tokens"] for r in rows[:4]] == [8, 12, 8, 12]
+    assert sum(r["sequences"] for r in rows[4:]) == 10  # epoch 1: the same rows again
+    assert m["config"]["train"]["sequences_per_step"] == 3  # it decides the result: recorded
 
 
 def test_lr_schedule_and_grad_norm_in_the_metrics(make_config, tiny_model: Path) -> None:
