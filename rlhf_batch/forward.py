@@ -78,14 +78,18 @@ def response_logprobs(
     (LM-head rows at a time) defaults to `default_chunk_size(vocab)`.
     """
     device = next(model.parameters()).device
-    ids, attn = pad_right(seqs, pad_id, device)  # [B, L]
+    ids, _ = pad_right(seqs, pad_id, device)  # [B, L]
     seq_lens = torch.as_tensor([len(s) for s in seqs], device=device)  # [B]
     p_lens = torch.as_tensor(list(prompt_lens), device=device)  # [B]
     if bool((p_lens < 1).any()):
         raise ValueError("every sequence needs at least one prompt token")
     sel = response_mask(seq_lens, p_lens, ids.shape[1] - 1)  # [B, L-1]
     targets = ids[:, 1:][sel]  # [N]
-    out = model.get_decoder()(input_ids=ids, attention_mask=attn)
+    # No attention mask: rows are right-padded, so under causal attention no real position sees a
+    # pad (pads come after it), and the attention kernel runs its causal form, skipping the
+    # blocks above the diagonal, instead of reading a [B, 1, L, L] mask. Pad positions' outputs
+    # are never used.
+    out = model.get_decoder()(input_ids=ids)
     hidden, head = out.last_hidden_state[:, :-1][sel], output_head(model)  # [N, H]
     chunk = chunk_size or default_chunk_size(int(model.config.get_text_config().vocab_size))
     lp, ent = chunked_logprobs(hidden, head, targets, temperature, chunk, with_entropy)  # [N]
@@ -117,9 +121,11 @@ def can_share_prefix(model: Any) -> bool:
 
 
 def default_chunk_size(vocab_size: int) -> int:
-    """LM-head rows per chunk so that a chunk's float32 logits stay near 64 MB (128 rows at vocab
-    131072, 524 at 32000), and never below 64 or above 4096 rows."""
-    return max(64, min(4096, (1 << 24) // max(1, vocab_size)))
+    """LM-head rows per chunk so that a chunk's float32 logits stay near 8 MB, small enough for
+    the log-softmax passes over them to run from the CPU's cache (65 rows at vocab 32000, 32 at
+    131072), never below 32 rows (a head matmul of fewer rows runs far below the peak) nor above
+    4096."""
+    return max(32, min(4096, (1 << 21) // max(1, vocab_size)))
 
 
 def shared_prefix_logprobs(
@@ -228,20 +234,26 @@ def _prefill(
     return keys, values, torch.stack(last)
 
 
-def _response_batches(r_lens: Sequence[int], p_lens: Sequence[int], max_tokens: int) -> list[list[int]]:
+def _response_batches(
+    r_lens: Sequence[int], p_lens: Sequence[int], max_tokens: int, max_padding: float = 0.1
+) -> list[list[int]]:
     """Rows with a response, longest response first, cut so that rows x longest response <=
-    max_tokens and rows x (longest prompt + longest response) <= 4 x max_tokens."""
+    max_tokens, rows x (longest prompt + longest response) <= 4 x max_tokens, and padding stays
+    within `max_padding` of the batch's response positions (rows x longest response): a batch
+    that mixed the long tail with short responses would run the decoder mostly on padding."""
     order = sorted((i for i in range(len(r_lens)) if r_lens[i] > 0), key=lambda i: (-r_lens[i], i))
     batches: list[list[int]] = []
     cur: list[int] = []
-    r_max = p_max = 0
+    r_max = p_max = real = 0
     for i in order:
-        r2, p2 = max(r_max, r_lens[i]), max(p_max, p_lens[i])
-        if cur and ((len(cur) + 1) * r2 > max_tokens or (len(cur) + 1) * (r2 + p2) > 4 * max_tokens):
+        r2, p2, n = max(r_max, r_lens[i]), max(p_max, p_lens[i]), len(cur) + 1
+        too_big = n * r2 > max_tokens or n * (r2 + p2) > 4 * max_tokens
+        if cur and (too_big or real + r_lens[i] < (1.0 - max_padding) * n * r2):
             batches.append(cur)
-            cur, r2, p2 = [], r_lens[i], p_lens[i]
+            cur, r2, p2, real = [], r_lens[i], p_lens[i], 0
         cur.append(i)
         r_max, p_max = r2, p2
+        real += r_lens[i]
     if cur:
         batches.append(cur)
     return batches

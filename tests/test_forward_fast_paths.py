@@ -82,7 +82,10 @@ def test_response_batches_respect_both_budgets() -> None:
     # r = [5, 1, 3, 0, 4], p = [2, 9, 2, 2, 2]; longest response first: rows 0 (5), 4 (4), 2 (3), 1 (1).
     # budget 10: [0] alone would allow 2 rows x 5 = 10 <= 10, then row 4: 2 x max(5, 4) = 10 ok;
     # row 2: 3 x 5 = 15 > 10 -> new batch [2], then row 1: 2 x 3 = 6 <= 10 but 2 x (3 + 9) = 24 <= 40 ok.
-    assert _response_batches([5, 1, 3, 0, 4], [2, 9, 2, 2, 2], 10) == [[0, 4], [2, 1]]
+    assert _response_batches([5, 1, 3, 0, 4], [2, 9, 2, 2, 2], 10, max_padding=1.0) == [[0, 4], [2, 1]]
+    # with padding <= 10% (the default): [0, 4] holds 5 + 4 = 9 real of 2 x 5 = 10 positions, 9 >= 0.9 x 10
+    # -> kept; [2, 1] would hold 3 + 1 = 4 real of 2 x 3 = 6, 4 < 0.9 x 6 = 5.4 -> row 1 alone
+    assert _response_batches([5, 1, 3, 0, 4], [2, 9, 2, 2, 2], 10) == [[0, 4], [2], [1]]
     # budget 3: every row alone except the cache bound 4 x 3 = 12 >= (1 + 9) for row 1 alone
     assert _response_batches([5, 1, 3, 0, 4], [2, 9, 2, 2, 2], 3) == [[0], [4], [2], [1]]
 
@@ -94,11 +97,11 @@ def test_prompt_chunks_keep_groups_whole() -> None:
 
 
 def test_default_chunk_size_bounds_the_logits_of_a_chunk() -> None:
-    # 2^24 float32 logits = 64 MB: 2^24 / 131072 = 128 rows, 2^24 / 32000 = 524 rows
-    assert default_chunk_size(131072) == 128
-    assert default_chunk_size(32000) == 524
-    assert default_chunk_size(105) == 4096  # capped
-    assert default_chunk_size(10**6) == 64  # floored
+    # 2^21 float32 logits = 8 MB: 2^21 / 32000 = 65.5 -> 65 rows; 2^21 / 131072 = 16 -> floored to 32
+    assert default_chunk_size(32000) == 65
+    assert default_chunk_size(131072) == 32
+    assert default_chunk_size(105) == 4096  # 2^21 / 105 = 19972, capped
+    assert default_chunk_size(10**6) == 32  # floored
 
 
 def test_sampler_per_row_budgets(tiny_model: Path) -> None:

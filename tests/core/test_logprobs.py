@@ -59,6 +59,42 @@ def test_prop_chunked_equals_plain_log_softmax_values_and_gradients(
     plain = logp_all.gather(-1, targets[:, None]).squeeze(-1)  # [N]
     assert torch.allclose(lp, plain, atol=1e-5)
     assert ent is not None and torch.allclose(ent, -(logp_all.exp() * logp_all).sum(-1), atol=1e-5)
-    (grad_chunked,) = torch.autograd.grad(lp.sum(), h)
-    (grad_plain,) = torch.autograd.grad(plain.sum(), h)
-    assert torch.allclose(grad_chunked, grad_plain, atol=1e-5)
+    # the written-out backward against autograd's through log_softmax, for a loss mixing both
+    # outputs with random weights (as the GRPO loss and the entropy bonus do)
+    a, b = torch.randn(n, generator=g), torch.randn(n, generator=g)  # [N], [N]
+    (grad_chunked,) = torch.autograd.grad((a * lp).sum() + (b * ent).sum(), h)
+    plain_ent = -(logp_all.exp() * logp_all).sum(-1)  # [N]
+    (grad_plain,) = torch.autograd.grad((a * plain).sum() + (b * plain_ent).sum(), h)
+    assert torch.allclose(grad_chunked, grad_plain, atol=1e-4, rtol=1e-4)
+
+
+def test_backward_by_hand() -> None:
+    # logits x = [0, ln 3] (identity head), target 1: p = [1/4, 3/4], logp = [ln 1/4, ln 3/4]
+    #   d logp_1 / dx = [0 - 1/4, 1 - 3/4] = [-0.25, 0.25]
+    #   H = 0.56233; dH/dx_j = -p_j (logp_j + H): j=0: -0.25 (-1.38629 + 0.56233) = 0.20599
+    #                                              j=1: -0.75 (-0.28768 + 0.56233) = -0.20599
+    x = torch.tensor([[0.0, math.log(3.0)]], requires_grad=True)
+    lp, _ = chunked_logprobs(x, lambda h: h, torch.tensor([1]))
+    (g_lp,) = torch.autograd.grad(lp.sum(), x)
+    assert torch.allclose(g_lp, torch.tensor([[-0.25, 0.25]]), atol=1e-6)
+    _, ent = chunked_logprobs(x, lambda h: h, torch.tensor([1]), with_entropy=True)
+    assert ent is not None
+    (g_ent,) = torch.autograd.grad(ent.sum(), x)
+    assert torch.allclose(g_ent, torch.tensor([[0.2059868, -0.2059868]]), atol=1e-6)
+    # temperature 2 divides the gradient by 2 at the same p: x / 2 = [0, ln sqrt 3] gives
+    # p = [1, sqrt 3] / (1 + sqrt 3) = [0.36603, 0.63397]; d logp_1 / dx = [-0.36603, 0.36603] / 2
+    lp_t, _ = chunked_logprobs(x, lambda h: h, torch.tensor([1]), temperature=2.0)
+    (g_t,) = torch.autograd.grad(lp_t.sum(), x)
+    assert torch.allclose(g_t, torch.tensor([[-0.1830127, 0.1830127]]), atol=1e-6)
+
+
+def test_backward_keeps_the_dtype_of_bf16_logits() -> None:
+    # a bf16 LM head (autocast) gets a bf16 gradient; values as the float32 computation within bf16 rounding
+    x32 = torch.randn(4, 7, generator=torch.Generator().manual_seed(0)) * 2
+    x16 = x32.to(torch.bfloat16).requires_grad_()
+    lp, _ = chunked_logprobs(x16, lambda h: h, torch.tensor([0, 3, 6, 1]))
+    (g16,) = torch.autograd.grad(lp.sum(), x16)
+    x_ref = x16.detach().float().requires_grad_()
+    ref = torch.log_softmax(x_ref, -1).gather(-1, torch.tensor([[0], [3], [6], [1]])).sum()
+    (g_ref,) = torch.autograd.grad(ref, x_ref)
+    assert g16.dtype == torch.bfloat16 and torch.allclose(g16.float(), g_ref, atol=1e-2)
