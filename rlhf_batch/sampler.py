@@ -143,12 +143,14 @@ def decode_attention(
     """transformers' attention interface for one query per row: query [b, H, 1, D], key/value
     [b, KV, L, D] (H a multiple of KV), mask None or [b, 1, 1, L] (bool: True attends; float:
     added) -> ([b, 1, H, D], None). The H / KV queries that share a key head form one matrix, so
-    no key is repeated. Anything else (a prompt, soft-capping) goes to transformers' SDPA."""
+    no key is repeated. Anything else (a prompt, soft-capping, attention sinks, a position bias)
+    goes to transformers' SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     b, h, q, d = query.shape
     kv = key.shape[1]
-    if q != 1 or h % kv or kwargs.get("softcap") is not None or (dropout and module.training):
+    extra = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias"))
+    if q != 1 or h % kv or extra or (dropout and module.training):
         return sdpa_attention_forward(  # type: ignore[no-any-return]
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -166,7 +168,7 @@ def decode_attention(
 @contextlib.contextmanager
 def _decode_attention_for(model: Any) -> Iterator[None]:
     """While sampling, a model that uses SDPA uses `decode_attention` (its prefill still SDPA)."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa":
         yield
         return

@@ -56,6 +56,20 @@ def test_decode_attention_masks_padding() -> None:
     assert not torch.allclose(unmasked[0], got[0], atol=1e-3)
 
 
+def test_an_additive_mask_equals_the_bool_one() -> None:
+    q, k, v, mask = _inputs(torch.float32)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))  # [b, 1, 1, L]
+    got, _ = decode_attention(Heads(), q, k, v, additive, scaling=0.25)
+    want, _ = decode_attention(Heads(), q, k, v, mask, scaling=0.25)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_soft_capping_goes_to_sdpa() -> None:
+    q, k, v, mask = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="softcap"):  # transformers' SDPA refuses it
+        decode_attention(Heads(), q, k, v, mask, scaling=0.25, softcap=30.0)
+
+
 def test_prompts_go_to_sdpa() -> None:
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 8 if i == 0 else 2, 5, 16, generator=g) for i in range(3))
