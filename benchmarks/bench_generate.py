@@ -28,6 +28,7 @@ request; the hf engine's start-up is import torch/transformers + load_model. Wit
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -251,6 +252,7 @@ def decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
         # per token: 2 x matmul params, plus q.k and p.v over the cache
         "flops_per_token": 2 * (body + head) + 4 * layers * heads * head_dim * ctx,
         "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
     }
 
 
@@ -269,7 +271,8 @@ def decode_row(results: Path, d: dict[str, Any], dtype: str, peaks: dict[str, fl
         results,
         f"generate decode vs its limit, {dtype}",
         f"hf engine, steady state after the prefill: batch {d['batch']}, {d['steps']} tokens per row, "
-        f"mean cache width {d['ctx']:.0f}, {d['threads']} threads; per step {d['weight_bytes'] / 1e6:.0f} MB "
+        f"mean cache width {d['ctx']:.0f}, {d['threads']} threads (OpenMP wait policy "
+        f"{d.get('omp_wait_policy', 'default')}); per step {d['weight_bytes'] / 1e6:.0f} MB "
         f"of weights + {d['kv_bytes'] / 1e6:.0f} MB of KV cache at {bw / 1e9:.1f} GB/s "
         f"(STREAM-like, same run) = {t_mem * 1e3:.1f} ms; {d['flops_per_token'] / 1e6:.0f} MFLOP per "
         f"token x {d['batch']} at the {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s = {t_flop * 1e3:.1f} ms; "
