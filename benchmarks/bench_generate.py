@@ -28,6 +28,7 @@ request; the hf engine's start-up is import torch/transformers + load_model. Wit
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -213,7 +214,75 @@ def vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-WORKERS = {"run": worker, "vllm": vllm_worker}
+def decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """The hf engine's steady-state decode: one batch of `batch` rows (the workload's first rows,
+    left-padded to the longest prompt) through `sampler.sample` for `steps` tokens each (no stop
+    token, so every row runs every step), in `dtype`. The clock starts when the prefill's forward
+    returns (a forward hook) and stops when sample returns: `steps` samplings and `steps - 1`
+    decode forwards. Also what a step reads: weights and the KV cache, and its FLOPs."""
+    import torch
+
+    from rlhf_batch.models import load_model
+    from rlhf_batch.sampler import sample
+
+    torch.manual_seed(0)
+    w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"], cap=CAP).head(spec["batch"])
+    model = load_model(spec["model"], "policy", device="cpu", dtype=spec["dtype"])
+    marks: list[float] = []
+    hook = model.register_forward_hook(lambda *a: marks.append(time.perf_counter()))
+    steps, b = spec["steps"], len(w)
+    sample(model, w.prompt_ids, list(range(b)), max_new_tokens=steps, pad_id=1)
+    seconds = time.perf_counter() - marks[0]
+    hook.remove()
+    c = model.config
+    layers, kv_heads, heads = c.num_hidden_layers, c.num_key_value_heads, c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    width = max(len(p) for p in w.prompt_ids)  # the cache holds every row at the padded width
+    ctx = width + steps / 2  # mean cache width over the decode forwards (width + 1 .. width + steps - 1)
+    elt = torch.finfo(next(model.parameters()).dtype).bits // 8
+    body, head = common.flop_params(model)
+    return {
+        "seconds": seconds,
+        "tokens": b * steps,
+        "batch": b,
+        "steps": steps,
+        "ctx": ctx,
+        "weight_bytes": (body + head) * elt,  # decoder matmuls + LM head, read once per step
+        "kv_bytes": layers * 2 * kv_heads * head_dim * ctx * b * elt,  # keys and values read per step
+        # per token: 2 x matmul params, plus q.k and p.v over the cache
+        "flops_per_token": 2 * (body + head) + 4 * layers * heads * head_dim * ctx,
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+    }
+
+
+def decode_row(results: Path, d: dict[str, Any], dtype: str, peaks: dict[str, float]) -> None:
+    """The steady-state decode as a share of its limit: a step must read the weights and the KV
+    cache (at the measured memory bandwidth) and do b x FLOPs per token (at the dtype's matmul
+    peak); the larger of the two times is the limit, and the row says which it is."""
+    bw = max(peaks.get("mem_copy_gbs", 0.0), peaks.get("mem_triad_gbs", 0.0)) * 1e9
+    peak = peaks["bf16_gflops" if dtype == "bfloat16" else "fp32_gflops"] * 1e9
+    step_bytes = d["weight_bytes"] + d["kv_bytes"]
+    t_mem = step_bytes / bw if bw else 0.0
+    t_flop = d["batch"] * d["flops_per_token"] / peak
+    bound, t_lim = ("memory", t_mem) if t_mem >= t_flop else ("compute", t_flop)
+    tps, limit = d["tokens"] / d["seconds"], d["batch"] / t_lim
+    append_row(
+        results,
+        f"generate decode vs its limit, {dtype}",
+        f"hf engine, steady state after the prefill: batch {d['batch']}, {d['steps']} tokens per row, "
+        f"mean cache width {d['ctx']:.0f}, {d['threads']} threads (OpenMP wait policy "
+        f"{d.get('omp_wait_policy', 'default')}); per step {d['weight_bytes'] / 1e6:.0f} MB "
+        f"of weights + {d['kv_bytes'] / 1e6:.0f} MB of KV cache at {bw / 1e9:.1f} GB/s "
+        f"(STREAM-like, same run) = {t_mem * 1e3:.1f} ms; {d['flops_per_token'] / 1e6:.0f} MFLOP per "
+        f"token x {d['batch']} at the {dtype} matmul peak {peak / 1e9:.0f} GFLOP/s = {t_flop * 1e3:.1f} ms; "
+        f"{bound}-bound: limit {limit:.0f} tokens/s",
+        "decode tokens/s (share of the limit)",
+        f"{tps:.0f} ({tps / limit:.0%} of the {bound}-bound limit)",
+    )
+
+
+WORKERS = {"run": worker, "vllm": vllm_worker, "decode": decode_worker}
 
 
 def run_vllm(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -276,6 +345,11 @@ def main() -> None:
         target=">= 2x",
         met=tps / tps_hf >= 2,
     )
+    peaks = common.peaks_from(args)
+    dtypes = ["bfloat16", "float32"] if common.machine().endswith(", bf16 units") else ["float32"]
+    for dtype in dtypes:  # the dtype `auto` picks here first
+        spec = {**base, "dtype": dtype, "batch": 16 if tiny else 64, "steps": 4 if tiny else 32}
+        decode_row(args.results, common.run_worker("bench_generate.py", "decode", spec), dtype, peaks)
     # the tiny model has head_dim 16, which vLLM's CPU attention refuses: the tiny run uses head_dim 64
     vbase = {**base, "model": str(common.model_dir(True, spec=TINY_VLLM))} if tiny else base
     v = run_vllm({**vbase, "eager": tiny})

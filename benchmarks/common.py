@@ -152,10 +152,23 @@ def _gflops(fn: Any, flops: float, seconds: float = 1.0) -> float:
     return best / 1e9
 
 
-def measure_peaks(n: int = 2048) -> dict[str, float]:
+def measure_bandwidth(elems: int = 1 << 25, seconds: float = 1.0) -> dict[str, float]:
+    """STREAM-like memory bandwidth (GB/s, best of repeated runs, all torch threads) over float32
+    arrays of `elems` elements (128 MB each by default, far beyond the caches): copy `b = a`
+    moves 2 x 4 bytes per element, triad `a = b + 3 c` moves 3 x 4."""
+    import torch
+
+    a, b, c = torch.rand(elems), torch.rand(elems), torch.rand(elems)
+    gb = elems * 4 / 1e9
+    copy = _gflops(lambda: b.copy_(a), 2 * gb * 1e9, seconds)
+    triad = _gflops(lambda: torch.add(b, c, alpha=3.0, out=a), 3 * gb * 1e9, seconds)
+    return {"mem_copy_gbs": copy, "mem_triad_gbs": triad}
+
+
+def measure_peaks(n: int = 2048, stream_elems: int = 1 << 25) -> dict[str, float]:
     """Best GFLOP/s of an n x n matmul through F.linear (the path nn.Linear and autocast take),
     bf16 and float32. torch.mm in bf16 takes a far slower fallback on AVX2-only CPUs; it is
-    reported too, for the record."""
+    reported too, for the record. Also the memory bandwidth (`measure_bandwidth`)."""
     import torch
     import torch.nn.functional as F
 
@@ -166,7 +179,7 @@ def measure_peaks(n: int = 2048) -> dict[str, float]:
     a, b = torch.randn(256, 256, dtype=torch.bfloat16), torch.randn(256, 256, dtype=torch.bfloat16)
     out["bf16_mm_gflops"] = _gflops(lambda: a @ b, 2 * 256**3, 0.3)
     out["threads"] = torch.get_num_threads()
-    return out
+    return {**out, **measure_bandwidth(stream_elems)}
 
 
 # ---------------------------------------------------------------- load of the machine

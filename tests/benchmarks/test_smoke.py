@@ -20,6 +20,7 @@ ROWS = {  # benchmark script -> the rows it must append
     "bench_score.py": ["score tokens/s", "score MFU", "score scaling", "score memory @ vocab 128k"],
     "bench_generate.py": [
         "generate tokens/s",
+        "generate decode vs its limit, float32",  # bf16 too where the CPU has bf16 units
         "generate tokens/s, vllm engine",
         "generate start-up, vllm engine",
     ],
