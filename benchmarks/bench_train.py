@@ -180,8 +180,12 @@ def worker_naive(spec: dict[str, Any]) -> dict[str, Any]:
     mem.mark()
     t0 = time.perf_counter()
     naive_train(model, w, np.random.default_rng(0).normal(size=len(w)).tolist())
+    seconds = time.perf_counter() - t0
+    from rlhf_batch.models import resolve_dtype
+
     return {
-        "seconds": time.perf_counter() - t0,
+        "ceiling": common.shape_ceiling(model, resolve_dtype("auto", "cpu")),
+        "seconds": seconds,
         "tokens": w.tokens,
         "response_tokens": w.response_tokens,
         "body": body,
@@ -234,6 +238,7 @@ def main() -> None:
         peaks,
         dtype,
         0.35,
+        naive["ceiling"],
     )
     append_row(
         args.results,

@@ -112,11 +112,13 @@ def append_mfu_row(
     peaks: dict[str, float],
     dtype: str,
     target: float,
+    ceiling: float | None = None,
 ) -> None:
     """The MFU row: `factor` x matmul params x real tokens / s over the matmul peak, against the
     float32 and the bf16 peak; in brackets the utilisation of the FLOPs actually executed (the
     decoder at `executed_tokens`, the LM head at `response_tokens`). Whether the target is met is
-    read as `mfu_target` says for `dtype`, the dtype the stage ran in."""
+    read as `mfu_target` says for `dtype`, the dtype the stage ran in. `ceiling`: GFLOP/s of the
+    model's own matmul shapes in that dtype (shape_ceiling), given as the share of it reached."""
     body, head = flop_params
 
     def issue(r: dict[str, Any], peak: float) -> float:
@@ -129,6 +131,12 @@ def append_mfu_row(
     fp32, bf16 = peaks["fp32_gflops"], peaks["bf16_gflops"]
     text, on_executed = mfu_target(dtype, target, not machine().endswith("no bf16 units"))
     reached = executed(ours, bf16) if on_executed else issue(ours, fp32)
+    if ceiling:
+        peak = bf16 if "bfloat16" in dtype else fp32
+        workload += (
+            f"; the model's matmul shapes run at {ceiling:.0f} GFLOP/s here in {dtype} "
+            f"({ceiling / peak:.0%} of its peak): executed FLOPs at {executed(ours, ceiling):.0%} of that"
+        )
     append_row(
         path,
         bench,
@@ -163,6 +171,27 @@ def measure_bandwidth(elems: int = 1 << 25, seconds: float = 1.0) -> dict[str, f
     copy = _gflops(lambda: b.copy_(a), 2 * gb * 1e9, seconds)
     triad = _gflops(lambda: torch.add(b, c, alpha=3.0, out=a), 3 * gb * 1e9, seconds)
     return {"mem_copy_gbs": copy, "mem_triad_gbs": triad}
+
+
+def shape_ceiling(model: Any, dtype: Any, rows: int = 2048, head_rows: int = 65) -> float:
+    """GFLOP/s of F.linear at the model's own matmul shapes in `dtype` (each decoder Linear with
+    `rows` tokens, the LM head with `head_rows`, a chunk of the log-prob path), FLOP-weighted:
+    the best the executed FLOPs can run at here. A model with hidden 512 multiplies by K = 512,
+    which runs below the 2048 x 2048 peak."""
+    import torch
+    import torch.nn.functional as F
+
+    head = model.get_output_embeddings()
+    mats = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    flops = seconds = 0.0
+    with torch.no_grad():
+        for w, n in [*[(w, rows) for w in mats], (head.weight, head_rows)]:
+            w = w.detach().to(dtype)
+            x = torch.randn(n, w.shape[1], dtype=dtype)
+            f = 2.0 * n * w.shape[0] * w.shape[1]
+            flops += f
+            seconds += f / (_gflops(lambda x=x, w=w: F.linear(x, w), f, 0.2) * 1e9)
+    return flops / seconds / 1e9
 
 
 def measure_peaks(n: int = 2048, stream_elems: int = 1 << 25) -> dict[str, float]:
