@@ -34,11 +34,6 @@ def entropy_of(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[..., V] logits -> [...] float32 entropy of softmax(logits / temperature)."""
-    return entropy_of(log_softmax32(logits, temperature))
-
-
 class _TokenLogprobs(torch.autograd.Function):
     """logits [c, V] -> (log-prob of each row's target [c], entropy [c] or a 0-dim zero), float32,
     with a backward written out (autograd's would allocate a zero [c, V] tensor for the gather,

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_batch.core.logprobs import chunked_logprobs, entropy_from_logits, logprobs_from_logits
+from rlhf_batch.core.logprobs import chunked_logprobs, logprobs_from_logits
 
 
 def test_logprobs_by_hand() -> None:
@@ -22,7 +22,8 @@ def test_logprobs_by_hand() -> None:
     got_t = logprobs_from_logits(logits[:1], torch.tensor([0]), temperature=2.0)
     assert torch.allclose(got_t, torch.tensor([-1.0050525]), atol=1e-6)
     # entropy of [1/4, 3/4]: -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.34657 + 0.21576 = 0.56233
-    assert torch.allclose(entropy_from_logits(logits[:1]), torch.tensor([0.5623351]), atol=1e-6)
+    _, ent = chunked_logprobs(logits[:1], lambda h: h, torch.tensor([0]), with_entropy=True)
+    assert ent is not None and torch.allclose(ent, torch.tensor([0.5623351]), atol=1e-6)
 
 
 def test_chunked_by_hand_with_an_identity_head() -> None:
