@@ -7,6 +7,7 @@ loads a model puts it on `stage_device(cfg.device)`: GPU LOCAL_RANK of its node 
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -22,6 +23,16 @@ def init(device: str = "cpu") -> None:
 
         backend = "nccl" if resolve_device(device).startswith("cuda") else "gloo"
         td.init_process_group(backend=backend)
+        atexit.register(_leave)
+
+
+def _leave() -> None:
+    """Destroy the process group while the interpreter is whole: a gloo worker thread that still
+    holds a tensor of the last collective otherwise aborts the process (SIGABRT) at exit."""
+    import torch.distributed as td
+
+    if td.is_initialized():
+        td.destroy_process_group()
 
 
 def rank_world() -> tuple[int, int]:

@@ -7,6 +7,7 @@ the positions that predict response tokens, in chunks (see core.logprobs).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,13 +47,11 @@ def output_head(model: Any) -> Any:
 
 def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Token lists -> ids [B, L] and attention mask [B, L] (1 for real tokens)."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [B, L]
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)  # [B, L]
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-        attn[i, : len(s)] = 1
-    return ids.to(device), attn.to(device)
+    lens = np.fromiter(map(len, seqs), np.int64, len(seqs))  # [B]
+    real = np.arange(int(lens.max()))[None, :] < lens[:, None]  # [B, L]
+    ids = np.full(real.shape, pad_id, np.int64)  # [B, L]
+    ids[real] = np.fromiter(itertools.chain.from_iterable(seqs), np.int64, int(lens.sum()))  # row by row
+    return torch.from_numpy(ids).to(device), torch.from_numpy(real.astype(np.int64)).to(device)
 
 
 def response_mask(seq_lens: torch.Tensor, prompt_lens: torch.Tensor, width: int) -> torch.Tensor:
