@@ -79,7 +79,7 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 bench-learning: setup trl
-	$(PY) benchmarks/bench_learning.py
+	$(PY) benchmarks/bench_learning.py --seeds 0,1,2
 
 soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak

@@ -20,6 +20,8 @@ import torch
 from rlhf_batch.core.logprobs import logprobs_from_logits
 from rlhf_batch.core.sampling import filter_logits, sample_from_uniform
 
+UNIFORM_BLOCK = 64  # decode steps of uniforms drawn per row at a time
+
 
 @torch.no_grad()
 def sample(
@@ -75,7 +77,10 @@ def _sample(
         scaled = logits.float() / temperature  # [b, V]
         if banned.numel():
             scaled[:, banned] = float("-inf")
-        u = torch.stack([torch.rand((), generator=gens[int(r)]) for r in live.tolist()])  # [b]
+        if step % UNIFORM_BLOCK == 0:  # each row's next uniforms from its own generator, as a block:
+            n_u = min(UNIFORM_BLOCK, steps - step)  # the same stream as one draw per step, fewer calls
+            block = torch.stack([torch.rand(n_u, generator=gens[r]) for r in live.tolist()])  # [b, n_u]
+        u = block[:, step % UNIFORM_BLOCK].to(device)  # [b]
         tok = sample_from_uniform(filter_logits(scaled, top_k, top_p), u)  # [b]
         lp = logprobs_from_logits(logits, tok, temperature)  # [b] float32, full vocabulary
         stop = torch.isin(tok, stops)  # [b]
@@ -90,6 +95,7 @@ def _sample(
         if keep.numel() < live.numel():
             cache.batch_select_indices(keep)
             live, tok, attn, next_pos = live[keep], tok[keep], attn[keep], next_pos[keep]
+            block = block[keep.cpu()]
         attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=-1)  # [b, L + step + 1]
         logits = model(
             input_ids=tok[:, None],

@@ -198,3 +198,44 @@ def test_a_benchmark_that_measures_its_own_peaks_starts_a_run(
     assert rows[0]["ours"].startswith(f"{peaks['fp32_gflops']:.0f} / ")
     assert rows[0]["workload"].endswith(f"dtype auto here: {common.auto_dtype()}")
     assert table.runs(rows) == {table.kind(rows[0]): [rows]}  # one run, opened by the peak row
+
+
+def test_learning_verdicts_and_mean_over_seeds(tmp_path: Path) -> None:
+    """bench_learning's targets: TRL's best score reached in no more iterations, and by the time
+    ours reaches it at most half of TRL's whole process has passed; seeds averaged per iteration."""
+    sys.path.insert(0, str(BENCH))  # bench_learning imports common as a script does
+    learning = load("bench_learning")
+    seed_a = {
+        "scores": [0.1, 0.3, 0.5],
+        "known_s": [2.0, 4.0, 6.0],
+        "process_s": 8.0,
+        "process_cpu_s": 8.0,
+        "loop_s": 6.0,
+    }
+    seed_b = {
+        "scores": [0.1, 0.1, 0.3],
+        "known_s": [4.0, 6.0, 8.0],
+        "process_s": 10.0,
+        "process_cpu_s": 9.0,
+        "loop_s": 8.0,
+    }
+    # by hand: scores (0.1+0.1)/2, (0.3+0.1)/2, (0.5+0.3)/2; known_s 3, 5, 7; process 9 s
+    mean = learning.mean_of([seed_a, seed_b])
+    assert mean["scores"] == pytest.approx([0.1, 0.2, 0.4])
+    assert mean["known_s"] == pytest.approx([3.0, 5.0, 7.0])
+    assert (mean["process_s"], mean["process_cpu_s"], mean["loop_s"]) == (9.0, 8.5, 7.0)
+
+    trl = {"scores": [0.1, 0.4, 0.2], "process_s": 14.0, "process_cpu_s": 14.0, "loop_s": 10.0}
+    results = tmp_path / "results.md"
+    # seed a reaches TRL's best 0.4 at iteration 2 (TRL at 1): not in no more iterations; at 6 s,
+    # and 2 x 6 s <= 14 s: the time target holds
+    learning.record(results, "", "w", "", seed_a, trl)
+    # the mean reaches 0.4 at iteration 2 too, at 7 s: 2 x 7 s > 13 s, the time target fails
+    learning.record(results, ", mean", "w", "", mean, {**trl, "process_s": 13.0})
+    rows = [r.split(" | ") for r in results.read_text().splitlines() if r.startswith("| 20")]
+    verdict = {r[2]: r[-1].rstrip(" |") for r in rows}
+    assert verdict["learning: best score"] == "**no**"
+    assert verdict["learning: wall time"] == "yes"
+    assert "TRL's best reached after 6.0s" in rows[2][5]
+    assert verdict["learning: best score, mean"] == "**no**"
+    assert verdict["learning: wall time, mean"] == "**no**"
