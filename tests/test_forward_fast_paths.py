@@ -118,6 +118,23 @@ def test_sampler_per_row_budgets(tiny_model: Path) -> None:
         assert la == pytest.approx(lb[: len(la)], abs=1e-5)
 
 
+def test_sampler_rows_keep_their_own_uniforms_across_blocks(tiny_model: Path) -> None:
+    """Uniforms are drawn UNIFORM_BLOCK steps at a time per row: a row's tokens past the first
+    block, beside rows that leave the batch early, are those it samples alone."""
+    from rlhf_batch.sampler import UNIFORM_BLOCK
+
+    model = load_model(str(tiny_model), "policy", dtype="float32")
+    long = UNIFORM_BLOCK + 6
+    prompts, seeds = [[5, 6], [7, 8, 9], [10]], [1, 2, 3]
+    batch = sample(model, prompts, seeds, max_new_tokens=[3, long, 2], stop_ids=set(), pad_id=1)
+    alone = sample(model, [prompts[1]], [seeds[1]], max_new_tokens=long, stop_ids=set(), pad_id=1)
+    assert len(batch[1][0]) == long
+    assert batch[1][0] == alone[0][0]  # rows 0 and 2 left after 3 and 2 steps: uniforms re-indexed
+    # another seed samples another sequence: the check can fail
+    other = sample(model, [prompts[1]], [99], max_new_tokens=long, stop_ids=set(), pad_id=1)
+    assert other[0][0] != alone[0][0]
+
+
 def test_token_budget_batches_bound_the_padding() -> None:
     from rlhf_batch.core.batching import token_budget_batches
 
