@@ -348,7 +348,8 @@ def _ddp(net: Any, device: str) -> Any:
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [dist.local_rank()] if device.startswith("cuda") else None
-    return DistributedDataParallel(net, device_ids=ids, broadcast_buffers=False)
+    # buffers (rotary tables) are equal on every rank: synced once at construction, not per forward
+    return DistributedDataParallel(net, device_ids=ids, forward_sync_buffers=False)
 
 
 def _fsdp(model: Any, net: Any, device: str, world: int) -> Any:
