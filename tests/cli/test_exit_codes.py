@@ -20,6 +20,20 @@ def exits(responses, **_):
 def interrupts(responses, **_):
     raise KeyboardInterrupt
 
+def leaves_work(responses, **_):
+    import atexit, threading
+
+    mark = os.environ["MARK"]
+    atexit.register(lambda: Path(mark + ".atexit").write_text("ran"))
+
+    def later():
+        time.sleep(0.5)
+        Path(mark + ".thread").write_text("joined")
+
+    threading.Thread(target=later).start()  # not a daemon: a normal exit waits for it
+    print("a line left in the buffer", end="")
+    return [0.0] * len(responses)
+
 def waits(responses, **_):
     Path(os.environ["MARK"]).touch()
     time.sleep(120)
@@ -55,6 +69,19 @@ def test_a_reward_function_calling_sys_exit_0_fails_the_stage(make_config, tmp_p
     assert res.returncode == 1, res.stderr
     assert res.stderr.strip() == "error: reward function exit_rewards:exits called sys.exit(0)"
     assert not (scores / "_manifest.json").exists()
+
+
+def test_a_finished_command_exits_as_python_does_without_the_teardown(make_config, tmp_path: Path) -> None:
+    """cli.exit_now skips module teardown only: a thread user code started is joined, its atexit
+    handlers run, buffered output is written, and the code is the command's."""
+    path, scores = _generated(make_config, "leaves_work")
+    mark = tmp_path / "mark"
+    res = _cli(["score", str(path), "--quiet"], _env(tmp_path, MARK=str(mark)))
+    assert res.returncode == 0, res.stderr
+    assert (scores / "_manifest.json").exists()
+    assert Path(f"{mark}.atexit").read_text() == "ran"
+    assert Path(f"{mark}.thread").read_text() == "joined"
+    assert "a line left in the buffer" in res.stdout
 
 
 def test_keyboard_interrupt_in_a_stage_exits_130(make_config, tmp_path: Path) -> None:

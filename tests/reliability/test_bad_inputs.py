@@ -2,7 +2,7 @@
 naming the file, row/column/rollout or option, no traceback, and no existing output changed.
 
 Stage inputs are copied from the reference run (real Parquet written by the real stages), then
-broken the way a user or a disk would break them. Commands run through `rlhf_batch.cli.main`
+broken the way a user or a disk would break them. Commands run through `rlhf_batch.cli.run_cli`
 in this process (the same code path as the console script, without 3 s of imports per case);
 `test_real_cli_process` checks the same contract on a real process, and `--debug`.
 """
@@ -1016,8 +1016,9 @@ def ctx(tmp_path: Path, assets: Assets, reference: Path, monkeypatch: pytest.Mon
 def cli(
     capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str]
 ) -> tuple[int, str]:
-    """`rlhf-batch ARGS` through the console script's entry point; (exit code, stderr)."""
-    from rlhf_batch.cli import main
+    """`rlhf-batch ARGS` as the console script runs it (but for its last step, `exit_now`);
+    (exit code, stderr)."""
+    from rlhf_batch.cli import run_cli as main
 
     monkeypatch.setattr(sys, "argv", ["rlhf-batch", *args])
     capfd.readouterr()
