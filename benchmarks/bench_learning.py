@@ -75,7 +75,7 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     overrides = [f"run_dir={spec['run_dir']}", f"iterations={spec['iterations']}"]
     overrides += [f"generate.prompts_per_iteration={spec['prompts_per_iteration']}"]
     overrides += [f"generate.prompts={spec['prompts']}", f"policy_model={spec['model']}", "demo=false"]
-    overrides += [f"seed={spec['seed']}", f"threads={spec['threads']}"]
+    overrides += [f"seed={spec['seed']}", f"threads={spec['threads']}", *spec.get("set", [])]
     cfg = load_config(DEMO, overrides)
     set_threads(cfg.threads)
     from rlhf_batch.executor import execute
@@ -219,7 +219,9 @@ def plot(path: Path, ours: list[float], trl: list[float] | None, title: str) -> 
     plt.close(fig)
 
 
-def run_seed(seed: int, iterations: int, b: int, threads: int, use_trl: bool) -> tuple[dict, dict | None]:
+def run_seed(
+    seed: int, iterations: int, b: int, threads: int, use_trl: bool, ours_set: list[str]
+) -> tuple[dict, dict | None]:
     """Both sides from the same tiny model (initialised with `seed`) and prompts."""
     with tempfile.TemporaryDirectory(dir=common.CACHE) as tmp:
         from rlhf_batch.rewards.demo import write_prompts
@@ -235,7 +237,8 @@ def run_seed(seed: int, iterations: int, b: int, threads: int, use_trl: bool) ->
             "threads": threads,
             **end_tokens(model),
         }
-        ours = run_side(Path(sys.executable), "ours", {**spec, "run_dir": str(Path(tmp, "ours"))})
+        ours_spec = {**spec, "run_dir": str(Path(tmp, "ours")), "set": ours_set}
+        ours = run_side(Path(sys.executable), "ours", ours_spec)
         trl = run_side(TRL_PYTHON, "trl", {**spec, "run_dir": str(Path(tmp, "trl"))}) if use_trl else None
     return ours, trl
 
@@ -318,6 +321,13 @@ def main() -> None:
         "with several, rows per seed and rows of the mean over seeds",
     )
     p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for ours (repeatable)",
+    )
+    p.add_argument(
         "--threads", type=int, default=1, help="torch threads of each side (default 1, as the demo)"
     )
     p.add_argument("--note", default="", help="appended to the wall-time row (e.g. the machine's load)")
@@ -336,11 +346,12 @@ def main() -> None:
         return (
             f"demo task, 256 prompts, {b} per iteration x G 8, {iterations} iterations, tiny Qwen2 "
             f"(2 layers, {seed_text}), {args.threads} torch thread(s) each; {mapping(b)}"
+            + (f"; ours with {', '.join(args.set)}" if args.set else "")
         )
 
     runs = []
     for seed in seeds:
-        ours, trl = run_seed(seed, iterations, b, args.threads, use_trl)
+        ours, trl = run_seed(seed, iterations, b, args.threads, use_trl, args.set)
         record(args.results, "", workload(f"seed {seed}"), args.note, ours, trl)
         runs.append((ours, trl))
     if len(seeds) > 1:
