@@ -50,18 +50,22 @@ def peaks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("script", list(ROWS))
-def test_benchmark_runs_on_the_tiny_workload(script: str, peaks: Path, tmp_path: Path) -> None:
-    results = tmp_path / "results.md"
-    env = {**os.environ, "RLHF_BATCH_BENCH_CACHE": str(tmp_path.parent / "bench-cache")}
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / script), "--tiny", "--peaks", str(peaks), "--results", str(results)],
+def bench(script: str, args: list[str], results: Path, cache: Path) -> subprocess.CompletedProcess[str]:
+    """benchmarks/SCRIPT ARGS appending to `results`, its model and workload cached in `cache`."""
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args, "--results", str(results)],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "RLHF_BATCH_BENCH_CACHE": str(cache)},
         timeout=300,
     )
+
+
+@pytest.mark.parametrize("script", list(ROWS))
+def test_benchmark_runs_on_the_tiny_workload(script: str, peaks: Path, tmp_path: Path) -> None:
+    results = tmp_path / "results.md"
+    proc = bench(script, ["--tiny", "--peaks", str(peaks)], results, tmp_path.parent / "bench-cache")
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = results.read_text()
     assert table.count("| date | machine |") == 1  # one header, then the rows
@@ -69,3 +73,22 @@ def test_benchmark_runs_on_the_tiny_workload(script: str, peaks: Path, tmp_path:
         row = next((line for line in table.splitlines() if f"| {name} |" in line), None)
         assert row is not None, f"{script} wrote no '{name}' row:\n{table}"
         assert len(row.split(" | ")) == 11, row  # every column filled (with '-' where it has no value)
+
+
+def test_learning_benchmark_with_two_seeds_and_an_override(tmp_path: Path) -> None:
+    """--seeds: rows per seed, then rows of their mean; --set reaches ours and is named."""
+    results, cache = tmp_path / "results.md", tmp_path / "bench-cache"
+    args = ["--tiny", "--no-trl", "--seeds", "0,1", "--set", "advantage.drop_zero_variance=false"]
+    proc = bench("bench_learning.py", args, results, cache)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r for r in results.read_text().splitlines() if r.startswith("| 20")]
+    benches = [r.split(" | ")[2] for r in rows]
+    per_seed = ["learning: mean score by iteration", "learning: best score", "learning: wall time"]
+    assert benches == per_seed * 2 + [f"{b}, mean over seeds" for b in per_seed]
+    assert "seed 0)" in rows[0] and "seed 1)" in rows[3] and "seeds 0,1)" in rows[6]
+    assert all("ours with advantage.drop_zero_variance=false" in rows[i] for i in (0, 3, 6))
+    # a bad override is ours' config error, not a silent default
+    bad = bench(
+        "bench_learning.py", ["--tiny", "--no-trl", "--set", "advantage.nope=1"], tmp_path / "bad.md", cache
+    )
+    assert bad.returncode != 0 and "nope" in bad.stderr
