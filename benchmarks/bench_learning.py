@@ -68,8 +68,10 @@ def mapping(b: int) -> str:
 
 def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from rlhf_batch.config import load_config
+    from rlhf_batch.executor import execute
     from rlhf_batch.models import set_threads
-    from rlhf_batch.pipeline import reward_by_iteration
+    from rlhf_batch.pipeline import reward_by_iteration, run_iteration
+    from rlhf_batch.stages.registry import pipeline
     from rlhf_batch.timing import process_start
 
     overrides = [f"run_dir={spec['run_dir']}", f"iterations={spec['iterations']}"]
@@ -78,17 +80,17 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     overrides += [f"seed={spec['seed']}", f"threads={spec['threads']}", *spec.get("set", [])]
     cfg = load_config(DEMO, overrides)
     set_threads(cfg.threads)
-    from rlhf_batch.executor import execute
-    from rlhf_batch.stages.registry import pipeline
+    pipeline()  # imports (torch, duckdb) before the clock, as TRL's before its loop
+    known: list[float] = []
 
-    stage_classes = pipeline()  # imports (torch, transformers, duckdb) before the clock, as TRL's
-    t0, known = time.perf_counter(), []
-    for it in range(cfg.iterations):
-        for stage_class in stage_classes:
-            if stage_class.runs_at(cfg, it):  # (eval runs only with [eval] prompts)
-                execute(stage_class(cfg, it), quiet=True)
-            if stage_class.name == "score":  # the iteration's mean score is known from here on
-                known.append(time.monotonic() - process_start())
+    def run_stage(stage: Any) -> None:
+        if stage.name == "advantage":  # every rollout of the iteration is scored: its score is known
+            known.append(time.monotonic() - process_start())
+        execute(stage, quiet=True)
+
+    t0 = time.perf_counter()
+    for it in range(cfg.iterations):  # as `run` with in_process = true (top-up rounds included)
+        run_iteration(cfg, it, run_stage)
     loop = time.perf_counter() - t0
     return {"loop_s": loop, "known_s": known, "scores": [r["score"] for r in reward_by_iteration(cfg)]}
 

@@ -79,7 +79,6 @@ class RunLock:
 def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -> None:
     from rlhf_batch.executor import is_done
     from rlhf_batch.prompts import run_iterations
-    from rlhf_batch.stages.registry import pipeline
 
     cfg = load_config(config_path, overrides)
     with RunLock(Path(cfg.run_dir)), _env(LOCK_ENV, str(Path(cfg.run_dir).resolve())):
@@ -105,14 +104,23 @@ def run_pipeline(config_path: Path, overrides: list[str], quiet: bool = False) -
                 _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python)
 
         for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
-            for stage_class in pipeline():
-                if not stage_class.runs_at(cfg, it):
-                    continue
-                stage = stage_class(cfg, it)
-                if stage.name == "advantage" and cfg.advantage.min_groups and not is_done(stage):
-                    top_up(cfg, it, run_stage, quiet)
-                run_stage(stage)
+            run_iteration(cfg, it, run_stage, quiet)
     print_summary(cfg)
+
+
+def run_iteration(cfg: Config, it: int, run_stage: Callable[[Any], None], quiet: bool = True) -> None:
+    """The stages of iteration `it` in order, through `run_stage`; before advantage, the top-up
+    rounds that `advantage.min_groups` asks for."""
+    from rlhf_batch.executor import is_done
+    from rlhf_batch.stages.registry import pipeline
+
+    for stage_class in pipeline():
+        if not stage_class.runs_at(cfg, it):
+            continue
+        stage = stage_class(cfg, it)
+        if stage.name == "advantage" and cfg.advantage.min_groups and not is_done(stage):
+            top_up(cfg, it, run_stage, quiet)
+        run_stage(stage)
 
 
 def top_up(cfg: Config, it: int, run_stage: Callable[[Any], None], quiet: bool) -> None:

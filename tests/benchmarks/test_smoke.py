@@ -92,3 +92,28 @@ def test_learning_benchmark_with_two_seeds_and_an_override(tmp_path: Path) -> No
         "bench_learning.py", ["--tiny", "--no-trl", "--set", "advantage.nope=1"], tmp_path / "bad.md", cache
     )
     assert bad.returncode != 0 and "nope" in bad.stderr
+
+
+def test_learning_worker_runs_iterations_as_run_does(tmp_path: Path) -> None:
+    """Ours' loop in bench_learning is `run`'s (pipeline.run_iteration): top-up rounds included."""
+    sys.path.insert(0, str(BENCH))
+    import bench_learning
+
+    from rlhf_batch.rewards.demo import write_prompts
+    from rlhf_batch.tiny import init_model
+
+    model, prompts = init_model(tmp_path / "model", seed=0), write_prompts(tmp_path / "p.jsonl", 64)
+    spec = {
+        **{"model": str(model), "prompts": str(prompts), "iterations": 2, "prompts_per_iteration": 16},
+        **{"seed": 0, "threads": 1, "run_dir": str(tmp_path / "ours"), **bench_learning.end_tokens(model)},
+        "set": [
+            "advantage.min_groups=16",
+            "advantage.max_topup_rounds=1",
+        ],  # 16 groups: never all informative
+    }
+    out = bench_learning.worker_ours(spec)
+    assert len(out["scores"]) == len(out["known_s"]) == 2
+    rounds = sorted(
+        p.relative_to(tmp_path / "ours").as_posix() for p in (tmp_path / "ours").glob("iter=*/topup=*")
+    )
+    assert rounds == ["iter=0000/topup=01", "iter=0001/topup=01"]
