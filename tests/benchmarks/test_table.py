@@ -205,20 +205,9 @@ def test_learning_verdicts_and_mean_over_seeds(tmp_path: Path) -> None:
     ours reaches it at most half of TRL's whole process has passed; seeds averaged per iteration."""
     sys.path.insert(0, str(BENCH))  # bench_learning imports common as a script does
     learning = load("bench_learning")
-    seed_a = {
-        "scores": [0.1, 0.3, 0.5],
-        "known_s": [2.0, 4.0, 6.0],
-        "process_s": 8.0,
-        "process_cpu_s": 8.0,
-        "loop_s": 6.0,
-    }
-    seed_b = {
-        "scores": [0.1, 0.1, 0.3],
-        "known_s": [4.0, 6.0, 8.0],
-        "process_s": 10.0,
-        "process_cpu_s": 9.0,
-        "loop_s": 8.0,
-    }
+    keys = ("scores", "known_s", "process_s", "process_cpu_s", "loop_s")
+    seed_a = dict(zip(keys, ([0.1, 0.3, 0.5], [2.0, 4.0, 6.0], 8.0, 8.0, 6.0), strict=True))
+    seed_b = dict(zip(keys, ([0.1, 0.1, 0.3], [4.0, 6.0, 8.0], 10.0, 9.0, 8.0), strict=True))
     # by hand: scores (0.1+0.1)/2, (0.3+0.1)/2, (0.5+0.3)/2; known_s 3, 5, 7; process 9 s
     mean = learning.mean_of([seed_a, seed_b])
     assert mean["scores"] == pytest.approx([0.1, 0.2, 0.4])
