@@ -602,3 +602,51 @@ def test_rerun_resume_and_config_change(make_config: Any, lm: Any) -> None:
         "iter=0000/rollouts",
         "iter=0000/scores",
     }
+
+
+def _spill(con: Any, rows: int = 4_000_000) -> None:
+    """A sort that cannot fit in 100 MB: DuckDB writes it to the spill directory."""
+    con.execute("SET memory_limit = '100MB'")
+    con.execute(f"CREATE TEMP TABLE big AS SELECT md5(range::VARCHAR) AS h FROM range({rows})")
+    assert con.execute("SELECT count(*) FROM (SELECT h FROM big ORDER BY h)").fetchall() == [(rows,)]
+
+
+def test_connections_share_the_process_database_and_move_runs_after_a_spill(tmp_path: Path) -> None:
+    a, b = tmp_path / "a" / ".duckdb.tmp", tmp_path / "b" / ".duckdb.tmp"  # in two run directories
+    a.parent.mkdir()
+    b.parent.mkdir()
+    con = advantage._connect(a)
+    _spill(con)
+    assert any(a.iterdir())  # the spill happened where it was told to
+    db = advantage._DB["db"]
+    con.close()
+    again = advantage._connect(a)  # the next iteration of the same run: the same database
+    assert advantage._DB["db"] is db
+    # its own temp tables: the previous connection's `big` went with it
+    assert again.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'big'").fetchall() == [(0,)]
+    again.close()
+    # another run: DuckDB cannot move a used spill directory, so a new database spills to b
+    other = advantage._connect(b)
+    assert advantage._DB["db"] is not db and not a.exists()
+    _spill(other)
+    assert any(b.iterdir())
+    other.close()
+    advantage._close_db()
+    assert not b.exists() and not advantage._DB
+
+
+def test_the_spill_directory_is_removed_at_exit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    d = tmp_path / ".duckdb.tmp"
+    code = (
+        "from pathlib import Path; from rlhf_batch.stages import advantage; "
+        f"con = advantage._connect(Path({str(d)!r})); "
+        "con.execute(\"SET memory_limit = '100MB'\"); "
+        "con.execute('CREATE TEMP TABLE big AS SELECT md5(range::VARCHAR) AS h FROM range(4000000)'); "
+        "con.execute('SELECT count(*) FROM (SELECT h FROM big ORDER BY h)').fetchall(); "
+        "assert any(Path(" + repr(str(d)) + ").iterdir())"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+    assert not d.exists()
