@@ -225,15 +225,16 @@ def load_model(
     cls = AutoModelForCausalLM if kind == "causal" else AutoModelForSequenceClassification
     from safetensors import SafetensorError
 
+    torch_dtype = resolve_dtype(dtype, dev)
     try:
-        key = _template_key(p, kind, str(resolve_dtype(dtype, dev)), dev, trust_remote_code)
+        key = _template_key(p, kind, str(torch_dtype), dev, trust_remote_code)
         if key in _TEMPLATES:
             model = _TEMPLATES[key].load(p, dev)
             check_loaded(model, {}, p, what)
             return model
         model, info = cls.from_pretrained(  # type: ignore[misc]  # a tuple with output_loading_info
             p,
-            dtype=resolve_dtype(dtype, dev),
+            dtype=torch_dtype,
             use_safetensors=True,
             trust_remote_code=trust_remote_code,
             local_files_only=True,
@@ -283,6 +284,16 @@ def _weight_files(p: Path) -> list[Path] | None:
     return None
 
 
+def _read_weights(p: Path, device: str = "cpu") -> dict[str, Any]:
+    """Every tensor of the directory's weight files, by name."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, Any] = {}
+    for f in _weight_files(p) or []:
+        weights.update(load_file(str(f), device=device))
+    return weights
+
+
 def _template_key(
     p: Path, kind: str, dtype: str, device: str, trust_remote_code: bool
 ) -> tuple[Any, ...] | None:
@@ -304,25 +315,21 @@ def _template_key(
 class _Template:
     """A loaded model's structure without its weights, and what a load must put back."""
 
-    def __init__(self, module: Any, dtypes: dict[str, Any], tied: dict[str, str], buffers: dict[str, Any]):
-        self.module, self.dtypes, self.tied, self.buffers = module, dtypes, tied, buffers
+    def __init__(self, module: Any, dtypes: dict[str, Any], buffers: dict[str, Any]):
+        self.module, self.dtypes, self.buffers = module, dtypes, buffers
 
     @classmethod
     def of(cls, model: Any, p: Path) -> _Template | None:
         """The template of `model` just loaded from `p`, or None when its tensors are not
         exactly the files' (a renamed or converted weight, a weight the files lack untied)."""
         import torch
-        from safetensors.torch import load_file
 
         state = model.state_dict()  # [name -> tensor], tied weights under each name
-        files: dict[str, Any] = {}
-        for f in _weight_files(p) or []:
-            files.update(load_file(str(f)))
+        files = _read_weights(p)
         if not set(files) <= set(state):
             return None
-        by_ptr = {state[k].data_ptr(): k for k in files}
-        tied = {k: by_ptr.get(t.data_ptr(), "") for k, t in state.items() if k not in files}
-        if not all(tied.values()):
+        file_ptrs = {state[k].data_ptr() for k in files}
+        if not all(state[k].data_ptr() in file_ptrs for k in state if k not in files):  # lacking, untied
             return None
         for k, t in files.items():
             if not torch.equal(state[k].cpu(), t.to(state[k].dtype)):
@@ -336,19 +343,14 @@ class _Template:
         }
         module = copy.deepcopy(model, memo)
         buffers = {k: b.detach().clone() for k, b in model.named_buffers() if k not in state}  # not saved
-        return cls(module, {k: state[k].dtype for k in files}, tied, buffers)
+        return cls(module, {k: state[k].dtype for k in files}, buffers)
 
     def load(self, p: Path, device: str) -> Any:
-        from safetensors.torch import load_file
-
+        """A copy of the template holding `p`'s weights (the key saw the same names, shapes and
+        dtypes in its files: only the tied tensors are missing until `tie_weights`)."""
         model = copy.deepcopy(self.module)
-        weights: dict[str, Any] = {}
-        for f in _weight_files(p) or []:
-            weights.update(load_file(str(f), device=device))
-        weights = {k: t.to(self.dtypes[k]) for k, t in weights.items()}
-        missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
-        if set(missing) != set(self.tied) or unexpected:
-            raise ModelError(f"{p}: its weights do not match the model loaded before with the same config")
+        weights = {k: t.to(self.dtypes[k]) for k, t in _read_weights(p, device).items()}
+        model.load_state_dict(weights, strict=False, assign=True)
         for name, b in self.buffers.items():
             owner, _, attr = name.rpartition(".")
             model.get_submodule(owner)._buffers[attr] = b.to(device, copy=True)

@@ -213,10 +213,7 @@ def _connect(tmp: Path) -> Any:
     import duckdb
 
     if _DB.get("pid") != os.getpid() or _DB.get("tmp") != tmp:
-        if _DB.get("pid") == os.getpid():
-            _close_db()
-        elif not _DB:
-            atexit.register(_close_db)
+        _close_db()
         _DB.update(pid=os.getpid(), tmp=tmp, db=duckdb.connect(":memory:"))
         _DB["db"].execute(f"SET temp_directory = {quote(str(tmp))}")  # spills of a 10M-row sort go here
     con = _DB["db"].cursor()
@@ -241,11 +238,15 @@ def _release() -> None:
 
 
 def _close_db() -> None:
-    """Close this process's database and remove its spill directory (at exit, or for another)."""
+    """Close this process's database and remove its spill directory (at exit, or for another);
+    a forked child's copy of its parent's is only forgotten."""
     if _DB.get("pid") == os.getpid():
         _DB["db"].close()
         shutil.rmtree(_DB["tmp"], ignore_errors=True)
     _DB.clear()
+
+
+atexit.register(_close_db)
 
 
 def _prepare(
