@@ -3,6 +3,13 @@
 log p(token) = log_softmax(logits / temperature)[token] over the full vocabulary, computed in
 float32 whatever the model's dtype. Never materialises a float32 [tokens x vocab] tensor for a
 whole batch: rows are processed in chunks (gather minus logsumexp).
+
+With gradients and a plain linear LM head, the head's matmuls are part of one function
+(`_LinearLogprobs`): backward recomputes each chunk's logits and writes their gradient into a
+block of rows, and each block adds its share of the head's weight gradient into one float32
+buffer. Applying the head chunk by chunk through autograd instead gives every chunk a weight
+gradient of its own, [V, H] from an inner dimension of a few dozen rows, cast and summed one by
+one: on a CPU that was most of a train step's LM-head time.
 """
 
 from __future__ import annotations
@@ -77,10 +84,13 @@ def chunked_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of `targets` from hidden states, `chunk_size` rows at a time.
 
-    hidden [N, H] -> head -> logits [chunk, V]; only one chunk's logits exist at a time. When
-    gradients are on, each chunk is checkpointed, so backward recomputes its logits instead of
-    keeping all of them alive.
+    hidden [N, H] -> head -> logits [chunk, V]; only one chunk's logits exist at a time. A plain
+    `nn.Linear` head goes through `linear_logprobs`; any other head (a logit transform, LoRA, a
+    quantized layer) is called per chunk, and when gradients are on each chunk is checkpointed,
+    so backward recomputes its logits instead of keeping all of them alive.
     """
+    if type(head) is torch.nn.Linear and hidden.shape[0]:  # not a subclass (quantized, LoRA)
+        return linear_logprobs(hidden, head.weight, head.bias, targets, temperature, chunk_size, with_entropy)
 
     def one(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _TokenLogprobs.apply(head(h), t, temperature, with_entropy)  # type: ignore[no-any-return]
@@ -98,3 +108,155 @@ def chunked_logprobs(
         empty = hidden.new_zeros(0, dtype=torch.float32)
         return empty, (empty if with_entropy else None)
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+# Rows of logit gradients held at once in backward ([rows, V] in the compute dtype): enough rows
+# for the weight-gradient matmul to run near the peak, few enough to stay a small buffer.
+GRAD_BLOCK_BYTES = 64 << 20
+
+
+def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer on `x` runs in here: autocast's when it is on for x's device."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    block_bytes: int = GRAD_BLOCK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`chunked_logprobs` for the head `hidden @ weight.T + bias` ([N, H] -> [N, V]), with the
+    head's gradients (hidden, weight, bias) from one function; see the module docstring."""
+    dtype = compute_dtype(hidden, weight)
+    lp, ent = _LinearLogprobs.apply(
+        hidden, weight, bias, targets, temperature, chunk_size, with_entropy, dtype, block_bytes
+    )
+    return lp, (ent if with_entropy else None)
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], bias [V] | None, targets [N]) -> (log-probs [N], entropies
+    [N] or [0]) float32. The head runs in `dtype`, `chunk` rows at a time, into [chunk, V]
+    buffers made once per call (a fresh tensor of that size per chunk costs its page faults
+    again); only the per-row log-normaliser (and entropy) is kept for backward, which recomputes
+    the logits.
+
+    Backward per row, with p = softmax(x), x = logits / T (as in `_TokenLogprobs`):
+    d x_j = (-p_j (g_lp + g_ent (logp_j + H)) + [j = t] g_lp) / T; then for a block of rows,
+    d hidden = dX @ W, d W += dX^T @ hidden (float32 sum over blocks), d b += sum of dX's rows.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+        dtype: torch.dtype,
+        block_bytes: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        w, b = weight.to(dtype), (bias.to(dtype) if bias is not None else None)  # [V, H], [V]
+        n = hidden.shape[0]
+        lp = hidden.new_empty(n, dtype=torch.float32)  # [N]
+        lse = torch.empty_like(lp)  # [N] log sum_j exp(x_j)
+        ent = torch.empty_like(lp) if with_entropy else lp.new_zeros(0)  # [N] or [0]
+        buf = _Buffers(min(chunk, n), w)
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            x = buf.scaled_logits(hidden[c0:c1], w, b, temperature)  # [c, V]
+            logp = torch.log_softmax(x, -1, out=buf.b[: c1 - c0])  # [c, V]
+            t = targets[c0:c1, None]  # [c, 1]
+            lp[c0:c1] = logp.gather(-1, t).squeeze(-1)
+            lse[c0:c1] = x.gather(-1, t).squeeze(-1) - lp[c0:c1]
+            if with_entropy:
+                ent[c0:c1] = torch.exp(logp, out=x).mul_(logp).sum(-1).neg_()  # -sum p log p
+        ctx.save_for_backward(hidden, w, b, targets, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.block_bytes = temperature, chunk, block_bytes
+        ctx.weight_dtype, ctx.bias_dtype = weight.dtype, (bias.dtype if bias is not None else None)
+        ctx.set_materialize_grads(False)  # an unused output (a detached entropy) costs nothing
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        hidden, w, b, targets, lse, ent = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if g_ent is not None and not ent.numel():
+            g_ent = None
+        n, v, chunk = hidden.shape[0], w.shape[0], ctx.chunk
+        acc = torch.promote_types(ctx.weight_dtype, torch.float32)  # the weight gradient's sum
+        grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
+        grad_w = grad_b = part = None
+        rows = max(chunk, min(n, ctx.block_bytes // max(1, v * w.element_size())))
+        buf = _Buffers(min(chunk, n), w)
+        for b0 in range(0, n, rows):
+            b1 = min(n, b0 + rows)
+            h = hidden[b0:b1].to(w.dtype)  # [R, H]
+            dx = torch.empty(b1 - b0, v, dtype=w.dtype, device=w.device)  # [R, V]
+            for c0 in range(b0, b1, chunk):
+                c1 = min(b1, c0 + chunk)
+                x = buf.scaled_logits(h[c0 - b0 : c1 - b0], w, b, ctx.temperature)  # [c, V]
+                logp = x.sub_(lse[c0:c1, None])  # [c, V]
+                g = torch.exp(logp, out=buf.b[: c1 - c0])  # [c, V] p
+                if g_ent is not None:  # coef = g_ent (logp + H) + g_lp
+                    coef = logp.add_(ent[c0:c1, None]).mul_(g_ent[c0:c1, None])  # [c, V]
+                    g.mul_(coef if g_lp is None else coef.add_(g_lp[c0:c1, None])).neg_()
+                elif g_lp is not None:
+                    g.mul_(g_lp[c0:c1, None]).neg_()
+                else:
+                    g.zero_()
+                if g_lp is not None:
+                    g.scatter_add_(-1, targets[c0:c1, None], g_lp[c0:c1, None])
+                if ctx.temperature != 1.0:
+                    g.div_(ctx.temperature)
+                dx[c0 - b0 : c1 - b0] = g
+            if need_h:
+                grad_h[b0:b1] = dx @ w  # type: ignore[index]
+            if need_w:  # dx^T @ h [V, H]: one matmul over the block's rows, summed in float32
+                if grad_w is None:
+                    part = dx.t() @ h
+                    grad_w = part.to(acc)
+                elif w.dtype == acc:
+                    grad_w.addmm_(dx.t(), h)
+                else:
+                    grad_w.add_(torch.mm(dx.t(), h, out=part))
+            if need_b:
+                s = dx.sum(0, dtype=acc)  # [V]
+                grad_b = s if grad_b is None else grad_b.add_(s)
+        grad_w = grad_w.to(ctx.weight_dtype) if grad_w is not None else None
+        grad_b = grad_b.to(ctx.bias_dtype) if grad_b is not None else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+class _Buffers:
+    """[rows, V] buffers of one `_LinearLogprobs` pass: two float32 ones (`a`: the scaled logits,
+    then what a pass derives from them; `b`) and the logits in the head's dtype (`lo`, which is
+    `a` when that is float32)."""
+
+    def __init__(self, rows: int, w: torch.Tensor):
+        shape = (rows, w.shape[0])
+        self.b = torch.empty(shape, dtype=torch.float32, device=w.device)
+        self.a = torch.empty_like(self.b)
+        self.lo = self.a if w.dtype == torch.float32 else torch.empty(shape, dtype=w.dtype, device=w.device)
+
+    def scaled_logits(
+        self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperature: float
+    ) -> torch.Tensor:
+        """h [c, H] -> float32 (h @ w.T + b) / temperature [c, V], as log_softmax32 scales them."""
+        c = h.shape[0]
+        h = h.to(w.dtype)
+        if b is None:
+            logits = torch.mm(h, w.t(), out=self.lo[:c])
+        else:
+            logits = torch.addmm(b, h, w.t(), out=self.lo[:c])
+        x = logits if logits.dtype == torch.float32 else self.a[:c].copy_(logits)
+        return x if temperature == 1.0 else x.div_(temperature)

@@ -99,3 +99,116 @@ def test_backward_keeps_the_dtype_of_bf16_logits() -> None:
     ref = torch.log_softmax(x_ref, -1).gather(-1, torch.tensor([[0], [3], [6], [1]])).sum()
     (g_ref,) = torch.autograd.grad(ref, x_ref)
     assert g16.dtype == torch.bfloat16 and torch.allclose(g16.float(), g_ref, atol=1e-2)
+
+
+def _plain(h, w, b, targets, temperature):  # noqa: ANN001, ANN202
+    """Reference: the whole [N, V] log_softmax through autograd, float32."""
+    logp = torch.log_softmax(torch.nn.functional.linear(h, w, b) / temperature, dim=-1)  # [N, V]
+    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)  # [N], [N]
+
+
+def test_linear_head_gradients_by_hand() -> None:
+    # H = 1, V = 2, weight [[0], [ln 3]], bias [0, 0], hidden [[1]]: logits [0, ln 3], p = [1/4, 3/4]
+    #   target 1: lp = ln 3/4 = -0.28768; d lp / d logits = [-1/4, 1/4]
+    #   d lp / d hidden = sum_j (d lp / d logit_j) w_j = 1/4 ln 3 = 0.27465
+    #   d lp / d weight = (d lp / d logits) outer hidden = [[-0.25], [0.25]]; d lp / d bias = [-0.25, 0.25]
+    head = torch.nn.Linear(1, 2)
+    with torch.no_grad():
+        head.weight.copy_(torch.tensor([[0.0], [math.log(3.0)]]))
+        head.bias.zero_()
+    h = torch.ones(1, 1, requires_grad=True)
+    lp, _ = chunked_logprobs(h, head, torch.tensor([1]))
+    assert torch.allclose(lp, torch.tensor([math.log(0.75)]), atol=1e-6)
+    g_h, g_w, g_b = torch.autograd.grad(lp.sum(), [h, head.weight, head.bias])
+    assert torch.allclose(g_h, torch.tensor([[0.2746531]]), atol=1e-6)
+    assert torch.allclose(g_w, torch.tensor([[-0.25], [0.25]]), atol=1e-6)
+    assert torch.allclose(g_b, torch.tensor([-0.25, 0.25]), atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    vocab=st.integers(2, 9),
+    chunk=st.integers(1, 5),
+    block_rows=st.integers(1, 6),
+    temperature=st.floats(0.3, 3.0),
+    bias=st.booleans(),
+    use=st.sampled_from(["both", "lp", "entropy"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_prop_linear_head_equals_plain_values_and_all_gradients(
+    n: int, vocab: int, chunk: int, block_rows: int, temperature: float, bias: bool, use: str, seed: int
+) -> None:
+    # several chunks per block and several blocks (block_bytes = block_rows rows of float32 logits),
+    # a loss using the log-probs, the entropies or both (an unused output gets no gradient)
+    from rlhf_batch.core.logprobs import linear_logprobs
+
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(n, 4, generator=g) * 2).requires_grad_()  # [N, H]
+    w = torch.randn(vocab, 4, generator=g).requires_grad_()  # [V, H]
+    b = torch.randn(vocab, generator=g).requires_grad_() if bias else None  # [V]
+    targets = torch.randint(0, vocab, (n,), generator=g)  # [N]
+    lp, ent = linear_logprobs(h, w, b, targets, temperature, chunk, True, block_bytes=block_rows * vocab * 4)
+    ref_lp, ref_ent = _plain(h, w, b, targets, temperature)
+    assert (
+        torch.allclose(lp, ref_lp, atol=1e-5) and ent is not None and torch.allclose(ent, ref_ent, atol=1e-5)
+    )
+    a, c = torch.randn(n, generator=g), torch.randn(n, generator=g)  # [N]
+
+    def loss(x_lp, x_ent):  # noqa: ANN001, ANN202
+        return {
+            "both": (a * x_lp).sum() + (c * x_ent).sum(),
+            "lp": (a * x_lp).sum(),
+            "entropy": (c * x_ent).sum(),
+        }[use]
+
+    params = [h, w] + ([b] if b is not None else [])
+    got = torch.autograd.grad(loss(lp, ent), params)
+    want = torch.autograd.grad(loss(ref_lp, ref_ent), params)
+    for x, y in zip(got, want, strict=True):
+        assert torch.allclose(x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_linear_head_in_bf16_as_autocast_runs_the_head() -> None:
+    # under bf16 autocast the fused head computes in bf16 like autocast's own linear (the checkpointed
+    # per-chunk path below): values and gradients agree within bf16 rounding, gradients come in the
+    # inputs' dtype (float32 master weights); a bf16 weight without autocast, over several blocks,
+    # gets a bf16 gradient summed in float32
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(40, 16, generator=g).requires_grad_()  # [N, H]
+    head = torch.nn.Linear(16, 50, bias=False)
+    targets = torch.randint(0, 50, (40,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = chunked_logprobs(h, head, targets, 0.7, chunk_size=8, with_entropy=True)
+        ref_lp, ref_ent = chunked_logprobs(
+            h, lambda x: head(x), targets, 0.7, chunk_size=8, with_entropy=True
+        )
+    assert ent is not None and ref_ent is not None
+    assert torch.allclose(lp, ref_lp, atol=1e-2) and torch.allclose(ent, ref_ent, atol=1e-2)
+    got = torch.autograd.grad((lp + 0.1 * ent).sum(), [h, head.weight])
+    want = torch.autograd.grad((ref_lp + 0.1 * ref_ent).sum(), [h, head.weight])
+    for x, y in zip(got, want, strict=True):
+        assert x.dtype == torch.float32
+        assert torch.allclose(x, y, atol=2e-2, rtol=2e-2)
+
+    from rlhf_batch.core.logprobs import linear_logprobs
+
+    w16 = head.weight.detach().to(torch.bfloat16).requires_grad_()
+    h16 = h.detach().to(torch.bfloat16).requires_grad_()
+    lp16, _ = linear_logprobs(h16, w16, None, targets, block_bytes=10 * 50 * 2)  # 4 blocks of 10 rows
+    (gw16,) = torch.autograd.grad(lp16.sum(), [w16])
+    w32 = w16.detach().float().requires_grad_()
+    ref, _ = _plain(h16.detach().float(), w32, None, targets, 1.0)
+    (gw32,) = torch.autograd.grad(ref.sum(), [w32])
+    assert gw16.dtype == torch.bfloat16 and torch.allclose(gw16.float(), gw32, atol=3e-2, rtol=3e-2)
+
+
+def test_linear_head_without_gradients_keeps_no_graph() -> None:
+    head = torch.nn.Linear(3, 5)
+    h = torch.randn(4, 3)
+    with torch.inference_mode():
+        lp, _ = chunked_logprobs(h, head, torch.tensor([0, 1, 2, 3]))
+    assert not lp.requires_grad
+    assert torch.allclose(
+        lp, _plain(h, head.weight, head.bias, torch.tensor([0, 1, 2, 3]), 1.0)[0], atol=1e-6
+    )
