@@ -90,7 +90,7 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     for it in range(cfg.iterations):  # as `run` with in_process = true (top-up rounds included)
-        run_iteration(cfg, it, run_stage)
+        run_iteration(cfg, it, run_stage, settle_heap=True)
     loop = time.perf_counter() - t0
     return {"loop_s": loop, "known_s": known, "scores": [r["score"] for r in reward_by_iteration(cfg)]}
 

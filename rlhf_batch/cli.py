@@ -185,7 +185,7 @@ def run(
         overrides.append(f"iterations={iterations}")
     if in_process:
         overrides.append("in_process=true")
-    run_pipeline(config, overrides, quiet=quiet)
+    run_pipeline(config, overrides, quiet=quiet, settle_heap=True)
 
 
 @app.command(name="import")

@@ -101,6 +101,9 @@ def test_sigint_exits_130(make_config, tmp_path: Path) -> None:
         env=_env(tmp_path, MARK=str(mark)),
         stderr=subprocess.PIPE,
         text=True,
+        # as a command in the foreground of a terminal: a shell runs a background job (`make test &`)
+        # with SIGINT ignored, and a child inherits that (Python then installs no handler)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
