@@ -362,7 +362,9 @@ def main() -> None:
         record(args.results, ", mean over seeds", workload(f"seeds {args.seeds}"), args.note, ours, trl)
     png = args.png or args.results.parent / "learning.png"
     title = f"demo task, {b} prompts x 8 per iteration" + (
-        f", mean of seeds {args.seeds}" if len(seeds) > 1 else ""
+        (f", mean of seeds {args.seeds}" if len(seeds) <= 4 else f", mean of {len(seeds)} seeds")
+        if len(seeds) > 1
+        else ""
     )
     plot(png, ours["scores"], trl["scores"] if trl else None, title)
     print(f"plot: {png}")
