@@ -2,12 +2,12 @@
 
 log p(token) = log_softmax(logits / temperature)[token] over the full vocabulary, computed in
 float32 whatever the model's dtype. Never materialises a float32 [tokens x vocab] tensor for a
-whole batch: rows are processed in chunks (gather minus logsumexp).
+whole batch: rows are processed in chunks (one fused log_softmax per chunk).
 
-With gradients and a plain linear LM head, the head's matmuls are part of one function
-(`_LinearLogprobs`): backward recomputes each chunk's logits and writes their gradient into a
-block of rows, and each block adds its share of the head's weight gradient into one float32
-buffer. Applying the head chunk by chunk through autograd instead gives every chunk a weight
+A plain linear LM head is part of one function (`_LinearLogprobs`), with gradients or not: its
+[chunk, V] buffers are made once per call, and backward recomputes each chunk's logits, writes
+their gradient into a block of rows, and each block adds its share of the head's weight
+gradient into one float32 buffer. Applying the head chunk by chunk through autograd instead gives every chunk a weight
 gradient of its own, [V, H] from an inner dimension of a few dozen rows, cast and summed one by
 one: on a CPU that was most of a train step's LM-head time.
 """
