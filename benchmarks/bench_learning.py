@@ -361,11 +361,9 @@ def main() -> None:
         trl = mean_of([t for _, t in runs if t]) if use_trl else None
         record(args.results, ", mean over seeds", workload(f"seeds {args.seeds}"), args.note, ours, trl)
     png = args.png or args.results.parent / "learning.png"
-    title = f"demo task, {b} prompts x 8 per iteration" + (
-        (f", mean of seeds {args.seeds}" if len(seeds) <= 4 else f", mean of {len(seeds)} seeds")
-        if len(seeds) > 1
-        else ""
-    )
+    title = f"demo task, {b} prompts x 8 per iteration"
+    if len(seeds) > 1:
+        title += f", mean of seeds {args.seeds}" if len(seeds) <= 4 else f", mean of {len(seeds)} seeds"
     plot(png, ours["scores"], trl["scores"] if trl else None, title)
     print(f"plot: {png}")
 

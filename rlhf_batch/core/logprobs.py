@@ -7,9 +7,9 @@ whole batch: rows are processed in chunks (one fused log_softmax per chunk).
 A plain linear LM head is part of one function (`_LinearLogprobs`), with gradients or not: its
 [chunk, V] buffers are made once per call, and backward recomputes each chunk's logits, writes
 their gradient into a block of rows, and each block adds its share of the head's weight
-gradient into one float32 buffer. Applying the head chunk by chunk through autograd instead gives every chunk a weight
-gradient of its own, [V, H] from an inner dimension of a few dozen rows, cast and summed one by
-one: on a CPU that was most of a train step's LM-head time.
+gradient into one float32 buffer. Applying the head chunk by chunk through autograd instead
+gives every chunk a weight gradient of its own, [V, H] from an inner dimension of a few dozen
+rows, cast and summed one by one: on a CPU that was most of a train step's LM-head time.
 """
 
 from __future__ import annotations
@@ -115,12 +115,6 @@ def chunked_logprobs(
 GRAD_BLOCK_BYTES = 64 << 20
 
 
-def compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype a linear layer on `x` runs in here: autocast's when it is on for x's device."""
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
-
-
 def linear_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -133,7 +127,8 @@ def linear_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`chunked_logprobs` for the head `hidden @ weight.T + bias` ([N, H] -> [N, V]), with the
     head's gradients (hidden, weight, bias) from one function; see the module docstring."""
-    dtype = compute_dtype(hidden, weight)
+    dev = hidden.device.type  # the head runs in autocast's dtype when it is on, as nn.Linear would
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
     lp, ent = _LinearLogprobs.apply(
         hidden, weight, bias, targets, temperature, chunk_size, with_entropy, dtype, block_bytes
     )
@@ -190,8 +185,6 @@ class _LinearLogprobs(torch.autograd.Function):
     def backward(ctx: Any, g_lp: torch.Tensor | None, g_ent: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
         hidden, w, b, targets, lse, ent = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        if g_ent is not None and not ent.numel():
-            g_ent = None
         n, v, chunk = hidden.shape[0], w.shape[0], ctx.chunk
         acc = torch.promote_types(ctx.weight_dtype, torch.float32)  # the weight gradient's sum
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
