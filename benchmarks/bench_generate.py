@@ -130,12 +130,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     t_start = time.perf_counter()
     import torch
 
-    from rlhf_batch.models import load_model
+    from rlhf_batch.models import load_model, setup_process
 
     torch.manual_seed(0)
+    if spec["which"] != "hf":
+        setup_process(0)  # as the stage command does (torch's threads as they are)
     w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"], cap=CAP).head(spec["take"])
     mem = Mem()
     model = load_model(spec["model"], "policy", device="cpu", dtype="float32")
+    if spec["which"] == "hf":
+        model.config._attn_implementation = "sdpa"  # transformers' own attention for its generate
     startup = time.perf_counter() - t_start
     mem.mark()
     t0 = time.perf_counter()

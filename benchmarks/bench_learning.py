@@ -69,7 +69,7 @@ def mapping(b: int) -> str:
 def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from rlhf_batch.config import load_config
     from rlhf_batch.executor import execute
-    from rlhf_batch.models import set_threads
+    from rlhf_batch.models import setup_process
     from rlhf_batch.pipeline import reward_by_iteration, run_iteration
     from rlhf_batch.stages.registry import pipeline
     from rlhf_batch.timing import process_start
@@ -79,7 +79,7 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     overrides += [f"generate.prompts={spec['prompts']}", f"policy_model={spec['model']}", "demo=false"]
     overrides += [f"seed={spec['seed']}", f"threads={spec['threads']}", *spec.get("set", [])]
     cfg = load_config(DEMO, overrides)
-    set_threads(cfg.threads)
+    setup_process(cfg.threads)
     pipeline()  # imports (torch, duckdb) before the clock, as TRL's before its loop
     known: list[float] = []
 

@@ -106,8 +106,10 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
     its model load too, and train's figures are its steps'); `wall` the whole call."""
     from rlhf_batch import layout, manifests
     from rlhf_batch.config import load_config
+    from rlhf_batch.models import setup_process
     from rlhf_batch.stages import score
 
+    setup_process(0)  # as the stage command does (torch's threads as they are)
     w = spec_workload(spec)
     with tempfile.TemporaryDirectory(dir=common.CACHE) as tmp:
         run_dir = Path(tmp) / "run"

@@ -92,8 +92,10 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from rlhf_batch import layout
+    from rlhf_batch.models import setup_process
     from rlhf_batch.stages import train
 
+    setup_process(0)  # as the stage command does (torch's threads as they are)
     w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"]).head(spec["take"])
     with tempfile.TemporaryDirectory(dir=common.CACHE) as tmp:
         cfg = prepare(Path(tmp) / "run", w, spec["model"], spec.get("lora", False))

@@ -75,12 +75,12 @@ def _stage(
 ) -> None:
     from rlhf_batch import dist
     from rlhf_batch.executor import execute
-    from rlhf_batch.models import set_threads
+    from rlhf_batch.models import setup_process
     from rlhf_batch.pipeline import stage_lock
     from rlhf_batch.stages.registry import get
 
     cfg = _config(config, overrides)
-    set_threads(cfg.threads)
+    setup_process(cfg.threads)
     if topup < 0:
         from rlhf_batch.errors import UserError
 

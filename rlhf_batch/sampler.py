@@ -3,20 +3,18 @@
 Rows that finish (a stop token, or max_new_tokens) are removed from the batch and from the
 cache at once, so the remaining steps cost only what the running rows need.
 
-Decode steps (one query per row) of a model that uses SDPA attention run `decode_attention`
-instead: two batched matmuls in the model's dtype and a float32 softmax. On CPUs, torch's SDPA
-kernel for a single bfloat16 query is several times slower than that (see the README's
-Performance section); the prefill still runs SDPA.
+A model that uses SDPA attention decodes with `attention.matmul_attention` (batched matmuls: on
+CPUs, torch's SDPA kernel for a single bfloat16 query is several times slower).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from rlhf_batch.attention import matmul_attention_for
 from rlhf_batch.core.logprobs import logprobs_from_logits
 from rlhf_batch.core.sampling import filter_logits, sample_from_uniform
 
@@ -41,7 +39,7 @@ def sample(
 
     `max_new_tokens` is one budget for every row or one per row. `banned_ids` are never sampled
     (removed like top-k filtering: the log-prob stays the full-vocabulary one)."""
-    with _decode_attention_for(model):
+    with matmul_attention_for(model):
         return _sample(
             model, prompts, seeds, max_new_tokens, temperature, top_p, top_k, stop_ids, pad_id, banned_ids
         )
@@ -131,60 +129,3 @@ def _prefill(model: Any, prompts: Sequence[Sequence[int]], pad_id: int, device: 
         logits_to_keep=1,
     ).logits[:, -1]  # [B, V]
     return logits, cache, attn, attn.sum(-1)
-
-
-DECODE_ATTENTION = "rlhf_batch_decode"
-
-
-def decode_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention interface for one query per row: query [b, H, 1, D], key/value
-    [b, KV, L, D] (H a multiple of KV), mask None or [b, 1, 1, L] (bool: True attends; float:
-    added) -> ([b, 1, H, D], None). The H / KV queries that share a key head form one matrix, so
-    no key is repeated. Anything else (a prompt, soft-capping, attention sinks, a position bias)
-    goes to transformers' SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    b, h, q, d = query.shape
-    kv = key.shape[1]
-    extra = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias"))
-    if q != 1 or h % kv or extra or (dropout and module.training):
-        return sdpa_attention_forward(  # type: ignore[no-any-return]
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    scale = d**-0.5 if scaling is None else scaling
-    qg = (query * scale).view(b, kv, h // kv, d)  # [b, KV, H/KV, D]
-    scores = torch.matmul(qg, key.transpose(-1, -2)).float()  # [b, KV, H/KV, L]
-    if attention_mask is not None:
-        m = attention_mask.reshape(b, 1, 1, -1)  # [b, 1, 1, L]
-        scores = scores.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else scores + m.float()
-    weights = torch.softmax(scores, dim=-1).to(value.dtype)  # [b, KV, H/KV, L]
-    out = torch.matmul(weights, value)  # [b, KV, H/KV, D]
-    return out.reshape(b, 1, h, d), None
-
-
-@contextlib.contextmanager
-def _decode_attention_for(model: Any) -> Iterator[None]:
-    """While sampling, a model that uses SDPA uses `decode_attention` (its prefill still SDPA)."""
-    config: Any = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        yield
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
-    config._attn_implementation = DECODE_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = "sdpa"

@@ -7,7 +7,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "rlhf_batch"
 FILES = {  # layer 2: files, models, config
     "config", "errors", "dist", "layout", "atomic", "manifests", "faults", "schemas", "ids",
-    "models", "forward", "sampler", "prompts", "checkpoint", "optim_state", "topup", "tiny", "sql",
+    "models", "attention", "forward", "sampler", "prompts", "checkpoint", "optim_state", "topup", "tiny", "sql",
     "rewards", "lora", "progress", "tracking", "retention", "engines", "timing",
 }  # fmt: skip
 COMMANDS = {"cli", "pipeline", "query", "report", "runs", "__main__"}

@@ -1,11 +1,15 @@
-"""dtype from config: explicit names map as written; `auto` picks bfloat16 only where it is fast."""
+"""dtype from config: explicit names map as written; `auto` picks bfloat16 only where it is fast.
+A stage process keeps freed memory for reuse."""
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from rlhf_batch.attention import MATMUL_ATTENTION, use_matmul_attention
 from rlhf_batch.models import load_model, resolve_dtype
 
 
@@ -84,6 +88,8 @@ def test_a_model_of_a_shape_loaded_before_equals_the_one_transformers_loads(
         assert got.lm_head.weight is got.model.embed_tokens.weight
     assert all(p.requires_grad for p in got.parameters()) and not got.training
     assert got.name_or_path == str(second) and got.config.to_dict() == want.config.to_dict()
+    assert got.config._attn_implementation == MATMUL_ATTENTION  # as load_model's first load
+    use_matmul_attention(want)
     ids = torch.tensor([[5, 9, 14, 3, 7], [6, 2, 8, 11, 4]])
     out_g = got(ids).logits
     assert torch.equal(out_g, want(ids).logits)
@@ -155,3 +161,36 @@ def test_a_tokenizer_with_the_same_files_is_a_copy_of_the_one_loaded_before(tmp_
     assert len(models._TOKENIZERS) == 2
     assert other.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False) == "x"
     models._TOKENIZERS.clear()
+
+
+HEAP = r"""
+import ctypes, sys, torch
+from rlhf_batch.models import setup_process
+if sys.argv[1] == "1":
+    setup_process(1)
+class MallInfo(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo
+block = torch.empty(24 << 20, dtype=torch.uint8).fill_(1)  # a layer's activation of 24 MB
+during = libc.mallinfo2()
+del block
+after = libc.mallinfo2()
+print(during.hblkhd >> 20, after.fordblks >> 20, torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator")
+def test_a_stage_process_keeps_freed_memory_for_reuse() -> None:
+    # glibc's counters (MB): hblkhd = held in separate mmapped blocks, fordblks = free in its heap.
+    # By default a fresh process mmaps a 24 MB block (its threshold starts at 128 kB) and unmaps
+    # it on free: the next one faults its 6144 pages in again. A stage process takes it from the
+    # heap and keeps it there when freed.
+    fresh = subprocess.run([sys.executable, "-c", HEAP, "0"], capture_output=True, text=True, check=True)
+    kept = subprocess.run([sys.executable, "-c", HEAP, "1"], capture_output=True, text=True, check=True)
+    mapped, free_after, _ = map(int, fresh.stdout.split())
+    assert mapped >= 24 and free_after < 24
+    mapped, free_after, threads = map(int, kept.stdout.split())
+    assert mapped < 24 and free_after >= 24
+    assert threads == 1

@@ -1,0 +1,233 @@
+"""Attention as batched matmuls (`rlhf_batch.attention`) against transformers' SDPA attention, a
+float64 softmax(Q K^T) V written out here, and, in the sampler, a plain forward of the sampled
+tokens. Real tiny models, no mocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from rlhf_batch import attention
+from rlhf_batch.attention import MATMUL_ATTENTION, matmul_attention
+from rlhf_batch.forward import response_logprobs
+from rlhf_batch.models import load_model
+from rlhf_batch.sampler import sample
+from rlhf_batch.tiny import init_model
+
+decode_attention = matmul_attention  # one query per row: the decode steps' route
+
+
+class Heads(torch.nn.Module):
+    """What the attention interface reads from a module: 8 query heads over 2 key heads."""
+
+    num_key_value_groups = 4
+    is_causal = True
+
+
+def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 1, 16, generator=g).to(dtype)  # [b, H, 1, D]
+    k = torch.randn(3, 2, 11, 16, generator=g).to(dtype)  # [b, KV, L, D]
+    v = torch.randn(3, 2, 11, 16, generator=g).to(dtype)
+    mask = torch.ones(3, 1, 1, 11, dtype=torch.bool)  # [b, 1, 1, L]
+    mask[0, ..., :4] = False  # row 0 left-padded by 4, row 2 by 10 (one key left)
+    mask[2, ..., :10] = False
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_decode_attention_equals_sdpa(dtype: torch.dtype, tol: float) -> None:
+    q, k, v, mask = _inputs(dtype)
+    got, _ = decode_attention(Heads(), q, k, v, mask, scaling=0.25)
+    want, _ = sdpa_attention_forward(Heads(), q, k, v, mask, scaling=0.25)
+    assert got.shape == want.shape == (3, 1, 8, 16)
+    assert got.dtype == dtype
+    assert float((got.float() - want.float()).abs().max()) < tol
+    # a row with one key left attends only to it: its output is that key's value, per query head
+    assert torch.allclose(got[2, 0].float(), v[2, :, 10].float().repeat_interleave(4, dim=0), atol=tol)
+
+
+def test_decode_attention_masks_padding() -> None:
+    q, k, v, mask = _inputs(torch.float32)
+    got, _ = decode_attention(Heads(), q, k, v, mask, scaling=0.25)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, :4], v2[0, :, :4] = 100.0, -100.0  # change only the masked keys of row 0
+    again, _ = decode_attention(Heads(), q, k2, v2, mask, scaling=0.25)
+    assert torch.equal(got, again)
+    unmasked, _ = decode_attention(Heads(), q, k2, v2, None, scaling=0.25)
+    assert not torch.allclose(unmasked[0], got[0], atol=1e-3)
+
+
+def test_an_additive_mask_equals_the_bool_one() -> None:
+    q, k, v, mask = _inputs(torch.float32)
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))  # [b, 1, 1, L]
+    got, _ = decode_attention(Heads(), q, k, v, additive, scaling=0.25)
+    want, _ = decode_attention(Heads(), q, k, v, mask, scaling=0.25)
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_soft_capping_goes_to_sdpa() -> None:
+    q, k, v, mask = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="softcap"):  # transformers' SDPA refuses it
+        decode_attention(Heads(), q, k, v, mask, scaling=0.25, softcap=30.0)
+
+
+def test_prompts_go_to_sdpa() -> None:
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 8 if i == 0 else 2, 5, 16, generator=g) for i in range(3))
+    got, _ = decode_attention(Heads(), q, k, v, None, scaling=0.25, is_causal=True)
+    want, _ = sdpa_attention_forward(Heads(), q, k, v, None, scaling=0.25, is_causal=True)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sample_decodes_with_it_and_keeps_the_forward_log_probs(tmp_path: Path, dtype: str) -> None:
+    path = init_model(tmp_path / "m", arch="qwen2", seed=3)
+    model = load_model(str(path), "policy", dtype=dtype)
+    assert model.config._attn_implementation == MATMUL_ATTENTION  # load_model's choice
+    seen: list[tuple[int, str]] = []
+    model.register_forward_pre_hook(
+        lambda mod, args, kw: seen.append((kw["input_ids"].shape[1], mod.config._attn_implementation)),
+        with_kwargs=True,
+    )
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    out = sample(model, prompts, [1, 2, 3], max_new_tokens=6, pad_id=1)
+    assert seen[0] == (6, MATMUL_ATTENTION) and len(seen) == 6  # prefill, then 5 decode forwards
+    assert all(w == 1 and name == MATMUL_ATTENTION for w, name in seen[1:])
+    diffs = []
+    with torch.inference_mode():
+        for p, (toks, lps, _) in zip(prompts, out, strict=True):
+            want, _, _ = response_logprobs(model, [p + toks], [len(p)], 1.0, pad_id=1)
+            diffs.append((want[0] - torch.tensor(lps)).abs())
+    d = torch.cat(diffs)
+    # float32: the same numbers to rounding; bfloat16: within tests/test_bf16_path.py's tolerance
+    assert float(d.max()) < (1e-5 if dtype == "float32" else 0.05)
+
+
+def test_sample_lends_it_to_a_model_loaded_elsewhere(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        init_model(tmp_path / "m", seed=4), attn_implementation="sdpa"
+    )
+    seen: list[str] = []
+    model.register_forward_pre_hook(lambda mod, args: seen.append(mod.config._attn_implementation))
+    sample(model, [[5, 6, 7]], [1], max_new_tokens=3, pad_id=1)
+    assert seen == [MATMUL_ATTENTION] * 3
+    assert model.config._attn_implementation == "sdpa"  # put back
+
+
+# ---------------------------------------------------------------- longer queries (prompts, train, score)
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """float64 softmax(scale Q K^T, masked where `keep` [b or 1, 1, q, L] is False) V -> [b, q, H, D];
+    key head j serves query heads j * H / KV ... (j + 1) * H / KV - 1."""
+    rep = q.shape[1] // k.shape[1]
+    k64, v64 = (t.double().repeat_interleave(rep, dim=1) for t in (k, v))  # [b, H, L, D]
+    s = scale * q.double() @ k64.transpose(-1, -2)  # [b, H, q, L]
+    s = s.masked_fill(~keep, float("-inf"))
+    return (s.softmax(-1) @ v64).transpose(1, 2)  # [b, q, H, D]
+
+
+def _qkv(b: int, q: int, length: int, seed: int, grad: bool = False) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(b, 8, q, 16), (b, 2, length, 16), (b, 2, length, 16)]  # H 8 over KV 2
+    return tuple(torch.randn(s, generator=g).bfloat16().requires_grad_(grad) for s in shapes)
+
+
+def test_causal_bf16_prompts_match_sdpa_and_the_float64_reference_with_gradients() -> None:
+    q, k, v = _qkv(3, 12, 12, seed=5, grad=True)
+    heads = Heads().train()
+    got, _ = matmul_attention(heads, q, k, v, None, scaling=0.25)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()[None, None]  # [1, 1, q, L]
+    want = _reference(q, k, v, causal, 0.25)
+    assert got.shape == (3, 12, 8, 16) and got.dtype == torch.bfloat16
+    # bf16 inputs; outputs rounded to bf16 (relative step 2^-8) after bf16 probabilities
+    assert float((got.detach().double() - want.detach()).abs().max()) < 3e-2
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+    grads = torch.autograd.grad((got.float() * w.float()).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((want * w.double()).sum(), (q, k, v))
+    sdpa, _ = sdpa_attention_forward(heads, q, k, v, None, scaling=0.25)
+    sdpa_grads = torch.autograd.grad((sdpa.float() * w.float()).sum(), (q, k, v))
+    for a, r, s in zip(grads, ref_grads, sdpa_grads, strict=True):
+        scale = float(r.abs().max())
+        assert float((a.double() - r).abs().max()) < 0.03 * scale
+        assert float((a.double() - s.double()).abs().max()) < 0.03 * scale
+
+
+def test_masked_bf16_queries_after_a_cached_prompt_match_the_reference() -> None:
+    # shared-prompt scoring: 5 response queries after a prompt of 7, row 0's prompt left-padded by 3
+    q, k, v = _qkv(2, 5, 12, seed=7)
+    keep = torch.ones(2, 1, 5, 12, dtype=torch.bool).tril(7)  # query i sees keys 0 .. 7 + i
+    keep[0, ..., :3] = False
+    got, _ = matmul_attention(Heads(), q, k, v, keep, scaling=0.25)
+    want = _reference(q, k, v, keep, 0.25)
+    assert float((got.double() - want).abs().max()) < 3e-2
+    additive = torch.zeros(keep.shape, dtype=torch.bfloat16).masked_fill(
+        ~keep, torch.finfo(torch.bfloat16).min
+    )
+    again, _ = matmul_attention(Heads(), q, k, v, additive, scaling=0.25)
+    assert torch.equal(got, again)
+
+
+def test_a_row_with_every_key_masked_stays_finite() -> None:
+    q, k, v = _qkv(2, 4, 6, seed=8)
+    keep = torch.ones(2, 1, 4, 6, dtype=torch.bool)
+    keep[1] = False  # a pad row of a left-padded prompt: its output is never used, but must not be NaN
+    got, _ = matmul_attention(Heads(), q, k, v, keep, scaling=0.25)
+    assert bool(torch.isfinite(got).all())
+    want = _reference(q[:1], k[:1], v[:1], keep[:1], 0.25)
+    assert float((got[:1].double() - want).abs().max()) < 3e-2
+
+
+def test_what_it_does_not_take_goes_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = _qkv(2, 6, 6, seed=9)
+    sdpa, _ = sdpa_attention_forward(Heads(), q, k, v, None, scaling=0.25)
+    ours, _ = matmul_attention(Heads(), q, k, v, None, scaling=0.25)
+    assert not torch.equal(ours, sdpa)  # bf16 prompts within the bound: the matmul route
+    monkeypatch.setattr(attention, "MAX_SCORES", 2 * 8 * 6 * 6 - 1)  # one element over the bound
+    over, _ = matmul_attention(Heads(), q, k, v, None, scaling=0.25)
+    assert torch.equal(over, sdpa)
+    monkeypatch.undo()
+    per_head = torch.ones(2, 8, 6, 6, dtype=torch.bool).tril()  # a mask per head
+    got, _ = matmul_attention(Heads(), q, k, v, per_head, scaling=0.25)
+    want, _ = sdpa_attention_forward(Heads(), q, k, v, per_head, scaling=0.25)
+    assert torch.equal(got, want)
+    heads = Heads().train()
+    torch.manual_seed(0)
+    dropped, _ = matmul_attention(heads, q, k, v, None, dropout=0.5, scaling=0.25)
+    torch.manual_seed(0)
+    want, _ = sdpa_attention_forward(heads, q, k, v, None, dropout=0.5, scaling=0.25)
+    assert torch.equal(dropped, want)
+
+
+@pytest.mark.parametrize(
+    "dtype", ["bfloat16", "autocast"]
+)  # bf16 weights; float32 weights under bf16 autocast
+def test_a_bf16_model_scores_and_trains_through_it_as_through_sdpa(tmp_path: Path, dtype: str) -> None:
+    path = init_model(tmp_path / "m", seed=10)
+    seqs, plens = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]], [3, 2]
+    routes: list[bool] = []
+    fits = attention._fits
+
+    def run(impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+        model = load_model(str(path), "policy", dtype="float32" if dtype == "autocast" else dtype)
+        model.config._attn_implementation = impl
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+            lp, mask, _ = response_logprobs(model, seqs, plens, 1.0, pad_id=1)
+        lp[mask].float().sum().backward()
+        return lp.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()
+
+    with pytest.MonkeyPatch.context() as mp:  # record the route each call takes
+        mp.setattr(attention, "_fits", lambda *a: routes.append(fits(*a)) or routes[-1])
+        lp, grad = run(MATMUL_ATTENTION)
+    assert routes and all(routes)  # every layer's call took the matmul route (bf16 or autocast)
+    lp_sdpa, grad_sdpa = run("sdpa")
+    assert float((lp - lp_sdpa).abs().max()) < 0.05  # tests/test_bf16_path.py's tolerance
+    assert float((grad - grad_sdpa).abs().max()) < 0.05 * float(grad_sdpa.abs().max())
