@@ -174,6 +174,12 @@ def test_masked_bf16_queries_after_a_cached_prompt_match_the_reference() -> None
     )
     again, _ = matmul_attention(Heads(), q, k, v, additive, scaling=0.25)
     assert torch.equal(got, again)
+    # a float32 additive mask (its lowest value is -inf once in bf16): the same, and a row with
+    # every key masked stays finite
+    additive32 = torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(torch.float32).min)
+    additive32[1, ..., 2, :] = torch.finfo(torch.float32).min
+    again, _ = matmul_attention(Heads(), q, k, v, additive32, scaling=0.25)
+    assert torch.equal(got[0], again[0]) and bool(torch.isfinite(again).all())
 
 
 def test_a_row_with_every_key_masked_stays_finite() -> None:
@@ -207,14 +213,31 @@ def test_what_it_does_not_take_goes_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> 
     assert torch.equal(dropped, want)
 
 
-@pytest.mark.parametrize(
-    "dtype", ["bfloat16", "autocast"]
-)  # bf16 weights; float32 weights under bf16 autocast
+def test_without_autograd_a_call_over_the_bound_runs_in_slices_of_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    q, k, v = _qkv(5, 5, 12, seed=11)  # 5 rows of [8 heads, 5 queries, 12 keys] = 480 each
+    keep = torch.ones(5, 1, 5, 12, dtype=torch.bool).tril(7)
+    for r in range(5):
+        keep[r, ..., : r + 1] = False  # a different left padding per row: the mask is sliced with them
+    with torch.no_grad():
+        whole, _ = matmul_attention(Heads(), q, k, v, keep, scaling=0.25)
+        monkeypatch.setattr(attention, "MAX_SCORES", 2 * 480)  # two rows a call: slices of 2, 2, 1
+        sliced, _ = matmul_attention(Heads(), q, k, v, keep, scaling=0.25)
+        monkeypatch.setattr(attention, "MAX_SCORES", 479)  # not even one row: SDPA
+        one_row_over, _ = matmul_attention(Heads(), q, k, v, keep, scaling=0.25)
+    assert torch.equal(sliced, whole)
+    want, _ = sdpa_attention_forward(Heads(), q, k, v, keep, scaling=0.25)
+    assert torch.equal(one_row_over, want)
+    assert float((whole.double() - _reference(q, k, v, keep, 0.25)).abs().max()) < 3e-2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "autocast"])  # bf16 weights; float32 ones under autocast
 def test_a_bf16_model_scores_and_trains_through_it_as_through_sdpa(tmp_path: Path, dtype: str) -> None:
     path = init_model(tmp_path / "m", seed=10)
     seqs, plens = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14]], [3, 2]
     routes: list[bool] = []
-    fits = attention._fits
+    fits = attention._rows_per_call
 
     def run(impl: str) -> tuple[torch.Tensor, torch.Tensor]:
         model = load_model(str(path), "policy", dtype="float32" if dtype == "autocast" else dtype)
@@ -225,7 +248,7 @@ def test_a_bf16_model_scores_and_trains_through_it_as_through_sdpa(tmp_path: Pat
         return lp.detach().float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()
 
     with pytest.MonkeyPatch.context() as mp:  # record the route each call takes
-        mp.setattr(attention, "_fits", lambda *a: routes.append(fits(*a)) or routes[-1])
+        mp.setattr(attention, "_rows_per_call", lambda *a: routes.append(fits(*a)) or routes[-1])
         lp, grad = run(MATMUL_ATTENTION)
     assert routes and all(routes)  # every layer's call took the matmul route (bf16 or autocast)
     lp_sdpa, grad_sdpa = run("sdpa")

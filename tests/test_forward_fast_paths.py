@@ -102,6 +102,9 @@ def test_default_chunk_size_bounds_the_logits_of_a_chunk() -> None:
     assert default_chunk_size(131072) == 32
     assert default_chunk_size(105) == 4096  # 2^21 / 105 = 19972, capped
     assert default_chunk_size(10**6) == 32  # floored
+    # no backward: 32 MB, 2^23 / 32000 = 262 rows; 2^23 / 131072 = 64
+    assert default_chunk_size(32000, inference=True) == 262
+    assert default_chunk_size(131072, inference=True) == 64
 
 
 def test_sampler_per_row_budgets(tiny_model: Path) -> None:
