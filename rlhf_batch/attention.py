@@ -16,8 +16,9 @@ model while it decodes. Per call it takes one of two routes:
   soft-capping, attention sinks, a position bias, per-head masks.
 
 On a CPU with bf16 units (AMD EPYC, AVX512-BF16), a bf16 causal forward + backward of [14, 8,
-286, 64] takes ~65 ms this way against ~100 ms in SDPA's flash kernel; for a single bf16 query
-per row SDPA is several times slower (see benchmarks/README.md).
+286, 64] takes ~65 ms this way against ~100 ms in SDPA's flash kernel on one thread (43-49
+against 56-62 ms on two); for a single bf16 query per row SDPA is several times slower (see
+benchmarks/README.md).
 """
 
 from __future__ import annotations

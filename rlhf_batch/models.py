@@ -54,22 +54,17 @@ def setup_process(threads: int) -> None:
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3  # glibc's mallopt parameters
 
 
-def keep_freed_memory() -> bool:
-    """Tell glibc's allocator to keep freed memory (above); False where it is not glibc."""
+def keep_freed_memory() -> None:
+    """Tell glibc's allocator to keep freed memory (above); nothing where it is not glibc."""
     import ctypes
 
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
-        return False
-    return all(
-        mallopt(param, value) == 1
-        for param, value in (
-            (M_MMAP_THRESHOLD, 32 << 20),
-            (M_TRIM_THRESHOLD, 2**31 - 1),
-            (M_TOP_PAD, 256 << 20),
-        )
-    )
+        return
+    mallopt(M_MMAP_THRESHOLD, 32 << 20)
+    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+    mallopt(M_TOP_PAD, 256 << 20)
 
 
 def cpu_has_bf16() -> bool:
@@ -263,9 +258,8 @@ def load_model(
     try:
         key = _template_key(p, kind, str(torch_dtype), dev, trust_remote_code)
         if key in _TEMPLATES:
-            model = _TEMPLATES[key].load(p, dev)
+            model = _TEMPLATES[key].load(p, dev)  # its config attends as the first load's
             check_loaded(model, {}, p, what)
-            use_matmul_attention(model)
             return model
         model, info = cls.from_pretrained(  # type: ignore[misc]  # a tuple with output_loading_info
             p,
