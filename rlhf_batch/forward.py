@@ -220,11 +220,10 @@ def _prefill(
     vs: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n_layers)]
     last: list[Any] = [None] * len(prompts)
     for batch in token_budget_batches([len(p) for p in prompts], max_tokens):
-        ids, attn = pad_right([prompts[j] for j in batch], pad_id, device)  # [b, P] right-padded
+        ids, _ = pad_right([prompts[j] for j in batch], pad_id, device)  # [b, P] right-padded
         cache: Any = DynamicCache()
-        hid = decoder(
-            input_ids=ids, attention_mask=attn, past_key_values=cache, use_cache=True
-        ).last_hidden_state
+        # causal, no mask: right-padded, no real position sees a pad (as in response_logprobs)
+        hid = decoder(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
         for k, j in enumerate(batch):
             p = len(prompts[j])
             last[j] = hid[k, p - 1]  # [H]

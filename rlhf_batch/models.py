@@ -12,6 +12,7 @@ and manifests record its hub id and resolved revision. Device and dtype come fro
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 from pathlib import Path
@@ -67,12 +68,26 @@ def keep_freed_memory() -> None:
     mallopt(M_TOP_PAD, 256 << 20)
 
 
-def cpu_has_bf16() -> bool:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where it does not exist)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return any(f in flags for f in ("amx_bf16", "avx512_bf16"))
+        return frozenset()
+    return frozenset(
+        f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[1].split()
+    )
+
+
+def cpu_has_bf16() -> bool:
+    """bf16 matrix units: AVX512-BF16 or AMX."""
+    return bool(_cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def cpu_has_amx() -> bool:
+    """AMX tiles for bf16 (Intel Sapphire Rapids and later): bf16 matmuls ~3x AVX512-BF16's."""
+    return "amx_bf16" in _cpu_flags()
 
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:

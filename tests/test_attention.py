@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rlhf_batch import attention
+from rlhf_batch import attention, models
 from rlhf_batch.attention import MATMUL_ATTENTION, matmul_attention
 from rlhf_batch.forward import response_logprobs
 from rlhf_batch.models import load_model
@@ -216,6 +216,7 @@ def test_what_it_does_not_take_goes_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> 
 def test_without_autograd_a_call_over_the_bound_runs_in_slices_of_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(models, "cpu_has_amx", lambda: False)  # on AMX such calls go to SDPA
     q, k, v = _qkv(5, 5, 12, seed=11)  # 5 rows of [8 heads, 5 queries, 12 keys] = 480 each
     keep = torch.ones(5, 1, 5, 12, dtype=torch.bool).tril(7)
     for r in range(5):
@@ -230,6 +231,29 @@ def test_without_autograd_a_call_over_the_bound_runs_in_slices_of_rows(
     want, _ = sdpa_attention_forward(Heads(), q, k, v, keep, scaling=0.25)
     assert torch.equal(one_row_over, want)
     assert float((whole.double() - _reference(q, k, v, keep, 0.25)).abs().max()) < 3e-2
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_on_a_cpu_with_amx_prompts_without_autograd_go_to_sdpa(
+    monkeypatch: pytest.MonkeyPatch, amx: bool
+) -> None:
+    monkeypatch.setattr(models, "cpu_has_amx", lambda: amx)
+    for q, length, masked in [(9, 9, False), (6, 14, True)]:  # a causal prompt; queries after a cache
+        qq, k, v = _qkv(2, q, length, seed=q)
+        keep = torch.ones(2, 1, q, length, dtype=torch.bool).tril(length - q)
+        with torch.no_grad():
+            got, _ = matmul_attention(Heads(), qq, k, v, keep if masked else None, scaling=0.25)
+            sdpa, _ = sdpa_attention_forward(Heads(), qq, k, v, keep if masked else None, scaling=0.25)
+        assert torch.equal(got, sdpa) is amx, (q, masked)
+        assert float((got.double() - _reference(qq, k, v, keep, 0.25)).abs().max()) < 3e-2
+    qq, k, v = _qkv(2, 9, 9, seed=1, grad=True)  # under autograd: the matmul route on any CPU
+    got, _ = matmul_attention(Heads(), qq, k, v, None, scaling=0.25)
+    assert not torch.equal(got, sdpa_attention_forward(Heads(), qq, k, v, None, scaling=0.25)[0])
+    one = _qkv(2, 1, 9, seed=2)  # one query per row (decode): the matmul route on any CPU
+    with torch.no_grad():
+        assert not torch.equal(
+            matmul_attention(Heads(), *one, None)[0], sdpa_attention_forward(Heads(), *one, None)[0]
+        )
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "autocast"])  # bf16 weights; float32 ones under autocast

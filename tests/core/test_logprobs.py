@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -131,16 +132,27 @@ def test_linear_head_gradients_by_hand() -> None:
     vocab=st.integers(2, 9),
     chunk=st.integers(1, 5),
     block_rows=st.integers(1, 6),
+    pass_rows=st.integers(1, 6),
     temperature=st.floats(0.3, 3.0),
     bias=st.booleans(),
     use=st.sampled_from(["both", "lp", "entropy"]),
     seed=st.integers(0, 2**31 - 1),
 )
 def test_prop_linear_head_equals_plain_values_and_all_gradients(
-    n: int, vocab: int, chunk: int, block_rows: int, temperature: float, bias: bool, use: str, seed: int
+    n: int,
+    vocab: int,
+    chunk: int,
+    block_rows: int,
+    pass_rows: int,
+    temperature: float,
+    bias: bool,
+    use: str,
+    seed: int,
 ) -> None:
     # several chunks per block and several blocks (block_bytes = block_rows rows of float32 logits),
-    # a loss using the log-probs, the entropies or both (an unused output gets no gradient)
+    # forward's float32 passes over slices of pass_rows rows of a chunk, a loss using the log-probs,
+    # the entropies or both (an unused output gets no gradient)
+    from rlhf_batch.core import logprobs
     from rlhf_batch.core.logprobs import linear_logprobs
 
     g = torch.Generator().manual_seed(seed)
@@ -148,7 +160,13 @@ def test_prop_linear_head_equals_plain_values_and_all_gradients(
     w = torch.randn(vocab, 4, generator=g).requires_grad_()  # [V, H]
     b = torch.randn(vocab, generator=g).requires_grad_() if bias else None  # [V]
     targets = torch.randint(0, vocab, (n,), generator=g)  # [N]
-    lp, ent = linear_logprobs(h, w, b, targets, temperature, chunk, True, block_bytes=block_rows * vocab * 4)
+    kept, logprobs.PASS_ROWS = logprobs.PASS_ROWS, pass_rows
+    try:
+        lp, ent = linear_logprobs(
+            h, w, b, targets, temperature, chunk, True, block_bytes=block_rows * vocab * 4
+        )
+    finally:
+        logprobs.PASS_ROWS = kept
     ref_lp, ref_ent = _plain(h, w, b, targets, temperature)
     assert (
         torch.allclose(lp, ref_lp, atol=1e-5) and ent is not None and torch.allclose(ent, ref_ent, atol=1e-5)
@@ -201,6 +219,28 @@ def test_linear_head_in_bf16_as_autocast_runs_the_head() -> None:
     ref, _ = _plain(h16.detach().float(), w32, None, targets, 1.0)
     (gw32,) = torch.autograd.grad(ref.sum(), [w32])
     assert gw16.dtype == torch.bfloat16 and torch.allclose(gw16.float(), gw32, atol=3e-2, rtol=3e-2)
+
+
+def test_bf16_head_passes_over_slices_of_a_chunk_give_the_numbers_of_whole_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rlhf_batch.core import logprobs
+    from rlhf_batch.core.logprobs import linear_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(50, 16, generator=g).bfloat16()  # [N, H]
+    w = torch.randn(300, 16, generator=g).bfloat16()  # [V, H]
+    targets = torch.randint(0, 300, (50,), generator=g)
+    with torch.inference_mode():
+        sliced = linear_logprobs(h, w, None, targets, 0.7, 40, True)  # chunks 40 + 10, passes of 16 rows
+        monkeypatch.setattr(logprobs, "PASS_ROWS", 40)
+        whole = linear_logprobs(h, w, None, targets, 0.7, 40, True)
+    assert logprobs.PASS_ROWS == 40 and torch.equal(sliced[0], whole[0]) and torch.equal(sliced[1], whole[1])
+    ref_lp, _ = _plain(h.float(), w.float(), None, targets, 0.7)
+    # bf16 logits carry a relative rounding error of 2^-9 each: a log-prob (its logit minus the
+    # log-normaliser) errs by at most ~2 x 2^-9 of the largest |logit / T|
+    bound = 2 * 2**-9 * float((h.float() @ w.float().t()).abs().max()) / 0.7
+    assert float((sliced[0] - ref_lp).abs().max()) < bound
 
 
 def test_linear_head_without_gradients_keeps_no_graph() -> None:
