@@ -10,13 +10,15 @@ model while it decodes. Per call it takes one of two routes:
   on a CPU in bfloat16 or float16 (bf16 autocast included) while the [b, H, q, L]
   probabilities stay within `MAX_SCORES` elements: under autograd every layer keeps them for
   backward, so a larger call goes to SDPA; without it (score, prefill) a larger call runs in
-  slices of batch rows that each stay within it. On a CPU with AMX, only under autograd: there
-  SDPA's flash kernel runs on the AMX tiles and skips the blocks above the diagonal, and its
-  forward is as fast or faster (all the score stage's calls: 0.94 s against 1.40 s, the best
-  route per call 0.91 s), while its backward is not (fwd + bwd 0.67-0.83x SDPA's time here).
+  slices of batch rows that each stay within it. On a CPU with AMX, bf16 prompts take it only
+  under autograd: there SDPA's flash kernel runs on the AMX tiles and skips the blocks above
+  the diagonal, and its forward is as fast or faster (all the score stage's calls: 0.94 s
+  against 1.40 s, the best route per call 0.91 s), while its backward is not (forward +
+  backward 0.67-0.83x SDPA's time).
 - transformers' SDPA for the rest: float32 or CUDA prompts (its fused kernels are as fast or
-  faster there), a single row over the bound, larger calls under autograd, dropout,
-  soft-capping, attention sinks, a position bias, per-head masks.
+  faster there), bf16 prompts without autograd on AMX, a single row over the bound, larger
+  calls under autograd, dropout, soft-capping, attention sinks, a position bias, per-head
+  masks.
 
 On a CPU with bf16 units (AMD EPYC, AVX512-BF16), a bf16 causal forward + backward of [14, 8,
 286, 64] takes ~65 ms this way against ~100 ms in SDPA's flash kernel on one thread (43-49
@@ -158,7 +160,7 @@ def _rows_per_call(
         return b
     if query.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or (causal and q != length):
         return 0
-    if not torch.is_grad_enabled() and models.cpu_has_amx():  # see the module docstring
+    if dtype == torch.bfloat16 and not torch.is_grad_enabled() and models.cpu_has_amx():  # module docstring
         return 0
     rows = MAX_SCORES // (h * q * length)
     return b if rows >= b else (rows if not torch.is_grad_enabled() else 0)
