@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf_batch import atomic, checkpoint, dist, faults, layout, lora, manifests, retention, tracking
-from rlhf_batch.config import Config
+from rlhf_batch.config import Config, TrainConfig
 from rlhf_batch.errors import StageError
 from rlhf_batch.executor import StageOutput, execute
 from rlhf_batch.models import model_fingerprint
@@ -47,6 +47,8 @@ from rlhf_batch.stages.base import Stage, start_policy
 from rlhf_batch.stages.train_data import TrainRows, load_rows
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from rlhf_batch.stages.train_data import Step
     from rlhf_batch.stages.train_step import Trainer
 
@@ -179,6 +181,7 @@ def _train(
         seed,
         tc.max_padding,
         tc.sequences_per_step,
+        _active_rows(tc, data),
     )
     trainer = build_trainer(cfg, start, data, steps)
     if prev is not None:  # the run's AdamW state and step count, as iteration K-1 left them
@@ -212,6 +215,15 @@ def _train(
     extra = train_carry.state_extra(cfg, offset + len(steps), total, carried["carried_from"])
     _save(cfg, iteration, trainer, start, rows, extra)
     return TrainResult(rows, tc.ppo_epochs, len(data), start, trainer.world, carried)
+
+
+def _active_rows(tc: TrainConfig, data: TrainRows) -> np.ndarray | None:
+    """[N] bool, the rows whose loss gradient can be non-zero, or None (all): with no KL or
+    entropy term in the loss, a row of advantage 0 adds exactly 0 to the gradient (its clipped,
+    dual-clipped and TIS-weighted objective terms are all multiples of its advantage)."""
+    if tc.kl_loss_coef or tc.kl_to_inference_coef or tc.entropy_coef:
+        return None
+    return data.adv != 0
 
 
 def _show(bar: Any, row: dict[str, Any]) -> None:

@@ -13,6 +13,11 @@ replays exactly the same steps and the data position in a checkpoint is just a s
   is also closed before its padding exceeds that share of its tokens: train.max_padding).
 * Epoch e >= 1 reuses those micro-batches in an order shuffled by a generator seeded with
   (seed, iteration, e), cut again into steps of about `tokens_per_step` tokens (or rows).
+* Rows that cannot move the loss (advantage 0 while no KL or entropy term is on: their
+  gradient is exactly zero) keep their place in the plan, in their step's counts and hence in
+  its normaliser, but are left out of its micro-batches (`active`): a step of such rows alone
+  runs no forward pass and still takes its optimizer step (on zero gradients), as it would
+  had they been computed. Diagnostics (clip fraction, KL, entropy, ESS) cover the rows run.
 * Ranks: micro-batch j of a step goes to rank j % world. A rank with fewer micro-batches than
   the others runs the step's shortest row with weight 0, so that every rank does the same
   number of forward/backward passes (DDP needs it). The global batch of a step, and hence its
@@ -178,10 +183,15 @@ def cut_balanced(tokens: Sequence[int], budget: int) -> list[list[int]]:
     return [g for g in groups if g]
 
 
-def _step(index: int, epoch: int, micro: list[tuple[int, ...]], resp_lens: np.ndarray) -> Step:
+def _step(
+    index: int, epoch: int, micro: list[tuple[int, ...]], resp_lens: np.ndarray, active: np.ndarray | None
+) -> Step:
+    """Counts over every row of the step; micro-batches of its active rows only."""
     rows = [i for mb in micro for i in mb]
     lens = resp_lens[rows]  # [n]
     filler = rows[int(np.argmin(lens))]
+    if active is not None:
+        micro = [kept for kept in (tuple(i for i in mb if active[i]) for mb in micro) if kept]
     return Step(index, epoch, tuple(micro), int(lens.sum()), int((lens > 0).sum()), filler)
 
 
@@ -194,23 +204,30 @@ def plan_steps(
     seed: tuple[int, ...],
     max_padding: float = 1.0,
     sequences_per_step: int = 0,
+    active: np.ndarray | None = None,
 ) -> list[Step]:
-    """Every optimizer step of the stage, in order (see the module docstring)."""
+    """Every optimizer step of the stage, in order (see the module docstring). `active` [N]
+    bool: the rows to compute (None: all)."""
     # what a step's budget counts: response tokens, or rows (sequences_per_step > 0)
     units = np.ones_like(resp_lens) if sequences_per_step else resp_lens  # [N]
     budget = sequences_per_step or tokens_per_step
     first: list[list[tuple[int, ...]]] = []
     for rows in cut_balanced(units.tolist(), budget):
-        batches = token_budget_batches([int(seq_lens[i]) for i in rows], max_tokens_per_batch, max_padding)
-        first.append([tuple(rows[k] for k in b) for b in batches])
-    steps = [_step(i, 0, micro, resp_lens) for i, micro in enumerate(first)]
+        parts = [rows] if active is None else [[i for i in rows if active[i] == a] for a in (True, False)]
+        first.append([])  # the rows that run and those that do not in separate micro-batches
+        for part in parts:
+            batches = token_budget_batches(
+                [int(seq_lens[i]) for i in part], max_tokens_per_batch, max_padding
+            )
+            first[-1] += [tuple(part[k] for k in b) for b in batches]
+    steps = [_step(i, 0, micro, resp_lens, active) for i, micro in enumerate(first)]
     micro_all = [mb for micro in first for mb in micro]
     for epoch in range(1, epochs):
         rng = np.random.default_rng([*seed, epoch])
         order = [micro_all[j] for j in rng.permutation(len(micro_all))]
         per_mb = [int(units[list(mb)].sum()) for mb in order]
         for group in cut_balanced(per_mb, budget):
-            steps.append(_step(len(steps), epoch, [order[j] for j in group], resp_lens))
+            steps.append(_step(len(steps), epoch, [order[j] for j in group], resp_lens, active))
     return steps
 
 

@@ -149,6 +149,10 @@ class Trainer:
                 )
                 (out.loss * (weight * self.world)).backward()  # type: ignore[no-untyped-call]
             metrics.add(out, mask, logp, td["old_logprobs"], weight)
+        if not work:  # no row of the step can move the loss (train_data): AdamW steps on zeros
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         max_norm = tc.max_grad_norm if tc.max_grad_norm > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         if not math.isfinite(grad_norm):
@@ -178,6 +182,7 @@ class Trainer:
 @torch.no_grad()
 def recompute_old(trainer: Trainer, steps: list[Step]) -> None:
     """Replace the behaviour log-probs by the current policy's (before the first update).
+    Rows the plan does not run (train_data: `active`) are not computed; theirs are left at 0.
 
     Each rank computes the epoch-0 micro-batches it owns (together they cover every row once)
     into a flat [sum T] buffer; a sum over ranks gives every rank all of them.
