@@ -108,17 +108,21 @@ def _sample(
 
 def _prefill(model: Any, prompts: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[Any, ...]:
     """The left-padded prompts through the model once: (last logits [B, V], the KV cache, the
-    attention mask [B, L], each row's next position [B])."""
+    attention mask [B, L], each row's next position [B]). A prompt that several rows share (the
+    G samples of a group) runs once; its logits and cache are then copied to each of its rows."""
     from transformers import DynamicCache
 
-    n, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.full((n, width), pad_id, dtype=torch.long)  # [B, L] left-padded
-    attn = torch.zeros((n, width), dtype=torch.long)  # [B, L]
-    for i, p in enumerate(prompts):
+    first: dict[tuple[int, ...], int] = {}
+    row_of = [first.setdefault(tuple(p), len(first)) for p in prompts]  # [B] -> distinct prompt
+    distinct = list(first)
+    n, width = len(distinct), max(len(p) for p in distinct)
+    ids = torch.full((n, width), pad_id, dtype=torch.long)  # [U, L] left-padded
+    attn = torch.zeros((n, width), dtype=torch.long)  # [U, L]
+    for i, p in enumerate(distinct):
         ids[i, width - len(p) :] = torch.as_tensor(p)
         attn[i, width - len(p) :] = 1
     ids, attn = ids.to(device), attn.to(device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [U, L]
     cache = DynamicCache()
     logits = model(
         input_ids=ids,
@@ -127,5 +131,9 @@ def _prefill(model: Any, prompts: Sequence[Sequence[int]], pad_id: int, device: 
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=1,
-    ).logits[:, -1]  # [B, V]
+    ).logits[:, -1]  # [U, V]
+    if n < len(prompts):
+        rows = torch.as_tensor(row_of, device=device)  # [B]
+        cache.batch_select_indices(rows)  # every layer's keys and values [U, ...] -> [B, ...]
+        logits, attn = logits[rows], attn[rows]  # [B, V], [B, L]
     return logits, cache, attn, attn.sum(-1)

@@ -121,6 +121,26 @@ def test_sampler_per_row_budgets(tiny_model: Path) -> None:
         assert la == pytest.approx(lb[: len(la)], abs=1e-5)
 
 
+def test_sampler_prefills_a_shared_prompt_once_and_each_row_samples_as_alone(tiny_model: Path) -> None:
+    model = load_model(str(tiny_model), "policy", dtype="float32")
+    a, b = [5, 6, 7], [8, 9]
+    prompts, seeds = [a, b, a, a, b], [1, 2, 3, 4, 5]  # the rows of one prompt need not be adjacent
+    widths: list[tuple[int, ...]] = []
+    spy = model.register_forward_pre_hook(
+        lambda _m, _a, kw: widths.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        batch = sample(model, prompts, seeds, max_new_tokens=6, stop_ids=set(), pad_id=1)
+    finally:
+        spy.remove()
+    assert widths[0] == (2, 3)  # the prefill: the 2 distinct prompts, left-padded to 3 tokens
+    assert widths[1] == (5, 1)  # then every row decodes
+    for p, seed, (toks, lps, _) in zip(prompts, seeds, batch, strict=True):
+        ((alone, alone_lps, _),) = sample(model, [p], [seed], max_new_tokens=6, stop_ids=set(), pad_id=1)
+        assert toks == alone and lps == pytest.approx(alone_lps, abs=1e-5)
+    assert batch[0][0] != batch[2][0]  # the same prompt, other seeds: other samples (the check can fail)
+
+
 def test_sampler_rows_keep_their_own_uniforms_across_blocks(tiny_model: Path) -> None:
     """Uniforms are drawn UNIFORM_BLOCK steps at a time per row: a row's tokens past the first
     block, beside rows that leave the batch early, are those it samples alone."""
