@@ -165,12 +165,13 @@ class _LinearLogprobs(torch.autograd.Function):
         lp = hidden.new_empty(n, dtype=torch.float32)  # [N]
         lse = torch.empty_like(lp)  # [N] log sum_j exp(x_j)
         ent = torch.empty_like(lp) if with_entropy else lp.new_zeros(0)  # [N] or [0]
-        buf = _Buffers(min(chunk, n), w, PASS_ROWS)
+        rows = pass_rows(w.shape[0])
+        buf = _Buffers(min(chunk, n), w, rows)
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
             logits = buf.logits(hidden[c0:c1], w, b)  # [c, V] in dtype
-            for s0 in range(c0, c1, PASS_ROWS):  # the float32 passes, a few rows at a time
-                s1 = min(c1, s0 + PASS_ROWS)
+            for s0 in range(c0, c1, rows):  # the float32 passes, a few rows at a time
+                s1 = min(c1, s0 + rows)
                 x = buf.scaled(logits[s0 - c0 : s1 - c0], temperature)  # [s, V]
                 logp = torch.log_softmax(x, -1, out=buf.b[: s1 - s0])  # [s, V]
                 t = targets[s0:s1, None]  # [s, 1]
@@ -236,8 +237,16 @@ class _LinearLogprobs(torch.autograd.Function):
 # Rows per float32 pass in forward: the head's matmul runs over a whole chunk (its efficiency
 # needs rows), the float32 copy and log-softmax over [16, V] slices of its output, which stay in
 # the core's cache between passes (over a [262, 32000] chunk they went through memory: 8.5
-# against 11.4 ms per chunk, matmul included, bf16 on a CPU with AMX; the same numbers).
+# against 11.4 ms per chunk, matmul included, bf16 on a CPU with AMX; the same numbers). A small
+# vocabulary takes more rows per pass, up to PASS_ELEMENTS logits: passes of 16 rows of the
+# demo's 105 cost their calls (a train step's forward 6.3 -> 5.4 ms with whole-chunk passes).
 PASS_ROWS = 16
+PASS_ELEMENTS = 1 << 19  # 16 rows of a 32k vocabulary
+
+
+def pass_rows(vocab: int) -> int:
+    """Rows per float32 pass of `_LinearLogprobs.forward` for a head of `vocab` outputs."""
+    return max(PASS_ROWS, PASS_ELEMENTS // max(1, vocab))
 
 
 class _Buffers:

@@ -160,13 +160,14 @@ def test_prop_linear_head_equals_plain_values_and_all_gradients(
     w = torch.randn(vocab, 4, generator=g).requires_grad_()  # [V, H]
     b = torch.randn(vocab, generator=g).requires_grad_() if bias else None  # [V]
     targets = torch.randint(0, vocab, (n,), generator=g)  # [N]
-    kept, logprobs.PASS_ROWS = logprobs.PASS_ROWS, pass_rows
+    kept = logprobs.PASS_ROWS, logprobs.PASS_ELEMENTS
+    logprobs.PASS_ROWS, logprobs.PASS_ELEMENTS = pass_rows, 0  # pass_rows rows whatever the vocabulary
     try:
         lp, ent = linear_logprobs(
             h, w, b, targets, temperature, chunk, True, block_bytes=block_rows * vocab * 4
         )
     finally:
-        logprobs.PASS_ROWS = kept
+        logprobs.PASS_ROWS, logprobs.PASS_ELEMENTS = kept
     ref_lp, ref_ent = _plain(h, w, b, targets, temperature)
     assert (
         torch.allclose(lp, ref_lp, atol=1e-5) and ent is not None and torch.allclose(ent, ref_ent, atol=1e-5)
@@ -221,6 +222,14 @@ def test_linear_head_in_bf16_as_autocast_runs_the_head() -> None:
     assert gw16.dtype == torch.bfloat16 and torch.allclose(gw16.float(), gw32, atol=3e-2, rtol=3e-2)
 
 
+def test_float32_passes_hold_16_rows_or_2_pow_19_logits() -> None:
+    from rlhf_batch.core.logprobs import pass_rows
+
+    # 2^19 = 524288 logits: 524288 // 32000 = 16 rows; a 128k vocabulary keeps 16 (4 would fit);
+    # the demo's 105 tokens: 524288 // 105 = 4993 rows, its whole chunks in one pass
+    assert (pass_rows(32000), pass_rows(128000), pass_rows(105)) == (16, 16, 4993)
+
+
 def test_bf16_head_passes_over_slices_of_a_chunk_give_the_numbers_of_whole_chunks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -231,6 +240,8 @@ def test_bf16_head_passes_over_slices_of_a_chunk_give_the_numbers_of_whole_chunk
     h = torch.randn(50, 16, generator=g).bfloat16()  # [N, H]
     w = torch.randn(300, 16, generator=g).bfloat16()  # [V, H]
     targets = torch.randint(0, 300, (50,), generator=g)
+    assert logprobs.pass_rows(300) > 40  # a small vocabulary: whole chunks; here passes of 16 rows
+    monkeypatch.setattr(logprobs, "PASS_ELEMENTS", 0)
     with torch.inference_mode():
         sliced = linear_logprobs(h, w, None, targets, 0.7, 40, True)  # chunks 40 + 10, passes of 16 rows
         monkeypatch.setattr(logprobs, "PASS_ROWS", 40)
