@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from rlhf_batch import checkpoint, layout, manifests
 from rlhf_batch.stages import train
-from rlhf_batch.stages.train_data import plan_steps
+from rlhf_batch.stages.train_data import load_rows, plan_steps
 from tests.stages.test_train import (
     make_table,
     max_diff,
@@ -47,17 +47,19 @@ def torchrun_train(config: Path, iteration: int = 0, **env: str) -> subprocess.C
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def two_and_one_rank(make_config, tiny_model: Path, tmp_path: Path, **keys: object):
+def two_and_one_rank(
+    make_config, tiny_model: Path, tmp_path: Path, advantages: list[float] | None = None, **keys: object
+):
     """(config path, Config) of a 2-rank run and a 1-rank Config, with the same advantages."""
     prompt_lens, resp_lens = random_lengths(10, seed=3)
-    table = make_table(tiny_model, prompt_lens, resp_lens)
+    table = make_table(tiny_model, prompt_lens, resp_lens, advantages=advantages)
     # steps of 1, 2 and 3 micro-batches: with 2 ranks, rank 1 sometimes runs only a zero-weight
     # filler row (1), both ranks run real rows (2), rank 1 adds a filler to match rank 0 (3)
     seq_lens = np.array(prompt_lens) + np.array(resp_lens)
     plan = plan_steps(np.array(resp_lens), seq_lens, 12, 20, 2, (0, 0))
     assert {1, 2, 3} <= {len(s.micro) for s in plan}
-    path, two = make_config(train_toml(**KEYS, **keys), run_dir=str(tmp_path / "two"))
-    _, one = make_config(train_toml(**KEYS, **keys), name="one.toml", run_dir=str(tmp_path / "one"))
+    path, two = make_config(train_toml(**{**KEYS, **keys}), run_dir=str(tmp_path / "two"))
+    _, one = make_config(train_toml(**{**KEYS, **keys}), name="one.toml", run_dir=str(tmp_path / "one"))
     write_advantages(two.run_dir, table)
     write_advantages(one.run_dir, table)
     return path, two, one, len(plan)
@@ -78,6 +80,25 @@ def assert_same_training(two, one, n_steps: int, tiny_model: Path) -> None:
 
 def test_two_ranks_match_one_rank(make_config, tiny_model: Path, tmp_path: Path) -> None:
     path, two, one, n_steps = two_and_one_rank(make_config, tiny_model, tmp_path)
+    done = torchrun_train(path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    train.run(one, 0, quiet=True)
+    assert_same_training(two, one, n_steps, tiny_model)
+
+
+def test_two_ranks_match_one_rank_when_rows_of_advantage_zero_do_not_run(
+    make_config, tiny_model: Path, tmp_path: Path
+) -> None:
+    # no KL or entropy term: rows 0-4 (advantage 0) run no pass; in the steps made of them alone
+    # neither rank runs a forward pass (no gradient sync either), and 2 ranks still train as 1 does
+    # (that such a step equals running its rows: test_train.test_rows_of_advantage_zero_...)
+    adv = [0.0] * 5 + [0.7, -1.1, 0.4, -0.2, 1.3]
+    path, two, one, n_steps = two_and_one_rank(
+        make_config, tiny_model, tmp_path, adv, kl_loss_coef=0.0, entropy_coef=0.0
+    )
+    data = load_rows(layout.folder(one.run_dir, 0, "advantages"))
+    plan = plan_steps(data.resp_lens, data.seq_lens, 12, 20, 2, (0, 0), active=np.array(adv) != 0)
+    assert any(not s.micro for s in plan) and any(s.micro for s in plan)
     done = torchrun_train(path)
     assert done.returncode == 0, done.stderr[-4000:]
     train.run(one, 0, quiet=True)
