@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -106,9 +107,12 @@ def test_tokens_are_the_lengths_in_the_stage_output(run) -> None:
     # score: prompt + response tokens of every rollout it scored (all of them)
     assert pq.read_table(root / "iter=0000/scores").num_rows == rollouts.num_rows
     assert timing(root, "scores")["tokens"] == lengths(rollouts, "prompt_ids", "response_ids")
-    # advantage: the input_ids it wrote; train: each of the EPOCHS passes over all of them
+    # advantage: the input_ids it wrote; train: each of the EPOCHS passes over the rows it runs,
+    # those of advantage != 0 (no KL or entropy term here: a row of advantage 0 runs no pass)
     assert timing(root, "advantages")["tokens"] == lengths(advantages, "input_ids") > 0
-    assert timing(root, "train")["tokens"] == EPOCHS * lengths(advantages, "input_ids")
+    moving = advantages.filter(pc.not_equal(advantages["advantage"], 0.0))
+    assert 0 < moving.num_rows < advantages.num_rows  # drop_zero_variance = false kept some 0s
+    assert timing(root, "train")["tokens"] == EPOCHS * lengths(moving, "input_ids")
 
 
 def test_import_in_process_counts_from_the_call(make_config, tmp_path: Path) -> None:
