@@ -161,7 +161,7 @@ def _plots(data: dict[str, Any], out: Path) -> list[str]:
         fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
         x = list(range(steps.num_rows))
         for ax, key in zip(axes, ["clip_fraction", "entropy", "ess", "kl_approx"], strict=True):
-            ax.plot(x, steps[key].to_pylist())
+            ax.plot(x, [float("nan") if v is None else v for v in steps[key].to_pylist()])  # null: no row ran
             ax.set(title=key, xlabel="train step (all iterations)")
         save(fig, "train.png")
     return names
@@ -336,5 +336,6 @@ def _tensorboard(data: dict[str, Any], logdir: Path) -> None:
     if steps is not None:
         for i, row in enumerate(steps.to_pylist()):
             for key in ("loss", "clip_fraction", "entropy", "ess", "kl_approx", "grad_norm"):
-                w.add_scalar(f"train/{key}", row[key], i)
+                if row[key] is not None:  # null: the step ran no row
+                    w.add_scalar(f"train/{key}", row[key], i)
     w.close()

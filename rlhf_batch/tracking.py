@@ -104,7 +104,8 @@ class Run:
         """One optimizer step of train (a metrics.parquet row) at the global step."""
         if self.trackers:
             step = self.step_offset + int(row["step"])
-            self.log({f"train_step/{k}": v for k, v in row.items() if k != "step"}, step, "global_step")
+            values = {f"train_step/{k}": v for k, v in row.items() if k != "step" and v is not None}
+            self.log(values, step, "global_step")  # None: a token mean of a step that ran no row
 
     def close(self) -> None:
         for t in self.trackers:

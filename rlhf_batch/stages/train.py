@@ -227,12 +227,15 @@ def _active_rows(tc: TrainConfig, data: TrainRows) -> np.ndarray | None:
 
 
 def _show(bar: Any, row: dict[str, Any]) -> None:
+    def fmt(key: str, spec: str) -> str:  # a step that ran no row has no token means
+        return "-" if row[key] is None else format(row[key], spec)
+
     bar.update(1)
     bar.set_postfix(
-        loss=f"{row['loss']:.4g}",
-        clip=f"{row['clip_fraction']:.3f}",
-        kl=f"{row['kl_approx']:.2e}",
-        tok_s=f"{row['tokens_per_s']:.0f}",
+        loss=fmt("loss", ".4g"),
+        clip=fmt("clip_fraction", ".3f"),
+        kl=fmt("kl_approx", ".2e"),
+        tok_s=fmt("tokens_per_s", ".0f"),
     )
 
 

@@ -14,10 +14,11 @@ replays exactly the same steps and the data position in a checkpoint is just a s
 * Epoch e >= 1 reuses those micro-batches in an order shuffled by a generator seeded with
   (seed, iteration, e), cut again into steps of about `tokens_per_step` tokens (or rows).
 * Rows that cannot move the loss (advantage 0 while no KL or entropy term is on: their
-  gradient is exactly zero) keep their place in the plan, in their step's counts and hence in
-  its normaliser, but are left out of its micro-batches (`active`): a step of such rows alone
-  runs no forward pass and still takes its optimizer step (on zero gradients), as it would
-  had they been computed. Diagnostics (clip fraction, KL, entropy, ESS) cover the rows run.
+  gradient is exactly zero) keep their place in the plan (the plan of all rows, every epoch),
+  in their step's counts and hence in its normaliser, but are taken out of its micro-batches
+  (`active`): a step of such rows alone runs no forward pass and still takes its optimizer
+  step (on zero gradients), as it would had they been computed. Diagnostics (clip fraction,
+  KL, entropy, ESS, tokens/s) cover the rows run; a step that runs none records them null.
 * Ranks: micro-batch j of a step goes to rank j % world. A rank with fewer micro-batches than
   the others runs the step's shortest row with weight 0, so that every rank does the same
   number of forward/backward passes (DDP needs it). The global batch of a step, and hence its
@@ -186,7 +187,8 @@ def cut_balanced(tokens: Sequence[int], budget: int) -> list[list[int]]:
 def _step(
     index: int, epoch: int, micro: list[tuple[int, ...]], resp_lens: np.ndarray, active: np.ndarray | None
 ) -> Step:
-    """Counts over every row of the step; micro-batches of its active rows only."""
+    """Counts over every row of the step; its micro-batches keep their active rows only (the plan
+    is the one of all rows, `active` or not, so later epochs reshuffle the same micro-batches)."""
     rows = [i for mb in micro for i in mb]
     lens = resp_lens[rows]  # [n]
     filler = rows[int(np.argmin(lens))]
@@ -213,13 +215,8 @@ def plan_steps(
     budget = sequences_per_step or tokens_per_step
     first: list[list[tuple[int, ...]]] = []
     for rows in cut_balanced(units.tolist(), budget):
-        parts = [rows] if active is None else [[i for i in rows if active[i] == a] for a in (True, False)]
-        first.append([])  # the rows that run and those that do not in separate micro-batches
-        for part in parts:
-            batches = token_budget_batches(
-                [int(seq_lens[i]) for i in part], max_tokens_per_batch, max_padding
-            )
-            first[-1] += [tuple(part[k] for k in b) for b in batches]
+        batches = token_budget_batches([int(seq_lens[i]) for i in rows], max_tokens_per_batch, max_padding)
+        first.append([tuple(rows[k] for k in b) for b in batches])
     steps = [_step(i, 0, micro, resp_lens, active) for i, micro in enumerate(first)]
     micro_all = [mb for micro in first for mb in micro]
     for epoch in range(1, epochs):

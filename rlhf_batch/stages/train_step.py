@@ -71,22 +71,24 @@ class StepMetrics:
             log_w = torch.where(mask, logp.detach() - old, 0.0).sum(-1)  # [B]
             self.log_w.append(log_w[mask.any(-1)].double())  # [B']
 
-    def reduce(self) -> dict[str, float]:
+    def reduce(self) -> dict[str, float | None]:
+        """The step's metrics over all ranks; token means and ESS are None when no token ran."""
         sums = _all_reduce(self.sums).tolist()
-        tokens = max(sums[-1], 1.0)
-        out = dict(zip(LOSSES, sums[: len(LOSSES)], strict=True))
-        out.update({k: v / tokens for k, v in zip(TOKEN_MEANS, sums[len(LOSSES) : -1], strict=True)})
+        self.tokens_run = int(sums[-1])  # response tokens that ran, all ranks
+        out: dict[str, float | None] = dict(zip(LOSSES, sums[: len(LOSSES)], strict=True))
+        means = sums[len(LOSSES) : -1]
+        out.update({k: v / sums[-1] if sums[-1] else None for k, v in zip(TOKEN_MEANS, means, strict=True)})
         out["ess"] = self._ess()
         return out
 
-    def _ess(self) -> float:
+    def _ess(self) -> float | None:
         """(sum w)^2 / (n sum w^2) over the step's sequences, w = exp(log_w), shifted by the max."""
         log_w = torch.cat(self.log_w) if self.log_w else self.sums.new_zeros(0)  # [n]
         top = log_w.max() if len(log_w) else self.sums.new_tensor(-1e300)  # []
         top = _all_reduce(top.clone(), "max")
         w = torch.exp(log_w - top)  # [n], <= 1
         s1, s2, n = _all_reduce(torch.stack([w.sum(), (w * w).sum(), w.new_tensor(len(w))])).tolist()
-        return s1 * s1 / (n * s2) if n else 0.0
+        return s1 * s1 / (n * s2) if n else None
 
 
 @dataclass
@@ -150,6 +152,8 @@ class Trainer:
                 (out.loss * (weight * self.world)).backward()  # type: ignore[no-untyped-call]
             metrics.add(out, mask, logp, td["old_logprobs"], weight)
         if not work:  # no row of the step can move the loss (train_data): AdamW steps on zeros
+            # (every trainable parameter: one that its rows would have left without a gradient,
+            # a mixture-of-experts expert no token reached, takes this step too)
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
@@ -174,7 +178,7 @@ class Trainer:
             grad_norm=grad_norm,
             tokens=step.tokens,
             sequences=step.sequences,
-            tokens_per_s=step.tokens / max(seconds, 1e-9),
+            tokens_per_s=metrics.tokens_run / max(seconds, 1e-9),  # the response tokens that ran
         )
         return row
 

@@ -162,21 +162,27 @@ def test_plan_with_sequences_per_step_counts_rows_not_tokens() -> None:
 
 
 def test_plan_leaves_idle_rows_out_of_the_micro_batches_not_out_of_the_counts() -> None:
-    # 6 rows of 2 response tokens, 2 rows per step; rows 0, 1 and 3 idle (advantage 0)
+    # 6 rows of 2 response tokens, 2 rows per step, 2 epochs; rows 0, 1 and 3 idle (advantage 0)
     resp, seq = np.array([2] * 6), np.array([5] * 6)
     active = np.array([False, False, True, False, True, True])
     plan = plan_steps(resp, seq, 15, 100, 2, (0, 0), sequences_per_step=2, active=active)
-    full = plan_steps(resp, seq, 15, 100, 1, (0, 0), sequences_per_step=2)
-    # epoch 0: the steps of the plan without `active`: rows (0, 1), (2, 3), (4, 5), each counting
-    # 2 rows x 2 tokens; step 0 runs nothing, step 1 row 2 alone
-    assert (
-        [(s.tokens, s.sequences) for s in plan[:3]] == [(s.tokens, s.sequences) for s in full] == [(4, 2)] * 3
-    )
+    full = plan_steps(resp, seq, 15, 100, 2, (0, 0), sequences_per_step=2)
+    # epoch 0: rows (0, 1), (2, 3), (4, 5), each step counting 2 rows x 2 tokens; step 0 runs
+    # nothing, step 1 row 2 alone
+    assert [(s.tokens, s.sequences) for s in plan[:3]] == [(4, 2)] * 3
     assert [s.micro for s in plan[:3]] == [(), ((2,),), ((4, 5),)]
-    # epoch 1 cuts the 4 micro-batches (0, 1), (2,), (3,), (4, 5) again into steps of ~2 rows:
-    # every row is counted once more, no idle row runs
-    assert sum(s.sequences for s in plan[3:]) == 6 and sum(s.tokens for s in plan[3:]) == 12
-    assert sorted(i for s in plan[3:] for mb in s.micro for i in mb) == [2, 4, 5]
+    # every step of both epochs is the step of all rows, counts included, without its idle rows
+    assert len(plan) == len(full) == 6
+    for p, f in zip(plan, full, strict=True):
+        assert (p.index, p.epoch, p.tokens, p.sequences, p.filler) == (
+            f.index,
+            f.epoch,
+            f.tokens,
+            f.sequences,
+            f.filler,
+        )
+        kept = [tuple(i for i in mb if active[i]) for mb in f.micro]
+        assert p.micro == tuple(mb for mb in kept if mb)
 
 
 def test_step_for_rank_pads_short_ranks_with_a_zero_weight_row() -> None:
@@ -477,47 +483,63 @@ def test_bf16_autocast_step_on_cpu(make_config, tiny_model: Path) -> None:
     assert bf["grad_norm"] == pytest.approx(f32["grad_norm"], rel=1e-2)
 
 
-def test_rows_of_advantage_zero_are_not_run_and_change_nothing(make_config, tiny_model: Path) -> None:
+def test_rows_of_advantage_zero_are_not_run_and_change_nothing(
+    make_config, tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Without KL or entropy terms a row of advantage 0 has a zero gradient: the plan skips its
     forward pass but keeps it in the step's normaliser. Trained both ways, the weights agree."""
+    from rlhf_batch.query import print_status
+    from rlhf_batch.report import write_report
     from rlhf_batch.stages.train_data import load_rows
 
-    # 8 rows, 4 per step: step 0 holds rows 0-3, all of advantage 0; step 1 rows 4-7, two of them 0
+    # 8 rows, 4 per step, 2 epochs: rows 0-3 all of advantage 0, rows 4-7 two of them 0; epoch 1
+    # runs the same two micro-batches as steps again, in a seeded order
     adv = [0.0, 0.0, 0.0, 0.0, 0.9, 0.0, -1.2, 0.0]
     table = make_table(tiny_model, *random_lengths(8), advantages=adv, old_shift=0.05)
-    _, cfg = make_config(train_toml(lr=1e-4, sequences_per_step=4))
+    _, cfg = make_config(train_toml(lr=1e-4, sequences_per_step=4, ppo_epochs=2))
     data = load_rows(write_advantages(cfg.run_dir, table))
     active = train._active_rows(cfg.train, data)
     assert active is not None and active.tolist() == [a != 0 for a in adv]
-    plan = plan_steps(
-        data.resp_lens, data.seq_lens, 10**6, 10**6, 1, (0, 0), sequences_per_step=4, active=active
-    )
-    full = plan_steps(data.resp_lens, data.seq_lens, 10**6, 10**6, 1, (0, 0), sequences_per_step=4)
-    assert [[sorted(mb) for mb in s.micro] for s in plan] == [[], [[4, 6]]]  # one micro-batch, longest first
-    assert [len(s.micro[0]) for s in full] == [4, 4]
+    args = (data.resp_lens, data.seq_lens, 10**6, 10**6, 2, (0, 0))
+    plan = plan_steps(*args, sequences_per_step=4, active=active)
+    full = plan_steps(*args, sequences_per_step=4)
+    idle = [i for i, s in enumerate(plan) if not s.micro]  # steps of rows 0-3
+    assert len(idle) == 2 and [sorted(plan[i].micro[0]) for i in range(4) if i not in idle] == [[4, 6]] * 2
+    assert [len(s.micro[0]) for s in full] == [4, 4, 4, 4]
     out = {}
     for name, steps in (("skipped", plan), ("run", full)):
         trainer = train.build_trainer(cfg, str(tiny_model), data, steps)
         rows = [trainer.step(s) for s in steps]
         out[name] = (rows, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
     (skipped, w_skip), (run, w_run) = out["skipped"], out["run"]
-    # step 0: zero gradient either way (every term of the loss is a multiple of A = 0); AdamW still
-    # steps, its weight decay alone moving the weights, identically in both
-    assert skipped[0]["grad_norm"] == run[0]["grad_norm"] == 0.0
-    # the normaliser counts rows 5 and 7 too: the loss of step 1 is the same number both ways
-    assert (
-        [r["tokens"] for r in skipped]
-        == [r["tokens"] for r in run]
-        == [
-            int(data.resp_lens[:4].sum()),
-            int(data.resp_lens[4:].sum()),
-        ]
+    for i in idle:
+        # zero gradient either way (every term of the loss is a multiple of A = 0); AdamW still
+        # steps (its moments decay, weight decay applies), identically in both
+        assert skipped[i]["grad_norm"] == run[i]["grad_norm"] == 0.0
+        # no row ran: no token means, no ESS, no tokens/s (the run's are numbers)
+        assert [skipped[i][k] for k in ("ratio_mean", "clip_fraction", "entropy", "ess")] == [None] * 4
+        assert skipped[i]["tokens_per_s"] == 0.0 and run[i]["ratio_mean"] > 0 and run[i]["ess"] > 0
+    # the normaliser counts rows 5 and 7 too: the loss of a mixed step is the same number both ways
+    assert [r["tokens"] for r in skipped] == [r["tokens"] for r in run]
+    assert sorted({r["tokens"] for r in run}) == sorted(
+        {int(data.resp_lens[:4].sum()), int(data.resp_lens[4:].sum())}
     )
-    assert skipped[1]["loss"] == pytest.approx(run[1]["loss"], abs=1e-7)
-    assert skipped[1]["grad_norm"] == pytest.approx(run[1]["grad_norm"], rel=1e-5)
+    for a, b in zip(skipped, run, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     initial = {k: v for k, v in weights(tiny_model).items() if k in w_skip}
     w_skip, w_run = ({k: v for k, v in w.items() if k in initial} for w in (w_skip, w_run))  # tied head once
     assert max_diff(w_skip, w_run) < 1e-6 < 1e-5 < max_diff(w_skip, initial)
+    # the stage writes the idle steps' token means as nulls, which status and the report skip
+    train.run(cfg, 0, quiet=True)
+    steps_table = metrics(cfg.run_dir)
+    # (its plan cuts micro-batches by train.max_padding: epoch 0's first step, rows 0-3, is idle)
+    assert steps_table.num_rows == 4 and steps_table["ratio_mean"][0].as_py() is None
+    write_report(cfg.run_dir, tensorboard=True)
+    assert (Path(cfg.run_dir) / "report" / "train.png").is_file()
+    print_status(cfg.run_dir)
+    status = capsys.readouterr().out
+    assert "train" in status and "nan" not in status.lower()
     # with an entropy term every row moves the loss: nothing is skipped
     _, cfg_e = make_config(train_toml(entropy_coef=0.01), name="e.toml")
     assert train._active_rows(cfg_e.train, data) is None
