@@ -251,13 +251,13 @@ def pass_rows(vocab: int) -> int:
 
 class _Buffers:
     """Buffers of one `_LinearLogprobs` pass: the logits [rows, V] in the head's dtype (`lo`) and
-    two float32 ones [pass_rows, V] (`a`: the scaled logits, then what a pass derives from them;
+    two float32 ones [slice_rows, V] (`a`: the scaled logits, then what a pass derives from them;
     `b`); `a` is `lo` when that is float32."""
 
-    def __init__(self, rows: int, w: torch.Tensor, pass_rows: int | None = None):
-        pass_rows = rows if pass_rows is None else min(rows, pass_rows)
+    def __init__(self, rows: int, w: torch.Tensor, slice_rows: int | None = None):
+        slice_rows = rows if slice_rows is None else min(rows, slice_rows)
         self.lo = torch.empty(rows, w.shape[0], dtype=w.dtype, device=w.device)
-        self.b = torch.empty(pass_rows, w.shape[0], dtype=torch.float32, device=w.device)
+        self.b = torch.empty(slice_rows, w.shape[0], dtype=torch.float32, device=w.device)
         self.a = self.lo if w.dtype == torch.float32 else torch.empty_like(self.b)
 
     def logits(self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

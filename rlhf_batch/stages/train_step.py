@@ -61,6 +61,7 @@ class StepMetrics:
     def __init__(self, device: Any):
         self.sums = torch.zeros(len(LOSSES) + len(TOKEN_MEANS) + 1, dtype=torch.float64, device=device)
         self.log_w: list[torch.Tensor] = []
+        self.tokens_run = 0  # response tokens that ran, all ranks (set by `reduce`)
 
     def add(self, out: Any, mask: torch.Tensor, logp: torch.Tensor, old: torch.Tensor, weight: float) -> None:
         n = mask.sum().double() * weight  # []
@@ -74,7 +75,7 @@ class StepMetrics:
     def reduce(self) -> dict[str, float | None]:
         """The step's metrics over all ranks; token means and ESS are None when no token ran."""
         sums = _all_reduce(self.sums).tolist()
-        self.tokens_run = int(sums[-1])  # response tokens that ran, all ranks
+        self.tokens_run = int(sums[-1])
         out: dict[str, float | None] = dict(zip(LOSSES, sums[: len(LOSSES)], strict=True))
         means = sums[len(LOSSES) : -1]
         out.update({k: v / sums[-1] if sums[-1] else None for k, v in zip(TOKEN_MEANS, means, strict=True)})
