@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ import torch
 from rlhf_batch import models
 
 MATMUL_ATTENTION = "rlhf_batch_matmul"
+PREFIX_ATTENTION = "rlhf_batch_prefix"
 MAX_SCORES = 1 << 24  # elements of one call's probabilities (32 MB in bf16; beyond, SDPA is as fast)
 _EXTRAS = ("softcap", "s_aux", "sinks", "position_bias", "cache")  # what only SDPA handles
 
@@ -170,8 +172,9 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(MATMUL_ATTENTION, matmul_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(MATMUL_ATTENTION, sdpa_mask)  # the masks SDPA takes
+    for name, fn in ((MATMUL_ATTENTION, matmul_attention), (PREFIX_ATTENTION, prefix_attention)):
+        AttentionInterface.register(name, fn)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)  # the masks SDPA takes
 
 
 def use_matmul_attention(model: Any) -> None:
@@ -194,3 +197,109 @@ def matmul_attention_for(model: Any) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = "sdpa"
+
+
+# ---------------------------------------------------------------- responses after shared prompts
+
+
+@dataclass
+class PromptPrefix:
+    """What `prefix_attention` attends to besides the responses themselves: per layer, each
+    prompt's keys and values [KV, P_j, D] (each prompt once, however many rows continue it), and
+    the batch's rows as spans (prompt j, first row, end row): rows continuing one prompt are
+    adjacent."""
+
+    keys: list[list[torch.Tensor]]
+    values: list[list[torch.Tensor]]
+    spans: list[tuple[int, int, int]]
+
+
+def prefix_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    *,
+    prompt_prefix: PromptPrefix,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A transformers attention function for responses run after their prompts: query [b, H, R,
+    D], key / value [b, KV, R, D] of right-padded responses -> ([b, R, H, D], None), each row
+    attending to its prompt's keys and causally to its own response's.
+
+    Two attentions and their merge, instead of one over a cache of every row's prompt padded to
+    the batch's longest (with a mask): each row's causal attention over its response
+    (right-padded: a real position sees no pad), and the queries of the rows that continue
+    prompt j against its keys, held once ([1, H, n_j R, D] x [1, KV, P_j, D]: no mask, no
+    padding, no key repeated per row).
+    """
+    if attention_mask is not None or (dropout and module.training):
+        raise ValueError("prefix attention takes no attention mask and no dropout")
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    dtype = _dtype(query)
+    layer = module.layer_idx
+    _, h, r, d = query.shape
+    with torch.autocast(query.device.type, enabled=False):
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        out, lse = attend_with_lse(query, key, value, True, scale)  # [b, H, R, D], [b, H, R]
+        for j, s, e in prompt_prefix.spans:
+            q = query[s:e].transpose(0, 1).reshape(1, h, (e - s) * r, d)  # [1, H, n R, D]
+            k, v = prompt_prefix.keys[layer][j][None], prompt_prefix.values[layer][j][None]  # [1, KV, P, D]
+            o, lp = attend_with_lse(q, k.to(dtype), v.to(dtype), False, scale)  # [1, H, n R, D], [1, H, n R]
+            o, lp = o.view(h, e - s, r, d).transpose(0, 1), lp.view(h, e - s, r).transpose(0, 1)
+            merge_attention_(out[s:e], lse[s:e], o, lp)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def attend_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    causal: bool,
+    scale: float,
+    fused: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of query [b, H, q, D] over key / value [b, KV, L, D] (H a multiple of
+    KV; causal: query i sees keys 0..i) -> (out [b, H, q, D] in the query's dtype, the log of each
+    query's softmax normaliser [b, H, q] float32). `fused` (default: on a CPU): torch's CPU
+    flash-attention kernel, which returns both; else float32 matmuls."""
+    if query.device.type == "cpu" if fused is None else fused:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale
+        )
+        return out, lse
+    g = query.shape[1] // key.shape[1]
+    k, v = key.float().repeat_interleave(g, 1), value.float().repeat_interleave(g, 1)  # [b, H, L, D]
+    scores = query.float() @ k.transpose(-1, -2) * scale  # [b, H, q, L]
+    if causal:
+        scores = scores.masked_fill(
+            torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1), float("-inf")
+        )
+    lse = scores.logsumexp(-1)  # [b, H, q]
+    return ((scores - lse[..., None]).exp() @ v).to(query.dtype), lse
+
+
+def merge_attention_(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> None:
+    """Attentions of the same queries over two disjoint sets of keys ([..., D] outputs, [...]
+    float32 log-normalisers) -> the attention over both sets, into `out_a`: softmax over the union
+    weighs part b's output by its share of the normaliser, e^lse_b / (e^lse_a + e^lse_b) =
+    sigmoid(lse_b - lse_a). One fused `lerp` (the weight in the outputs' dtype)."""
+    out_a.lerp_(out_b, torch.sigmoid(lse_b - lse_a)[..., None].to(out_a.dtype))
+
+
+@contextlib.contextmanager
+def prefix_attention_for(model: Any) -> Iterator[None]:
+    """The model's attention modules run `prefix_attention` for the duration of the block."""
+    config: Any = model.config
+    before = config._attn_implementation
+    _register()
+    config._attn_implementation = PREFIX_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlhf_batch.attention import PromptPrefix, prefix_attention_for
 from rlhf_batch.core.batching import token_budget_batches
 from rlhf_batch.core.logprobs import chunked_logprobs
 
@@ -91,7 +92,7 @@ def response_logprobs(
     out = model.get_decoder()(input_ids=ids)
     hidden, head = out.last_hidden_state[:, :-1][sel], output_head(model)  # [N, H]
     vocab = int(model.config.get_text_config().vocab_size)
-    chunk = chunk_size or default_chunk_size(vocab, inference=not torch.is_grad_enabled())
+    chunk = chunk_size or default_chunk_size(vocab)
     lp, ent = chunked_logprobs(hidden, head, targets, temperature, chunk, with_entropy)  # [N]
     r_lens = seq_lens - p_lens  # [B]
     width = int(r_lens.max()) if len(seqs) else 0
@@ -120,14 +121,15 @@ def can_share_prefix(model: Any) -> bool:
     )
 
 
-def default_chunk_size(vocab_size: int, inference: bool = False) -> int:
-    """LM-head rows per chunk so that a chunk's float32 logits stay near 8 MB, small enough for
-    the log-softmax passes over them to run from the CPU's cache (65 rows at vocab 32000, 32 at
-    131072), never below 32 rows (a head matmul of fewer rows runs far below the peak) nor above
-    4096. `inference` (no backward to recompute them for): near 32 MB (262 rows at vocab 32000),
-    where the head's matmul over more rows gains more than the passes lose (bf16 score stage
-    +4-7% tokens/s against 65 rows, 2 A/B rounds; with backward, 65 rows measured fastest)."""
-    return max(32, min(4096, (1 << (23 if inference else 21)) // max(1, vocab_size)))
+def default_chunk_size(vocab_size: int) -> int:
+    """LM-head rows per chunk: 512, enough for the head's matmul to run near the peak (its
+    float32 passes run over a few rows at a time whatever the chunk: core.logprobs.pass_rows),
+    or up to 4096 where 2^21 logits hold more rows (a small vocabulary). Bf16 on a CPU with AMX,
+    log-probs of 8192 rows (forward) / 2048 rows (forward + backward): vocab 32000 x 512, 39.7
+    against 41.5 us a row at 262 rows / 201 against 219 at 65; vocab 151936 x 896, 266 against
+    504 at 55 rows / 1396 against 2963 at 32. The chunk's logits [512, V] in the head's dtype:
+    33 MB at vocab 32000 in bf16, 156 MB at 151936."""
+    return min(4096, max(512, (1 << 21) // max(1, vocab_size)))
 
 
 def shared_prefix_logprobs(
@@ -143,40 +145,37 @@ def shared_prefix_logprobs(
     """Log-probs [len(response)] float32 of `responses[i]` after `prompts[prompt_of[i]]`, each
     prompt run through the decoder once (the G samples of a GRPO group share it).
 
-    The prompts' keys and values are kept; responses are run in batches of similar length
-    (<= `max_tokens` response tokens, <= 4 x `max_tokens` cached positions) on top of them, with
-    position ids continuing each row's prompt. Same numbers as `response_logprobs` on the full
-    sequences up to float rounding; only for `can_share_prefix` models.
+    The prompts' keys and values are kept, once per prompt; responses are run in batches of
+    similar length (<= `max_tokens` response tokens, <= 4 x `max_tokens` with their prompts'
+    positions) with position ids continuing each row's prompt, and attend to their prompt's keys
+    through `attention.prefix_attention` (no per-row copy of the prompt, no padding to the
+    batch's longest prompt). Same numbers as `response_logprobs` on the full sequences up to
+    float rounding; only for `can_share_prefix` models.
     """
     device = next(model.parameters()).device
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    chunk = default_chunk_size(head.weight.shape[0], inference=not torch.is_grad_enabled())
+    chunk = default_chunk_size(head.weight.shape[0])
     keys, values, last = _prefill(
         decoder, prompts, pad_id, max_tokens, device
-    )  # [layers][kvh, sum P, d], [n, H]
-    starts = [0]
-    for p in prompts:
-        starts.append(starts[-1] + len(p))
+    )  # [layers][n][kvh, P, d], [n, H]
     out: list[torch.Tensor] = [torch.zeros(0)] * len(responses)
     for rows in _response_batches(
         [len(r) for r in responses], [len(prompts[j]) for j in prompt_of], max_tokens
     ):
+        rows = sorted(rows, key=lambda i: prompt_of[i])  # the rows of one prompt adjacent
         p_lens = [len(prompts[prompt_of[i]]) for i in rows]
         r_lens = [len(responses[i]) for i in rows]
-        width = max(p_lens)
-        cache = _prompt_cache(keys, values, [starts[prompt_of[i]] for i in rows], p_lens)
         ids, r_attn = pad_right([responses[i] for i in rows], pad_id, device)  # [b, R]
-        p_attn = (torch.arange(width)[None, :] < torch.tensor(p_lens)[:, None]).long().to(device)  # [b, P]
         pos = torch.tensor(p_lens, device=device)[:, None] + torch.arange(
             ids.shape[1], device=device
         )  # [b, R]
-        hid = decoder(
-            input_ids=ids,
-            attention_mask=torch.cat([p_attn, r_attn], 1),
-            position_ids=pos,
-            past_key_values=cache,
-            use_cache=True,
-        ).last_hidden_state  # [b, R, H]
+        starts = [k for k in range(len(rows)) if k == 0 or prompt_of[rows[k]] != prompt_of[rows[k - 1]]]
+        spans = [(prompt_of[rows[s]], s, e) for s, e in zip(starts, [*starts[1:], len(rows)], strict=True)]
+        prefix = PromptPrefix(keys, values, spans)
+        with prefix_attention_for(decoder):  # right-padded, causal: no mask (as in response_logprobs)
+            hid = decoder(
+                input_ids=ids, position_ids=pos, use_cache=False, prompt_prefix=prefix
+            ).last_hidden_state  # [b, R, H]
         h = torch.cat(
             [
                 torch.cat([last[prompt_of[i]][None], hid[k, : r - 1]])
@@ -190,34 +189,16 @@ def shared_prefix_logprobs(
     return out
 
 
-def _prompt_cache(
-    keys: list[torch.Tensor], values: list[torch.Tensor], starts: list[int], p_lens: list[int]
-) -> Any:
-    """A KV cache [b, kvh, P, d] per layer holding each row's prompt, gathered from the prompts'
-    concatenated keys and values [kvh, sum P, d] (row k's prompt starts at starts[k])."""
-    from transformers import DynamicCache
-
-    width = max(p_lens)
-    idx = torch.tensor(
-        [[s + min(t, p - 1) for t in range(width)] for s, p in zip(starts, p_lens, strict=True)],
-        device=keys[0].device,
-    )  # [b, P] positions in the concatenated prompts (padding repeats a real one, masked out)
-    cache = DynamicCache()
-    for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
-        cache.update(k[:, idx].transpose(0, 1), v[:, idx].transpose(0, 1), layer)  # [b, kvh, P, d]
-    return cache
-
-
 def _prefill(
     decoder: Any, prompts: Sequence[Sequence[int]], pad_id: int, max_tokens: int, device: Any
-) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """Each prompt once through the decoder: per layer keys and values [kvh, sum P, d] (prompts
-    concatenated in order) and the last prompt position's hidden state [n, H]."""
+) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], torch.Tensor]:
+    """Each prompt once through the decoder: per layer each prompt's keys and values [kvh, P, d]
+    and the last prompt position's hidden state [n, H]."""
     from transformers import DynamicCache
 
     n_layers = decoder.config.num_hidden_layers
-    ks: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n_layers)]
-    vs: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n_layers)]
+    keys: list[list[Any]] = [[None] * len(prompts) for _ in range(n_layers)]
+    values: list[list[Any]] = [[None] * len(prompts) for _ in range(n_layers)]
     last: list[Any] = [None] * len(prompts)
     for batch in token_budget_batches([len(p) for p in prompts], max_tokens):
         ids, _ = pad_right([prompts[j] for j in batch], pad_id, device)  # [b, P] right-padded
@@ -228,10 +209,8 @@ def _prefill(
             p = len(prompts[j])
             last[j] = hid[k, p - 1]  # [H]
             for layer in range(n_layers):
-                ks[layer].append((j, cache.layers[layer].keys[k, :, :p]))  # [kvh, p, d]
-                vs[layer].append((j, cache.layers[layer].values[k, :, :p]))
-    keys = [torch.cat([t for _, t in sorted(x, key=lambda e: e[0])], 1) for x in ks]  # [kvh, sum P, d]
-    values = [torch.cat([t for _, t in sorted(x, key=lambda e: e[0])], 1) for x in vs]
+                keys[layer][j] = cache.layers[layer].keys[k, :, :p]  # [kvh, p, d]
+                values[layer][j] = cache.layers[layer].values[k, :, :p]
     return keys, values, torch.stack(last)
 
 

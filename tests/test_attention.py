@@ -280,3 +280,65 @@ def test_a_bf16_model_scores_and_trains_through_it_as_through_sdpa(tmp_path: Pat
     lp_sdpa, grad_sdpa = run("sdpa")
     assert float((lp - lp_sdpa).abs().max()) < 0.05  # tests/test_bf16_path.py's tolerance
     assert float((grad - grad_sdpa).abs().max()) < 0.05 * float(grad_sdpa.abs().max())
+
+
+# ---------------------------------------------------------------- responses after shared prompts
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_attend_with_lse_by_hand(fused: bool) -> None:
+    # one head, D = 2, scale 1; query (1, 0) against keys (0, 0) and (ln 3, 0): scores 0 and ln 3,
+    # softmax weights 1/4 and 3/4, normaliser ln(1 + 3) = ln 4; values 1 and 5 (first component)
+    # -> output 1/4 * 1 + 3/4 * 5 = 4. Causal with 2 queries: the first sees key 0 alone -> value
+    # 1, normaliser ln e^(q0 . k0) = 0.
+    q = torch.tensor([[[[1.0, 0.0], [1.0, 0.0]]]])  # [1, 1, 2, 2]
+    k = torch.tensor([[[[0.0, 0.0], [float(torch.log(torch.tensor(3.0))), 0.0]]]])
+    v = torch.tensor([[[[1.0, 0.0], [5.0, 0.0]]]])
+    out, lse = attention.attend_with_lse(q, k, v, False, 1.0, fused=fused)
+    assert out[0, 0, :, 0].tolist() == pytest.approx([4.0, 4.0], abs=1e-6)
+    assert lse[0, 0].tolist() == pytest.approx([1.3862944, 1.3862944], abs=1e-6)  # ln 4
+    out, lse = attention.attend_with_lse(q, k, v, True, 1.0, fused=fused)
+    assert out[0, 0, :, 0].tolist() == pytest.approx([1.0, 4.0], abs=1e-6)
+    assert lse[0, 0].tolist() == pytest.approx([0.0, 1.3862944], abs=1e-6)
+
+
+def test_merge_attention_by_hand() -> None:
+    # part a: one key, output 2, normaliser e^0 = 1; part b: output 6, normaliser 3 (lse ln 3);
+    # over both: (1 * 2 + 3 * 6) / (1 + 3) = 5
+    out = torch.tensor([[2.0]])
+    attention.merge_attention_(out, torch.tensor([0.0]), torch.tensor([[6.0]]), torch.tensor([1.0986123]))
+    assert out.item() == pytest.approx(5.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_prefix_attention_equals_attention_over_prompt_and_response(
+    monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    # 3 rows, rows 0 and 1 continue prompt 0 (5 positions), row 2 prompt 1 (3 positions); responses
+    # of 4 positions. Reference: each row's queries over [its prompt's keys, its response's keys]
+    # with the response part causal, in float64.
+    if not fused:
+        real = attention.attend_with_lse
+        monkeypatch.setattr(attention, "attend_with_lse", lambda *a: real(*a, fused=False))
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 8, 4, 16, generator=g)  # [b, H, R, D]
+    k, v = torch.randn(3, 2, 4, 16, generator=g), torch.randn(3, 2, 4, 16, generator=g)  # [b, KV, R, D]
+    pk = [torch.randn(2, 5, 16, generator=g), torch.randn(2, 3, 16, generator=g)]  # [KV, P, D]
+    pv = [torch.randn(2, 5, 16, generator=g), torch.randn(2, 3, 16, generator=g)]
+    heads = Heads()
+    heads.layer_idx = 0
+    prefix = attention.PromptPrefix([pk], [pv], [(0, 0, 2), (1, 2, 3)])
+    got, _ = attention.prefix_attention(heads, q, k, v, None, scaling=0.25, prompt_prefix=prefix)
+    assert got.shape == (3, 4, 8, 16)
+    for row, j in enumerate([0, 0, 1]):
+        keys = torch.cat([pk[j], k[row]], 1)[None]  # [1, KV, P + R, D]
+        values = torch.cat([pv[j], v[row]], 1)[None]
+        p = pk[j].shape[1]
+        keep = torch.ones(4, p + 4, dtype=torch.bool)
+        keep[:, p:] = torch.ones(4, 4, dtype=torch.bool).tril()  # causal over the response
+        want = _reference(q[row : row + 1], keys, values, keep[None, None], 0.25)
+        assert float((got[row : row + 1].double() - want).abs().max()) < 1e-5
+    with pytest.raises(ValueError, match="no attention mask"):
+        attention.prefix_attention(
+            heads, q, k, v, torch.ones(3, 1, 4, 4, dtype=torch.bool), prompt_prefix=prefix
+        )

@@ -96,15 +96,13 @@ def test_prompt_chunks_keep_groups_whole() -> None:
     assert _prompt_chunks([0, 1, 0, 2, 1, 1, 0], [3, 6, 1], 7) == [[0, 2, 6], [1, 4, 5, 3]]
 
 
-def test_default_chunk_size_bounds_the_logits_of_a_chunk() -> None:
-    # 2^21 float32 logits = 8 MB: 2^21 / 32000 = 65.5 -> 65 rows; 2^21 / 131072 = 16 -> floored to 32
-    assert default_chunk_size(32000) == 65
-    assert default_chunk_size(131072) == 32
-    assert default_chunk_size(105) == 4096  # 2^21 / 105 = 19972, capped
-    assert default_chunk_size(10**6) == 32  # floored
-    # no backward: 32 MB, 2^23 / 32000 = 262 rows; 2^23 / 131072 = 64
-    assert default_chunk_size(32000, inference=True) == 262
-    assert default_chunk_size(131072, inference=True) == 64
+def test_default_chunk_size_gives_the_head_matmul_rows() -> None:
+    # 512 rows unless 2^21 logits hold more: 2^21 / 32000 = 65 and 2^21 / 131072 = 16 -> 512;
+    # 2^21 / 2048 = 1024 rows; 2^21 / 105 = 19972 -> capped at 4096
+    assert default_chunk_size(32000) == 512
+    assert default_chunk_size(131072) == 512
+    assert default_chunk_size(2048) == 1024
+    assert default_chunk_size(105) == 4096
 
 
 def test_sampler_per_row_budgets(tiny_model: Path) -> None:
@@ -208,3 +206,23 @@ def test_models_with_a_logit_transform_are_scored_in_chunks_like_their_own_forwa
                 torch.arange(p - 1, len(s) - 1), torch.tensor(s[p:])
             ]
             assert (bare_lp - want).abs().max() > 1e-3, arch
+
+
+def test_shared_prompts_in_bf16_stay_within_bf16_rounding_of_float32(tmp_path: Path) -> None:
+    # the bf16 path (the CPU flash kernel's bf16 attention over prompt and response, merged) against
+    # float32 full sequences: log-probs up to ~5 in magnitude, bf16 keeps 8 bits (relative 2^-8 =
+    # 0.004 per rounding, a few roundings deep) -> within 2e-2; dropping the prompt part or the
+    # causal response part moves them by more than 0.1 on this model.
+    path = init_model(tmp_path / "m", arch="qwen2", seed=3)
+    with torch.inference_mode():
+        f32 = torch.cat(plain(load_model(str(path), "policy", dtype="float32"), ROWS, 0.7))
+        got = shared_prefix_logprobs(
+            load_model(str(path), "policy", dtype="bfloat16"),
+            PROMPTS,
+            [r for _, r in ROWS],
+            [j for j, _ in ROWS],
+            0.7,
+            pad_id=1,
+            max_tokens=16,
+        )
+    assert float((torch.cat(got) - f32).abs().max()) < 2e-2

@@ -194,28 +194,32 @@ class _LinearLogprobs(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
         grad_w = grad_b = part = None
         rows = max(chunk, min(n, ctx.block_bytes // max(1, v * w.element_size())))
-        buf = _Buffers(min(chunk, n), w)
+        passes = pass_rows(v)
+        buf = _Buffers(min(chunk, n), w, passes)
         for b0 in range(0, n, rows):
             b1 = min(n, b0 + rows)
             h = hidden[b0:b1].to(w.dtype)  # [R, H]
             dx = torch.empty(b1 - b0, v, dtype=w.dtype, device=w.device)  # [R, V]
             for c0 in range(b0, b1, chunk):
                 c1 = min(b1, c0 + chunk)
-                x = buf.scaled_logits(h[c0 - b0 : c1 - b0], w, b, ctx.temperature)  # [c, V]
-                logp = x.sub_(lse[c0:c1, None])  # [c, V]
-                g = torch.exp(logp, out=buf.b[: c1 - c0])  # [c, V] p
-                if g_ent is not None:  # coef = g_ent (logp + H) + g_lp
-                    coef = logp.add_(ent[c0:c1, None]).mul_(g_ent[c0:c1, None])  # [c, V]
-                    g.mul_(coef if g_lp is None else coef.add_(g_lp[c0:c1, None])).neg_()
-                elif g_lp is not None:
-                    g.mul_(g_lp[c0:c1, None]).neg_()
-                else:
-                    g.zero_()
-                if g_lp is not None:
-                    g.scatter_add_(-1, targets[c0:c1, None], g_lp[c0:c1, None])
-                if ctx.temperature != 1.0:
-                    g.div_(ctx.temperature)
-                dx[c0 - b0 : c1 - b0] = g
+                logits = buf.logits(h[c0 - b0 : c1 - b0], w, b)  # [c, V] in w's dtype
+                for s0 in range(c0, c1, passes):  # the float32 passes, a few rows at a time
+                    s1 = min(c1, s0 + passes)
+                    x = buf.scaled(logits[s0 - c0 : s1 - c0], ctx.temperature)  # [s, V]
+                    logp = x.sub_(lse[s0:s1, None])  # [s, V]
+                    g = torch.exp(logp, out=buf.b[: s1 - s0])  # [s, V] p
+                    if g_ent is not None:  # coef = g_ent (logp + H) + g_lp
+                        coef = logp.add_(ent[s0:s1, None]).mul_(g_ent[s0:s1, None])  # [s, V]
+                        g.mul_(coef if g_lp is None else coef.add_(g_lp[s0:s1, None])).neg_()
+                    elif g_lp is not None:
+                        g.mul_(g_lp[s0:s1, None]).neg_()
+                    else:
+                        g.zero_()
+                    if g_lp is not None:
+                        g.scatter_add_(-1, targets[s0:s1, None], g_lp[s0:s1, None])
+                    if ctx.temperature != 1.0:
+                        g.div_(ctx.temperature)
+                    dx[s0 - b0 : s1 - b0] = g
             if need_h:
                 grad_h[b0:b1] = dx @ w  # type: ignore[index]
             if need_w:  # dx^T @ h [V, H]: one matmul over the block's rows, summed in float32
