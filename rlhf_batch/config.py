@@ -104,7 +104,7 @@ class ScoreConfig:
     kl_target: float = knob(6.0, "score")  # adaptive controller: target KL per sequence
     kl_horizon: int = knob(10000, "score")  # adaptive controller: horizon in rollouts
     # the token budget changes no result (up to rounding): a resume may lower it after an OOM
-    max_tokens_per_batch: int = knob(16384)  # token budget of a forward batch
+    max_tokens_per_batch: int = knob(8192)  # token budget of a forward batch
     rows_per_part: int = knob(2048, "score", "import")
 
     def validate(self) -> None:

@@ -238,18 +238,20 @@ class _LinearLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
-# Rows per float32 pass in forward: the head's matmul runs over a whole chunk (its efficiency
-# needs rows), the float32 copy and log-softmax over [16, V] slices of its output, which stay in
-# the core's cache between passes (over a [262, 32000] chunk they went through memory: 8.5
-# against 11.4 ms per chunk, matmul included, bf16 on a CPU with AMX; the same numbers). A small
-# vocabulary takes more rows per pass, up to PASS_ELEMENTS logits: passes of 16 rows of the
-# demo's 105 cost their calls (a train step's forward 6.3 -> 5.4 ms with whole-chunk passes).
+# Rows per float32 pass, forward and backward: the head's matmul runs over a whole chunk (its
+# efficiency needs rows), the float32 copy and log-softmax (backward: the softmax's gradient)
+# over [16, V] slices of its output, which stay in the core's cache between passes (over a [262,
+# 32000] chunk they went through memory: 8.5 against 11.4 ms per chunk, matmul included, bf16 on
+# a CPU with AMX; the same numbers; forward + backward of 2048 rows: 225 -> 219 us a row at
+# 65-row chunks, 222 -> 205 at 256). A small vocabulary takes more rows per pass, up to
+# PASS_ELEMENTS logits: passes of 16 rows of the demo's 105 cost their calls (a train step's
+# forward 6.3 -> 5.4 ms with whole-chunk passes).
 PASS_ROWS = 16
 PASS_ELEMENTS = 1 << 19  # 16 rows of a 32k vocabulary
 
 
 def pass_rows(vocab: int) -> int:
-    """Rows per float32 pass of `_LinearLogprobs.forward` for a head of `vocab` outputs."""
+    """Rows per float32 pass of `_LinearLogprobs` for a head of `vocab` outputs."""
     return max(PASS_ROWS, PASS_ELEMENTS // max(1, vocab))
 
 
@@ -274,9 +276,3 @@ class _Buffers:
         scales them (in place where they are float32 already)."""
         x = logits if logits.dtype == torch.float32 else self.a[: logits.shape[0]].copy_(logits)
         return x if temperature == 1.0 else x.div_(temperature)
-
-    def scaled_logits(
-        self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperature: float
-    ) -> torch.Tensor:
-        """h [c, H] -> float32 (h @ w.T + b) / temperature [c, V]."""
-        return self.scaled(self.logits(h, w, b), temperature)
