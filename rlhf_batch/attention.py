@@ -265,21 +265,29 @@ def attend_with_lse(
     """Softmax attention of query [b, H, q, D] over key / value [b, KV, L, D] (H a multiple of
     KV; causal: query i sees keys 0..i) -> (out [b, H, q, D] in the query's dtype, the log of each
     query's softmax normaliser [b, H, q] float32). `fused` (default: on a CPU): torch's CPU
-    flash-attention kernel, which returns both; else float32 matmuls."""
+    flash-attention kernel, which returns both; else float32 matmuls over slices of the queries
+    whose scores stay within `MAX_SCORES` elements."""
     if query.device.type == "cpu" if fused is None else fused:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, causal, scale=scale
         )
         return out, lse
-    g = query.shape[1] // key.shape[1]
+    b, h, q, _ = query.shape
+    length = key.shape[2]
+    g = h // key.shape[1]
     k, v = key.float().repeat_interleave(g, 1), value.float().repeat_interleave(g, 1)  # [b, H, L, D]
-    scores = query.float() @ k.transpose(-1, -2) * scale  # [b, H, q, L]
-    if causal:
-        scores = scores.masked_fill(
-            torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1), float("-inf")
-        )
-    lse = scores.logsumexp(-1)  # [b, H, q]
-    return ((scores - lse[..., None]).exp() @ v).to(query.dtype), lse
+    step = max(1, MAX_SCORES // (b * h * length))
+    outs, lses = [], []
+    for s in range(0, q, step):
+        e = min(q, s + step)
+        scores = query[:, :, s:e].float() @ k.transpose(-1, -2) * scale  # [b, H, e - s, L]
+        if causal:  # query s + r sees keys 0..s + r
+            later = torch.ones(e - s, length, dtype=torch.bool, device=scores.device).triu(s + 1)
+            scores = scores.masked_fill(later, float("-inf"))
+        lse = scores.logsumexp(-1)  # [b, H, e - s]
+        outs.append(((scores - lse[..., None]).exp() @ v).to(query.dtype))
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
 
 
 def merge_attention_(

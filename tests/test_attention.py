@@ -302,6 +302,18 @@ def test_attend_with_lse_by_hand(fused: bool) -> None:
     assert lse[0, 0].tolist() == pytest.approx([0.0, 1.3862944], abs=1e-6)
 
 
+def test_attend_with_lse_in_float32_slices_equals_the_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the route off a CPU: float32 matmuls, the queries in slices within MAX_SCORES (here 2 x 8 x
+    # 3 x 9 = 432 elements: slices of 3 queries, the causal mask offset by each slice's start)
+    q, k, v = (t.float() for t in _qkv(2, 9, 9, seed=12))
+    for causal in (False, True):
+        want, want_lse = attention.attend_with_lse(q, k, v, causal, 0.25, fused=True)
+        monkeypatch.setattr(attention, "MAX_SCORES", 432)
+        got, lse = attention.attend_with_lse(q, k, v, causal, 0.25, fused=False)
+        monkeypatch.undo()
+        assert float((got - want).abs().max()) < 1e-5 and float((lse - want_lse).abs().max()) < 1e-5
+
+
 def test_merge_attention_by_hand() -> None:
     # part a: one key, output 2, normaliser e^0 = 1; part b: output 6, normaliser 3 (lse ln 3);
     # over both: (1 * 2 + 3 * 6) / (1 + 3) = 5
