@@ -20,6 +20,9 @@ model while it decodes. Per call it takes one of two routes:
   calls under autograd, dropout, soft-capping, attention sinks, a position bias, per-head
   masks.
 
+`prefix_attention`, the other attention function here, is score's for responses run after
+their shared prompts (`forward.shared_prefix_logprobs`): each prompt's keys held once.
+
 On a CPU with bf16 units (AMD EPYC, AVX512-BF16), a bf16 causal forward + backward of [14, 8,
 286, 64] takes ~65 ms this way against ~100 ms in SDPA's flash kernel on one thread (43-49
 against 56-62 ms on two); for a single bf16 query per row SDPA is several times slower (see
@@ -238,6 +241,8 @@ def prefix_attention(
     """
     if attention_mask is not None or (dropout and module.training):
         raise ValueError("prefix attention takes no attention mask and no dropout")
+    if torch.is_grad_enabled() and query.requires_grad:  # the merge writes the kernel's output in place
+        raise RuntimeError("prefix attention has no backward: run it without gradients")
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     dtype = _dtype(query)
     layer = module.layer_idx

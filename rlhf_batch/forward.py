@@ -92,7 +92,7 @@ def response_logprobs(
     out = model.get_decoder()(input_ids=ids)
     hidden, head = out.last_hidden_state[:, :-1][sel], output_head(model)  # [N, H]
     vocab = int(model.config.get_text_config().vocab_size)
-    chunk = chunk_size or default_chunk_size(vocab)
+    chunk = chunk_size or default_chunk_size(vocab, linear=type(head) is torch.nn.Linear)
     lp, ent = chunked_logprobs(hidden, head, targets, temperature, chunk, with_entropy)  # [N]
     r_lens = seq_lens - p_lens  # [B]
     width = int(r_lens.max()) if len(seqs) else 0
@@ -121,15 +121,19 @@ def can_share_prefix(model: Any) -> bool:
     )
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """LM-head rows per chunk: 512, enough for the head's matmul to run near the peak (its
-    float32 passes run over a few rows at a time whatever the chunk: core.logprobs.pass_rows),
-    or up to 4096 where 2^21 logits hold more rows (a small vocabulary). Bf16 on a CPU with AMX,
-    log-probs of 8192 rows (forward) / 2048 rows (forward + backward): vocab 32000 x 512, 39.7
-    against 41.5 us a row at 262 rows / 201 against 219 at 65; vocab 151936 x 896, 266 against
-    504 at 55 rows / 1396 against 2963 at 32. The chunk's logits [512, V] in the head's dtype:
-    33 MB at vocab 32000 in bf16, 156 MB at 151936."""
-    return min(4096, max(512, (1 << 21) // max(1, vocab_size)))
+def default_chunk_size(vocab_size: int, linear: bool = True) -> int:
+    """LM-head rows per chunk. A plain linear head (`linear`, `core.logprobs.linear_logprobs`):
+    512, enough for its matmul to run near the peak (its float32 passes run over a few rows at a
+    time whatever the chunk: core.logprobs.pass_rows), or up to 4096 where 2^21 logits hold more
+    rows (a small vocabulary). Bf16 on a CPU with AMX, log-probs of 8192 rows (forward) / 2048
+    rows (forward + backward): vocab 32000 x 512, 39.7 against 41.5 us a row at 262 rows / 140
+    against 225 at 65; vocab 151936 x 896, 266 against 504 at 55 rows / 1332 against 2963 at 32.
+    Its logits take [512, V] in the head's dtype (33 MB at vocab 32000 in bf16, 156 MB at 151936).
+    Any other head (a logit transform, LoRA, a quantized layer) runs its float32 passes over the
+    whole chunk: 2^21 logits (8 MB in float32), at least 32 rows and at most 4096."""
+    if linear:
+        return min(4096, max(512, (1 << 21) // max(1, vocab_size)))
+    return max(32, min(4096, (1 << 21) // max(1, vocab_size)))
 
 
 def shared_prefix_logprobs(
@@ -154,7 +158,7 @@ def shared_prefix_logprobs(
     """
     device = next(model.parameters()).device
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    chunk = default_chunk_size(head.weight.shape[0])
+    chunk = default_chunk_size(head.weight.shape[0], linear=type(head) is torch.nn.Linear)
     keys, values, last = _prefill(
         decoder, prompts, pad_id, max_tokens, device
     )  # [layers][n][kvh, P, d], [n, H]

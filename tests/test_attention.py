@@ -350,6 +350,8 @@ def test_prefix_attention_equals_attention_over_prompt_and_response(
         keep[:, p:] = torch.ones(4, 4, dtype=torch.bool).tril()  # causal over the response
         want = _reference(q[row : row + 1], keys, values, keep[None, None], 0.25)
         assert float((got[row : row + 1].double() - want).abs().max()) < 1e-5
+    with pytest.raises(RuntimeError, match="no backward"):
+        attention.prefix_attention(heads, q.requires_grad_(), k, v, None, prompt_prefix=prefix)
     with pytest.raises(ValueError, match="no attention mask"):
         attention.prefix_attention(
             heads, q, k, v, torch.ones(3, 1, 4, 4, dtype=torch.bool), prompt_prefix=prefix

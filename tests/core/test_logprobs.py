@@ -150,8 +150,8 @@ def test_prop_linear_head_equals_plain_values_and_all_gradients(
     seed: int,
 ) -> None:
     # several chunks per block and several blocks (block_bytes = block_rows rows of float32 logits),
-    # forward's float32 passes over slices of pass_rows rows of a chunk, a loss using the log-probs,
-    # the entropies or both (an unused output gets no gradient)
+    # forward's and backward's float32 passes over slices of pass_rows rows of a chunk, a loss using
+    # the log-probs, the entropies or both (an unused output gets no gradient)
     from rlhf_batch.core import logprobs
     from rlhf_batch.core.logprobs import linear_logprobs
 
@@ -160,18 +160,6 @@ def test_prop_linear_head_equals_plain_values_and_all_gradients(
     w = torch.randn(vocab, 4, generator=g).requires_grad_()  # [V, H]
     b = torch.randn(vocab, generator=g).requires_grad_() if bias else None  # [V]
     targets = torch.randint(0, vocab, (n,), generator=g)  # [N]
-    kept = logprobs.PASS_ROWS, logprobs.PASS_ELEMENTS
-    logprobs.PASS_ROWS, logprobs.PASS_ELEMENTS = pass_rows, 0  # pass_rows rows whatever the vocabulary
-    try:
-        lp, ent = linear_logprobs(
-            h, w, b, targets, temperature, chunk, True, block_bytes=block_rows * vocab * 4
-        )
-    finally:
-        logprobs.PASS_ROWS, logprobs.PASS_ELEMENTS = kept
-    ref_lp, ref_ent = _plain(h, w, b, targets, temperature)
-    assert (
-        torch.allclose(lp, ref_lp, atol=1e-5) and ent is not None and torch.allclose(ent, ref_ent, atol=1e-5)
-    )
     a, c = torch.randn(n, generator=g), torch.randn(n, generator=g)  # [N]
 
     def loss(x_lp, x_ent):  # noqa: ANN001, ANN202
@@ -182,7 +170,19 @@ def test_prop_linear_head_equals_plain_values_and_all_gradients(
         }[use]
 
     params = [h, w] + ([b] if b is not None else [])
-    got = torch.autograd.grad(loss(lp, ent), params)
+    kept = logprobs.PASS_ROWS, logprobs.PASS_ELEMENTS
+    logprobs.PASS_ROWS, logprobs.PASS_ELEMENTS = pass_rows, 0  # pass_rows rows whatever the vocabulary
+    try:  # forward and backward both under it
+        lp, ent = linear_logprobs(
+            h, w, b, targets, temperature, chunk, True, block_bytes=block_rows * vocab * 4
+        )
+        got = torch.autograd.grad(loss(lp, ent), params)
+    finally:
+        logprobs.PASS_ROWS, logprobs.PASS_ELEMENTS = kept
+    ref_lp, ref_ent = _plain(h, w, b, targets, temperature)
+    assert (
+        torch.allclose(lp, ref_lp, atol=1e-5) and ent is not None and torch.allclose(ent, ref_ent, atol=1e-5)
+    )
     want = torch.autograd.grad(loss(ref_lp, ref_ent), params)
     for x, y in zip(got, want, strict=True):
         assert torch.allclose(x, y, atol=1e-4, rtol=1e-4)
