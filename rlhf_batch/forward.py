@@ -16,7 +16,7 @@ import torch
 
 from rlhf_batch.attention import PromptPrefix, prefix_attention_for
 from rlhf_batch.core.batching import token_budget_batches
-from rlhf_batch.core.logprobs import chunked_logprobs
+from rlhf_batch.core.logprobs import chunked_logprobs, plain_linear
 
 # Config keys of models whose logits are not plain `lm_head(hidden)` (Gemma 2/3, Cohere, Granite).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
@@ -92,7 +92,7 @@ def response_logprobs(
     out = model.get_decoder()(input_ids=ids)
     hidden, head = out.last_hidden_state[:, :-1][sel], output_head(model)  # [N, H]
     vocab = int(model.config.get_text_config().vocab_size)
-    chunk = chunk_size or default_chunk_size(vocab, linear=type(head) is torch.nn.Linear)
+    chunk = chunk_size or default_chunk_size(vocab, linear=plain_linear(head))
     lp, ent = chunked_logprobs(hidden, head, targets, temperature, chunk, with_entropy)  # [N]
     r_lens = seq_lens - p_lens  # [B]
     width = int(r_lens.max()) if len(seqs) else 0
@@ -158,7 +158,7 @@ def shared_prefix_logprobs(
     """
     device = next(model.parameters()).device
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    chunk = default_chunk_size(head.weight.shape[0], linear=type(head) is torch.nn.Linear)
+    chunk = default_chunk_size(head.weight.shape[0], linear=plain_linear(head))
     keys, values, last = _prefill(
         decoder, prompts, pad_id, max_tokens, device
     )  # [layers][n][kvh, P, d], [n, H]

@@ -15,7 +15,7 @@ rows, cast and summed one by one: on a CPU that was most of a train step's LM-he
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -74,6 +74,12 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad.to(ctx.dtype), None, None, None
 
 
+def plain_linear(head: Any) -> TypeGuard[torch.nn.Linear]:
+    """Whether `head` is an `nn.Linear` itself (not a subclass: quantized, LoRA), which
+    `chunked_logprobs` runs through `linear_logprobs`."""
+    return type(head) is torch.nn.Linear
+
+
 def chunked_logprobs(
     hidden: torch.Tensor,
     head: Callable[[torch.Tensor], torch.Tensor],
@@ -89,7 +95,7 @@ def chunked_logprobs(
     quantized layer) is called per chunk, and when gradients are on each chunk is checkpointed,
     so backward recomputes its logits instead of keeping all of them alive.
     """
-    if type(head) is torch.nn.Linear and hidden.shape[0]:  # not a subclass (quantized, LoRA)
+    if plain_linear(head) and hidden.shape[0]:
         return linear_logprobs(hidden, head.weight, head.bias, targets, temperature, chunk_size, with_entropy)
 
     def one(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
