@@ -173,7 +173,8 @@ class MallInfo(ctypes.Structure):  # glibc's struct mallinfo2
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo
-block = torch.empty(24 << 20, dtype=torch.uint8).fill_(1)  # a layer's activation of 24 MB
+mb = int(sys.argv[2])  # 24: a layer's activation; 100: above glibc's largest mmap threshold (32 MB)
+block = torch.empty(mb << 20, dtype=torch.uint8).fill_(1)
 during = libc.mallinfo2()
 del block
 after = libc.mallinfo2()
@@ -182,15 +183,45 @@ print(during.hblkhd >> 20, after.fordblks >> 20, torch.get_num_threads())
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="glibc's allocator")
-def test_a_stage_process_keeps_freed_memory_for_reuse() -> None:
+@pytest.mark.parametrize("mb", [24, 100])
+def test_a_stage_process_keeps_freed_memory_for_reuse(mb: int) -> None:
     # glibc's counters (MB): hblkhd = held in separate mmapped blocks, fordblks = free in its heap.
-    # By default a fresh process mmaps a 24 MB block (its threshold starts at 128 kB) and unmaps
-    # it on free: the next one faults its 6144 pages in again. A stage process takes it from the
-    # heap and keeps it there when freed.
-    fresh = subprocess.run([sys.executable, "-c", HEAP, "0"], capture_output=True, text=True, check=True)
-    kept = subprocess.run([sys.executable, "-c", HEAP, "1"], capture_output=True, text=True, check=True)
-    mapped, free_after, _ = map(int, fresh.stdout.split())
-    assert mapped >= 24 and free_after < 24
-    mapped, free_after, threads = map(int, kept.stdout.split())
-    assert mapped < 24 and free_after >= 24
+    # By default a fresh process mmaps a block of 24 MB or more (its threshold starts at 128 kB and
+    # can never exceed 32 MB) and unmaps it on free: the next one faults its pages in again. A
+    # stage process takes it from the heap and keeps it there when freed.
+    def run(stage: str) -> list[int]:
+        cmd = [sys.executable, "-c", HEAP, stage, str(mb)]
+        return list(map(int, subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()))
+
+    mapped, free_after, _ = run("0")
+    assert mapped >= mb and free_after < mb
+    mapped, free_after, threads = run("1")
+    assert mapped < mb and free_after >= mb
     assert threads == 1
+
+
+def _in_mapping_of(t: torch.Tensor, path: Path) -> bool:
+    """Whether the tensor's memory lies in a mapping of `path` (/proc/self/maps)."""
+    ptr = t.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        if rest and rest[-1] == str(path.resolve()):
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/self/maps")
+def test_own_memory_moves_parameters_out_of_the_checkpoint_files_mapping(tiny_model: Path) -> None:
+    from rlhf_batch.models import own_memory
+
+    model = load_model(str(tiny_model), "policy", dtype="float32")
+    params = list(model.parameters())
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    file = tiny_model / "model.safetensors"
+    assert any(_in_mapping_of(p, file) for p in params)  # loaded weights live in the file's mapping
+    own_memory(params)
+    assert not any(_in_mapping_of(p, file) for p in params)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # same values
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # still tied

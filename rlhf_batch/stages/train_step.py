@@ -126,6 +126,16 @@ class Trainer:
             logp, mask, ent = self.net(seqs, prompt_lens)  # [B, T] each
         return logp.float(), mask, ent.float()
 
+    def _step_casts(self) -> Any:
+        """A context around a whole step that keeps autocast's bf16 copies of the weights: autocast
+        drops them when its outermost context exits, enabled or not, so each weight is cast once a
+        step, not once a micro-batch (weights change only in the optimizer step, after it). This
+        outer context is disabled: the loss and backward run outside autocast as before. FSDP
+        gathers and frees its parameters around every micro-batch: there each forward casts anew."""
+        if self.sharded or not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, enabled=False)
+
     def step(self, step: Step) -> dict[str, Any]:
         """Run one optimizer step; returns its metrics row (schemas.METRICS)."""
         t0 = time.perf_counter()
@@ -134,24 +144,25 @@ class Trainer:
         metrics = StepMetrics(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         work = step.for_rank(self.rank, self.world)
-        for j, (rows, weight) in enumerate(work):
-            td = micro_batch(self.data, rows, self.device)
-            last = j == len(work) - 1
-            with self._accumulate(last):
-                logp, mask, ent = self.forward(td)  # [B, T] each
-                out = grpo_loss(
-                    logp,
-                    td["old_logprobs"],
-                    td["advantages"],
-                    mask,
-                    ref_logprobs=td.get("ref_logprobs", None),
-                    entropy=ent if tc.entropy_coef else ent.detach(),
-                    denominator=denominator,
-                    behavior_logprobs=td.get("behavior_logprobs", None),
-                    **self.loss_kwargs,
-                )
-                (out.loss * (weight * self.world)).backward()  # type: ignore[no-untyped-call]
-            metrics.add(out, mask, logp, td["old_logprobs"], weight)
+        with self._step_casts():
+            for j, (rows, weight) in enumerate(work):
+                td = micro_batch(self.data, rows, self.device)
+                last = j == len(work) - 1
+                with self._accumulate(last):
+                    logp, mask, ent = self.forward(td)  # [B, T] each
+                    out = grpo_loss(
+                        logp,
+                        td["old_logprobs"],
+                        td["advantages"],
+                        mask,
+                        ref_logprobs=td.get("ref_logprobs", None),
+                        entropy=ent if tc.entropy_coef else ent.detach(),
+                        denominator=denominator,
+                        behavior_logprobs=td.get("behavior_logprobs", None),
+                        **self.loss_kwargs,
+                    )
+                    (out.loss * (weight * self.world)).backward()  # type: ignore[no-untyped-call]
+                metrics.add(out, mask, logp, td["old_logprobs"], weight)
         if not work:  # no row of the step can move the loss (train_data): AdamW steps on zeros
             # (every trainable parameter: one that its rows would have left without a gradient,
             # a mixture-of-experts expert no token reached, takes this step too)

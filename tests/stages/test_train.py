@@ -483,6 +483,69 @@ def test_bf16_autocast_step_on_cpu(make_config, tiny_model: Path) -> None:
     assert bf["grad_norm"] == pytest.approx(f32["grad_norm"], rel=1e-2)
 
 
+def test_a_bf16_step_casts_each_weight_once_and_sums_the_same_gradients(
+    make_config, tiny_model: Path
+) -> None:
+    """Autocast's bf16 copies of the weights live for the whole step (Trainer._step_casts): each
+    weight is cast once, not once per micro-batch, and the gradients equal those of micro-batches
+    each run in an autocast of its own (the same bf16 values, summed in the same order)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from rlhf_batch.core.losses import grpo_loss
+    from rlhf_batch.stages.train_data import load_rows, micro_batch
+
+    _, cfg = make_config(train_toml(lr=0.0, max_grad_norm=0.0), dtype="bfloat16")
+    data = load_rows(write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8))))
+    steps = plan_steps(
+        data.resp_lens, data.seq_lens, 10**6, 12, 1, (0, 0)
+    )  # one step, 12-token micro-batches
+    trainer = train.build_trainer(cfg, str(tiny_model), data, steps)
+    work = steps[0].for_rank(0, 1)
+    assert trainer.bf16 and len(work) >= 3
+    head = trainer.model.get_output_embeddings()  # the LM head casts its weight itself, per call
+    layers = [m for m in trainer.model.modules() if type(m) is torch.nn.Linear and m is not head]
+    weights_at = {m.weight.untyped_storage().data_ptr() for m in layers}
+
+    class WeightCasts(TorchDispatchMode):
+        """Counts casts of the decoder's nn.Linear weights to bf16 (by the memory they read)."""
+
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in weights_at:
+                self.n += kwargs.get("dtype") == torch.bfloat16
+            return func(*args, **kwargs)
+
+    with WeightCasts() as casts:
+        trainer.step(steps[0])
+    stepped = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    assert casts.n == len(layers) > 0  # once a step (it was once per micro-batch: len(work) x as many)
+
+    trainer.model.zero_grad(set_to_none=True)
+    for rows, weight in work:  # each micro-batch in its own autocast, as one would write it
+        td = micro_batch(data, rows, "cpu")
+        logp, mask, ent = trainer.forward(td)
+        out = grpo_loss(logp, td["old_logprobs"], td["advantages"], mask, ref_logprobs=td["ref_logprobs"],
+                        entropy=ent.detach(), denominator=float(steps[0].tokens), **trainer.loss_kwargs)  # fmt: skip
+        (out.loss * weight).backward()
+    assert all(torch.equal(p.grad, stepped[n]) for n, p in trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finite_finds_one_nan_or_inf_anywhere(dtype: torch.dtype) -> None:
+    # the check the stage runs on every trained weight before writing the policy
+    w = torch.randn(300, 70).to(dtype)
+    assert train._finite(w) and train._finite(w[:0])
+    for pos in [(0, 0), (123, 45), (299, 69)]:
+        for bad in (math.nan, math.inf, -math.inf):
+            x = w.clone()
+            x[pos] = bad
+            assert not train._finite(x), (pos, bad)
+    big = torch.full((4,), torch.finfo(dtype).max, dtype=dtype)  # finite, however large
+    assert train._finite(big) and train._finite(-big)
+
+
 def test_rows_of_advantage_zero_are_not_run_and_change_nothing(
     make_config, tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
