@@ -317,8 +317,9 @@ def build_trainer(cfg: Config, start: str, data: TrainRows, steps: list[Step]) -
     # fused: one kernel per parameter for the whole update (CPU and CUDA), 4x faster than the
     # per-tensor loop torch picks on CPUs; the FSDP optimizer below keeps torch's default
     fused = torch.device(device).type in ("cpu", "cuda")
-    own_memory(lora.trainable(model))
-    optimizer = torch.optim.AdamW(lora.trainable(model), lr=tc.lr, weight_decay=tc.weight_decay, fused=fused)
+    trained = lora.trainable(model)
+    own_memory(trained)
+    optimizer = torch.optim.AdamW(trained, lr=tc.lr, weight_decay=tc.weight_decay, fused=fused)
     trainer = Trainer(
         model, net, optimizer, data, tc, _loss_kwargs(cfg), len(steps), str(device), world, rank, bf16, tok
     )
