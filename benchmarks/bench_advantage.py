@@ -52,12 +52,12 @@ def write_data(run_dir: Path, rows: int) -> None:
     """Complete iter=0 rollouts and scores stages of `rows` rows, one part per CHUNK rows."""
     import duckdb
 
-    from rlhf_batch import executor, layout
-    from rlhf_batch.schemas import ROLLOUTS, SCORES
+    from rlhf_batch.store import layout, output
+    from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
     con = duckdb.connect()
     for stage_name, sql, schema in (("rollouts", ROLLOUT_SQL, ROLLOUTS), ("scores", SCORE_SQL, SCORES)):
-        stage = executor.claim(layout.folder(run_dir, 0, stage_name), stage_name, {"bench": True}, {}, True)
+        stage = output.claim(layout.folder(run_dir, 0, stage_name), stage_name, {"bench": True}, {}, True)
         n_parts = -(-rows // CHUNK)
         for n in range(n_parts):
             table = con.sql(sql, params={"lo": n * CHUNK, "hi": min(rows, (n + 1) * CHUNK)}).to_arrow_table()

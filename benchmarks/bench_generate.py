@@ -7,7 +7,7 @@ a random model almost never samples EOS, so each row gets its length as a per-ro
 which marks a row finished exactly as an EOS would). Both produce the same useful tokens.
 
 Ours: the generate stage's batching (rows sorted by prompt length, longest first, batches of
-`generate.batch_size`), `rlhf_batch.sampler.sample`: left-padded prefill, KV cache, finished
+`generate.batch_size`), `rlhf_batch.engines.sampler.sample`: left-padded prefill, KV cache, finished
 rows leave the batch and the cache. Baseline: `model.generate(do_sample=True, top_k=0,
 output_logits=True)` on padded batches of 32 rows in input order, then log_softmax of the
 returned logits at the sampled tokens (what a competent engineer writes first with HF).
@@ -87,8 +87,8 @@ def hf_generate(model: Any, w: Workload, batch: int = 32) -> list[tuple[list[int
 
 
 def ours_generate(model: Any, w: Workload, batch_size: int) -> list[tuple[list[int], list[float]]]:
-    """The generate stage's batching around rlhf_batch.sampler.sample."""
-    from rlhf_batch.sampler import sample
+    """The generate stage's batching around rlhf_batch.engines.sampler.sample."""
+    from rlhf_batch.engines.sampler import sample
 
     order = sorted(range(len(w)), key=lambda r: (-len(w.prompt_ids[r]), r))
     out: list[Any] = [None] * len(w)
@@ -113,7 +113,7 @@ def behaviour_error(
     """(max, mean) |recorded log-prob - one forward pass| over the tokens of the first `rows` rows."""
     import torch
 
-    from rlhf_batch.forward import response_logprobs
+    from rlhf_batch.models.forward import response_logprobs
 
     diffs = []
     with torch.inference_mode():
@@ -130,7 +130,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     t_start = time.perf_counter()
     import torch
 
-    from rlhf_batch.models import load_model, setup_process
+    from rlhf_batch.models.load import load_model
+    from rlhf_batch.runtime.device import setup_process
 
     torch.manual_seed(0)
     if spec["which"] != "hf":
@@ -203,7 +204,7 @@ def vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
         )
     tokens = sum(len(t) for t, _ in out)
     assert tokens == w.response_tokens, (tokens, w.response_tokens)
-    from rlhf_batch.models import load_model
+    from rlhf_batch.models.load import load_model
 
     model = load_model(spec["model"], "policy", device="cpu", dtype="float32")
     worst, mean = behaviour_error(model, w, out, len(out))
@@ -226,8 +227,8 @@ def decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
     decode forwards. Also what a step reads: weights and the KV cache, and its FLOPs."""
     import torch
 
-    from rlhf_batch.models import load_model
-    from rlhf_batch.sampler import sample
+    from rlhf_batch.engines.sampler import sample
+    from rlhf_batch.models.load import load_model
 
     torch.manual_seed(0)
     w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"], cap=CAP).head(spec["batch"])

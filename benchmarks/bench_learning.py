@@ -1,6 +1,6 @@
 """Learning, side by side with TRL: the demo task with rlhf-batch and with TRL's GRPOTrainer.
 
-Both start from the same tiny model (`rlhf_batch.tiny.init_model`, `--seeds`, default 0, which
+Both start from the same tiny model (`rlhf_batch.models.tiny.init_model`, `--seeds`, default 0, which
 also seed both runs' sampling and prompt order; with several seeds, rows of their mean too) and the same 256
 demo prompts, with the same G, learning rate, PPO epochs, clip range, prompts per iteration,
 rollouts per optimizer step, max new tokens and temperature, no KL, on the same number of torch threads
@@ -67,12 +67,12 @@ def mapping(b: int) -> str:
 
 
 def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
+    from rlhf_batch.commands.pipeline import reward_by_iteration, run_iteration
     from rlhf_batch.config import load_config
-    from rlhf_batch.executor import execute
-    from rlhf_batch.models import setup_process
-    from rlhf_batch.pipeline import reward_by_iteration, run_iteration
+    from rlhf_batch.runtime.device import setup_process
+    from rlhf_batch.runtime.timing import process_start
+    from rlhf_batch.stages.executor import execute
     from rlhf_batch.stages.registry import pipeline
-    from rlhf_batch.timing import process_start
 
     overrides = [f"run_dir={spec['run_dir']}", f"iterations={spec['iterations']}"]
     overrides += [f"generate.prompts_per_iteration={spec['prompts_per_iteration']}"]
@@ -174,8 +174,8 @@ def end_tokens(model: Path) -> dict[str, Any]:
 
     from transformers import GenerationConfig
 
-    from rlhf_batch.models import load_tokenizer
-    from rlhf_batch.stages.generate import _stop_ids
+    from rlhf_batch.engines.base import stop_ids as _stop_ids
+    from rlhf_batch.models.load import load_tokenizer
 
     tok = load_tokenizer(str(model))
     holder = SimpleNamespace(generation_config=GenerationConfig.from_pretrained(model))
@@ -226,8 +226,8 @@ def run_seed(
 ) -> tuple[dict, dict | None]:
     """Both sides from the same tiny model (initialised with `seed`) and prompts."""
     with tempfile.TemporaryDirectory(dir=common.CACHE) as tmp:
-        from rlhf_batch.rewards.demo import write_prompts
-        from rlhf_batch.tiny import init_model
+        from rlhf_batch.data.demo import write_prompts
+        from rlhf_batch.models.tiny import init_model
 
         model = init_model(Path(tmp, "model"), seed=seed)
         spec = {

@@ -39,8 +39,8 @@ def write_rollouts(run_dir: Path, w: Workload) -> None:
     the reference forward runs for every row)."""
     import pyarrow as pa
 
-    from rlhf_batch import executor, layout
-    from rlhf_batch.schemas import ROLLOUTS, with_extra
+    from rlhf_batch.store import layout, output
+    from rlhf_batch.store.schemas import ROLLOUTS, with_extra
 
     n = len(w)
     cols = {
@@ -59,7 +59,7 @@ def write_rollouts(run_dir: Path, w: Workload) -> None:
     }
     schema = with_extra(ROLLOUTS, pa.schema([("letter", pa.string()), ("count", pa.int64())]))
     table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in schema}, schema=schema)
-    stage = executor.claim(layout.folder(run_dir, 0, "rollouts"), "rollouts", {"bench": True}, {}, True)
+    stage = output.claim(layout.folder(run_dir, 0, "rollouts"), "rollouts", {"bench": True}, {}, True)
     stage.write_table(0, table, schema)
     stage.finish(1)
 
@@ -104,10 +104,10 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
     """Ours: the score stage end to end on `rows` rollouts. `seconds` is its work as its manifest
     records it (start-up, the imports and the model load, excluded: the baseline is timed after
     its model load too, and train's figures are its steps'); `wall` the whole call."""
-    from rlhf_batch import layout, manifests
     from rlhf_batch.config import load_config
-    from rlhf_batch.models import setup_process
+    from rlhf_batch.runtime.device import setup_process
     from rlhf_batch.stages import score
+    from rlhf_batch.store import layout, manifests
 
     setup_process(0)  # as the stage command does (torch's threads as they are)
     w = spec_workload(spec)
@@ -145,8 +145,9 @@ def worker_fn(spec: dict[str, Any]) -> dict[str, Any]:
     """One log-prob function (ours or the baseline) after loading the model: time and peak memory."""
     import torch
 
-    from rlhf_batch.forward import batched_logprobs
-    from rlhf_batch.models import load_model, resolve_dtype
+    from rlhf_batch.models.forward import batched_logprobs
+    from rlhf_batch.models.load import load_model
+    from rlhf_batch.runtime.device import resolve_dtype
 
     w = spec_workload(spec)
     mem = Mem()

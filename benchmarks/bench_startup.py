@@ -34,7 +34,7 @@ def wall(cmd: list[str]) -> float:
 
 
 def config(tmp: Path) -> Path:
-    from rlhf_batch.rewards.demo import write_prompts
+    from rlhf_batch.data.demo import write_prompts
 
     prompts = write_prompts(tmp / "prompts.jsonl", 2, seed=0)
     path = tmp / "config.toml"

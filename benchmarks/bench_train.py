@@ -36,8 +36,8 @@ def write_scores(run_dir: Path, w: Workload) -> None:
     import numpy as np
     import pyarrow as pa
 
-    from rlhf_batch import executor, layout
-    from rlhf_batch.schemas import SCORES
+    from rlhf_batch.store import layout, output
+    from rlhf_batch.store.schemas import SCORES
 
     n = len(w)
     reward = np.random.default_rng(1).random(n)
@@ -53,7 +53,7 @@ def write_scores(run_dir: Path, w: Workload) -> None:
         "kl_coef": [0.0] * n,
     }
     table = pa.table({f.name: pa.array(cols[f.name], f.type) for f in SCORES}, schema=SCORES)
-    stage = executor.claim(layout.folder(run_dir, 0, "scores"), "scores", {"bench": True}, {}, True)
+    stage = output.claim(layout.folder(run_dir, 0, "scores"), "scores", {"bench": True}, {}, True)
     stage.write_table(0, table, SCORES)
     stage.finish(1)
 
@@ -75,8 +75,8 @@ def prepare(run_dir: Path, w: Workload, model: str, lora: bool = False) -> Any:
 
 def padding(cfg: Any) -> tuple[float, int]:
     """Share of padding in the micro-batches the train stage plans, and their count."""
-    from rlhf_batch import layout
     from rlhf_batch.stages.train_data import load_rows, plan_steps
+    from rlhf_batch.store import layout
 
     data = load_rows(layout.folder(cfg.run_dir, 0, "advantages"))
     t = cfg.train
@@ -91,9 +91,9 @@ def padding(cfg: Any) -> tuple[float, int]:
 def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
-    from rlhf_batch import layout
-    from rlhf_batch.models import setup_process
+    from rlhf_batch.runtime.device import setup_process
     from rlhf_batch.stages import train
+    from rlhf_batch.store import layout
 
     setup_process(0)  # as the stage command does (torch's threads as they are)
     w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"]).head(spec["take"])
@@ -124,7 +124,7 @@ def trained_parameters(policy: Path, lora: bool) -> int:
     """Parameters the stage trained: those of the saved adapter with LoRA, else of the whole model."""
     from safetensors import safe_open
 
-    from rlhf_batch import layout
+    from rlhf_batch.store import layout
 
     path = policy / layout.ADAPTER_DIR / "adapter_model.safetensors" if lora else policy / "model.safetensors"
     with safe_open(str(path), "pt") as f:
@@ -173,7 +173,7 @@ def naive_train(model: Any, w: Workload, adv: list[float], batch: int = 16) -> N
 def worker_naive(spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
-    from rlhf_batch.models import load_model
+    from rlhf_batch.models.load import load_model
 
     w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"]).head(spec["take"])
     model = load_model(spec["model"], "policy", device="cpu", dtype="float32").train()
@@ -183,7 +183,7 @@ def worker_naive(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     naive_train(model, w, np.random.default_rng(0).normal(size=len(w)).tolist())
     seconds = time.perf_counter() - t0
-    from rlhf_batch.models import resolve_dtype
+    from rlhf_batch.runtime.device import resolve_dtype
 
     return {
         "ceiling": common.shape_ceiling(model, resolve_dtype("auto", "cpu")),
@@ -225,7 +225,7 @@ def main() -> None:
         f"{tps / tps_n:.1f}x",
         mem=f"{mb(ours['peak_rss'])} (whole process) / {mb(naive['peak_above'])} (above model)",
     )
-    from rlhf_batch.models import resolve_dtype
+    from rlhf_batch.runtime.device import resolve_dtype
 
     dtype = str(resolve_dtype("auto", "cpu"))
     common.append_mfu_row(

@@ -75,7 +75,7 @@ def machine() -> str:
 def auto_dtype() -> str:
     """What `dtype = "auto"` resolves to on this CPU (the stages' default): bfloat16 where the CPU has
     bf16 matrix units (AVX512-BF16, AMX), else float32."""
-    from rlhf_batch.models import cpu_has_bf16
+    from rlhf_batch.runtime.device import cpu_has_bf16
 
     return "bfloat16" if cpu_has_bf16() else "float32"
 
@@ -330,7 +330,7 @@ def model_dir(
 ) -> Path:
     """The benchmark model, built once into CACHE (random weights, saved in HF format); `spec`
     overrides parts of its shape (attention heads)."""
-    from rlhf_batch.tiny import init_model
+    from rlhf_batch.models.tiny import init_model
 
     shape = spec
     spec = {**(TINY_MODEL if tiny else FULL_MODEL), **(shape or {})}

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlhf_batch import tracking
 from rlhf_batch.errors import ConfigError
 
 
@@ -202,6 +201,17 @@ class TrainConfig:
 
 
 Tracker = Literal["tensorboard", "trackio", "wandb", "mlflow"]
+TRACKER_MODULES = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def missing_trackers(report_to: list[Tracker]) -> str | None:
+    """One line naming the first configured tracker that is not installed, or None."""
+    import importlib.util
+
+    for name in report_to:
+        if importlib.util.find_spec(TRACKER_MODULES[name]) is None:
+            return f"'{name}', which is not installed: pip install 'rlhf-batch[{name}]'"
+    return None
 
 
 @dataclass
@@ -319,7 +329,7 @@ class Config:
         _need(self.iterations >= 1, "iterations", "must be >= 1")
         _need(self.epochs >= 0, "epochs", "must be >= 0 (0: the run is sized by iterations)")
         _need(self.threads >= 0, "threads", "must be >= 0")
-        _need(not (gone := tracking.missing(self.report_to)), "report_to", f"asks for {gone}")
+        _need(not (gone := missing_trackers(self.report_to)), "report_to", f"asks for {gone}")
         _need(self.keep_policies >= 0, "keep_policies", "must be >= 0")
         _need(self.keep_every >= 0, "keep_every", "must be >= 0")
         for table in (self.generate, self.score, self.advantage, self.train, self.eval, self.lora):
@@ -475,14 +485,14 @@ MODEL_KEYS = ("policy_model", "ref_model", "reward_model")
 
 
 def _hub(key: str, value: str) -> bool:
-    from rlhf_batch.models import is_hub_id
+    from rlhf_batch.runtime.hub import is_hub_id
 
     return key in MODEL_KEYS and is_hub_id(value)
 
 
 def _resolve_hub_ids(cfg: Config) -> None:
     """Hub ids (`org/name[@revision]`) of models -> their snapshot directories in the HF cache."""
-    from rlhf_batch.models import resolve_hub_model
+    from rlhf_batch.runtime.hub import resolve_hub_model
 
     for key in MODEL_KEYS:
         value = getattr(cfg, key)

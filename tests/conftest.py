@@ -9,7 +9,7 @@ import pytest
 import tomli_w
 
 from rlhf_batch.config import load_config
-from rlhf_batch.tiny import init_model
+from rlhf_batch.models.tiny import init_model
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +25,7 @@ def tiny_reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_prompts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from rlhf_batch.rewards.demo import write_prompts
+    from rlhf_batch.data.demo import write_prompts
 
     return write_prompts(tmp_path_factory.mktemp("data") / "prompts.jsonl", 12, seed=0)
 

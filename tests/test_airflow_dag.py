@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_batch import layout, manifests
+from rlhf_batch.store import layout, manifests
 
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW = ROOT / ".venv-airflow" / "bin" / "airflow"

@@ -13,7 +13,7 @@ prompts at the same iteration.
 
 The functions count batches (``iteration`` below): batch ``k`` is iteration ``k``'s until a
 dynamic-sampling top-up round takes a batch of its own; from then on each iteration starts
-after the last batch taken (rlhf_batch/topup.py), along the same order.
+after the last batch taken (rlhf_batch/data/topup.py), along the same order.
 """
 
 from __future__ import annotations

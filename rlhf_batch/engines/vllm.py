@@ -28,9 +28,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf_batch.errors import StageError
+from rlhf_batch.runtime.faults import fault_point
+
+if TYPE_CHECKING:
+    from rlhf_batch.config import Config
+    from rlhf_batch.data.prompts import Prompts
 
 LOGPROBS_MODE = "processed_logprobs"
 
@@ -63,7 +68,7 @@ class Engine:
 
         from transformers import AutoConfig, GenerationConfig
 
-        from rlhf_batch.models import resolve_dtype
+        from rlhf_batch.runtime.device import resolve_dtype
 
         vllm = _import_vllm()
         # its chat-template warm-up needs the tokenizer that skip_tokenizer_init leaves out, and logs
@@ -115,7 +120,7 @@ def sample_rows(
     g: Any,
     stop_ids: set[int],
 ) -> list[tuple[list[int], list[float], str]]:
-    """Per row: (response token ids, behaviour log-probs, finish reason), as rlhf_batch.sampler.sample."""
+    """Per row: (response token ids, behaviour log-probs, finish reason), as rlhf_batch.engines.sampler.sample."""
     vllm = _import_vllm()
     from vllm.inputs import TokensPrompt
 
@@ -151,3 +156,24 @@ def sample_rows(
             raise StageError(f"vllm engine: request {out.request_id} ended with {c.finish_reason!r}")
         rows.append((ids, logps, str(c.finish_reason)))
     return rows
+
+
+class VLLMEngine:
+    """The `vllm` engine: vllm.LLM (rlhf_batch.engines.vllm, in its own venv) samples every row of
+    a part at once, scheduling and batching them itself; one request and seed per row."""
+
+    def __init__(self, cfg: Config, policy: str, tok: Any, prompts: Prompts):
+        self.g = cfg.generate
+        from rlhf_batch.engines.base import check_lengths, stop_ids
+
+        self.llm = Engine(policy, cfg)
+        fault_point("rollouts:model-loaded")
+        check_lengths(self.llm, prompts, self.g)
+        self.stop_ids = stop_ids(self.llm, tok)
+
+    def sample(
+        self, prompts: list[list[int]], seeds: list[int], bar: Any
+    ) -> list[tuple[list[int], list[float], str]]:
+        rows = sample_rows(self.llm, prompts, seeds, self.g, self.stop_ids)
+        bar.update(len(rows))
+        return rows

@@ -30,8 +30,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from rlhf_batch.data.prompts import MESSAGES
 from rlhf_batch.errors import RewardError
-from rlhf_batch.prompts import MESSAGES
 from rlhf_batch.rewards import RewardFunction, call_batched, call_reward_function, check_values
 
 

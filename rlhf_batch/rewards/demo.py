@@ -15,13 +15,7 @@ which is 1.0 for exactly N copies, and less for wrong letters, too few, or extra
 
 from __future__ import annotations
 
-import json
-import random
-from pathlib import Path
 from typing import Any
-
-LETTERS = "abcde"
-MAX_COUNT = 4
 
 
 def letter_count(
@@ -36,19 +30,3 @@ def letter_count(
         hits = sum(ch == c for ch in response[:n])
         out.append(hits / max(n, len(response)))
     return out
-
-
-def write_prompts(path: str | Path, n: int, seed: int = 0) -> Path:
-    """Write `n` distinct demo prompts as JSONL: id, prompt, letter, count."""
-    combos = [(c, k) for c in LETTERS for k in range(1, MAX_COUNT + 1)]
-    rng = random.Random(seed)
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.tmp")
-    with open(tmp, "w") as f:
-        for i in range(n):
-            c, k = rng.choice(combos)
-            row = {"id": f"demo-{i:06d}", "prompt": f"{c}*{k}=", "letter": c, "count": k}
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(p)
-    return p

@@ -25,8 +25,9 @@ import torch
 
 from rlhf_batch.core.batching import token_budget_batches
 from rlhf_batch.errors import ModelError
-from rlhf_batch.forward import pad_right
-from rlhf_batch.models import check_model_dir, load_model, load_tokenizer, vocab_signature
+from rlhf_batch.models.forward import pad_right
+from rlhf_batch.models.load import load_model, load_tokenizer, vocab_signature
+from rlhf_batch.store.modeldir import check_model_dir
 
 
 class RewardModel:
@@ -79,7 +80,7 @@ class RewardModel:
         """The token ids this model reads for each rollout of table `t` (see the module docstring)."""
         if self.same_vocab:
             return [p + r for p, r in zip(prompt_ids, response_ids, strict=True)]
-        from rlhf_batch.prompts import MESSAGES
+        from rlhf_batch.data.prompts import MESSAGES
 
         prompts, responses = t["prompt"].to_pylist(), t["response"].to_pylist()
         if MESSAGES in t.column_names and getattr(self.tokenizer, "chat_template", None):

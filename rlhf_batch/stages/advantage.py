@@ -65,14 +65,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_batch import faults, layout, manifests
 from rlhf_batch.config import Config
 from rlhf_batch.core.batching import aligned_chunks
 from rlhf_batch.errors import SchemaError, StageError
-from rlhf_batch.executor import StageOutput, execute
-from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate
+from rlhf_batch.runtime import faults
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
 from rlhf_batch.stages.base import Part, Stage, list_tokens
+from rlhf_batch.stages.executor import execute
+from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.output import StageOutput
+from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate
 
 MEMORY_LIMIT = "1GB"  # DuckDB's own budget (default: 80% of RAM); the process adds Python + Arrow
 

@@ -16,34 +16,24 @@ only on the part number. It declares:
 * timing (timing.py): each Part's `tokens`, `self.clock.add(n)` for tokens not written in a
   Part, and `work_begins()` where start-up ends when that is not after `open` (the default).
 
-`rlhf_batch.executor.execute` owns everything they have in common: refusal and --force, resume
+`rlhf_batch.stages.executor.execute` owns everything they have in common: refusal and --force, resume
 of missing parts, rank slicing, progress and the manifest.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from rlhf_batch import layout
 from rlhf_batch.config import Config
+from rlhf_batch.store import layout
+from rlhf_batch.store.output import Part
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from rlhf_batch.executor import StageOutput
-    from rlhf_batch.timing import StageClock
-
-
-@dataclass
-class Part:
-    """One part's rows, the schema it is written with and the counts summed into the manifest."""
-
-    table: pa.Table
-    schema: pa.Schema
-    counts: dict[str, int] = field(default_factory=dict)
-    tokens: int = 0  # the tokens the stage processed for it (the manifest's timing)
+    from rlhf_batch.runtime.timing import StageClock
+    from rlhf_batch.store.output import StageOutput
 
 
 def list_tokens(table: pa.Table, *columns: str) -> int:
@@ -123,32 +113,3 @@ class Stage:
         returns, or which loads its model while writing, says where."""
         if self.clock is not None:
             self.clock.work_begins()
-
-
-def start_policy(cfg: Config, iteration: int) -> str:
-    """The policy iteration `iteration` starts from: the configured model for iteration 0, else
-    the policy train of the iteration before wrote (which must be complete)."""
-    from rlhf_batch.errors import StageError
-    from rlhf_batch.manifests import manifest
-    from rlhf_batch.models import check_model_dir
-    from rlhf_batch.retention import removed_record
-
-    if iteration < 0:
-        raise StageError(f"--iter must be >= 0, got {iteration}")
-    if iteration == 0:
-        if cfg.lora.init_adapter:
-            from rlhf_batch.lora import initial_policy
-
-            return initial_policy(cfg)  # the base with that adapter merged
-        return str(check_model_dir(cfg.policy_model, "policy_model"))
-    prev = layout.policy_dir(cfg.run_dir, iteration - 1)
-    train_dir = layout.folder(cfg.run_dir, iteration - 1, layout.TRAIN)
-    why = "" if manifest(train_dir) is not None else f"; {train_dir} is not complete"
-    if not why and removed_record(prev) is not None:
-        return str(prev)  # removed by keep_policies: stages that read it are complete (retention.py)
-    if why or not prev.is_dir():
-        raise StageError(
-            f"iteration {iteration}: iteration {iteration - 1} has no trained policy ({prev}{why}); "
-            f"run train --iter {iteration - 1} first"
-        )
-    return str(check_model_dir(str(prev), "policy"))

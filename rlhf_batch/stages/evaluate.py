@@ -30,18 +30,20 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_batch import layout
 from rlhf_batch.config import Config, GenerateConfig, reward_search_path
 from rlhf_batch.core.eval_metrics import aggregate, aggregate_by_source, group_samples
+from rlhf_batch.data.prompts import check_path, load_prompts
+from rlhf_batch.engines import make_engine
 from rlhf_batch.errors import ConfigError, StageError
-from rlhf_batch.ids import row_seed
-from rlhf_batch.manifests import file_fingerprint
-from rlhf_batch.prompts import check_path, load_prompts
+from rlhf_batch.models.policy import start_policy
 from rlhf_batch.rewards import load_reward_functions, weighted_sum
-from rlhf_batch.schemas import EVAL, with_extra
-from rlhf_batch.stages.base import Part, Stage, list_tokens, start_policy
-from rlhf_batch.stages.generate import generate_part, make_engine
+from rlhf_batch.stages.base import Part, Stage, list_tokens
+from rlhf_batch.stages.generate import generate_part
 from rlhf_batch.stages.score import reward_values
+from rlhf_batch.store import layout
+from rlhf_batch.store.ids import row_seed
+from rlhf_batch.store.manifests import file_fingerprint
+from rlhf_batch.store.schemas import EVAL, with_extra
 
 SOURCE_COLUMN = "data_source"
 ALL = "all"
@@ -89,7 +91,7 @@ class Eval(Stage):
         }
 
     def inputs(self) -> dict[str, Any]:
-        from rlhf_batch.models import model_fingerprint
+        from rlhf_batch.store.modeldir import model_fingerprint
 
         if not self.cfg.eval.prompts:
             raise StageError("eval.prompts: no held-out prompt file configured; set [eval] prompts")
@@ -106,7 +108,7 @@ class Eval(Stage):
         }
 
     def plan(self) -> int:
-        from rlhf_batch.models import load_tokenizer
+        from rlhf_batch.models.load import load_tokenizer
 
         self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
         self.prompts = load_prompts(self.sampling, self.tok)

@@ -25,31 +25,33 @@ positions (`prompt_batch`).
 from __future__ import annotations
 
 import math
-import time
-from typing import Any, Protocol
+from typing import Any
 
 import pyarrow as pa
 
-from rlhf_batch import dist, layout, topup
-from rlhf_batch.config import Config, GenerateConfig
+from rlhf_batch.config import Config
+from rlhf_batch.data import topup
+from rlhf_batch.data.prompts import Prompts, check_path, load_prompts
+from rlhf_batch.engines import engine_version, make_engine
+from rlhf_batch.engines.base import Engine, special_ids
 from rlhf_batch.errors import StageError
-from rlhf_batch.executor import execute
-from rlhf_batch.faults import fault_point
-from rlhf_batch.ids import rollout_id, row_seed
-from rlhf_batch.manifests import file_fingerprint
-from rlhf_batch.prompts import Prompts, check_path, load_prompts
-from rlhf_batch.schemas import ROLLOUTS, with_extra
-from rlhf_batch.stages.base import Part, Stage, list_tokens, start_policy
+from rlhf_batch.models.policy import start_policy
+from rlhf_batch.stages.base import Part, Stage, list_tokens
+from rlhf_batch.stages.executor import execute
+from rlhf_batch.store import layout
+from rlhf_batch.store.ids import rollout_id, row_seed
+from rlhf_batch.store.manifests import file_fingerprint
+from rlhf_batch.store.schemas import ROLLOUTS, with_extra
 
 
 class Generate(Stage):
     name, folder, unit = "generate", layout.ROLLOUTS, "rollout"
 
     def inputs(self) -> dict[str, Any]:
-        from rlhf_batch.models import model_fingerprint
+        from rlhf_batch.store.modeldir import model_fingerprint
 
         if self.cfg.demo:
-            from rlhf_batch.tiny import ensure_demo_assets
+            from rlhf_batch.data.demo import ensure_demo_assets
 
             ensure_demo_assets(self.cfg)
         self.policy = start_policy(self.cfg, self.iteration)
@@ -75,7 +77,7 @@ class Generate(Stage):
             )
 
     def plan(self) -> int:
-        from rlhf_batch.models import load_tokenizer
+        from rlhf_batch.models.load import load_tokenizer
 
         self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
         self.prompts = load_prompts(self.cfg.generate, self.tok, self.batch, self.cfg.seed)
@@ -123,119 +125,6 @@ class Generate(Stage):
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Generate iteration `iteration`'s rollouts; returns the manifest (existing one if complete)."""
     return execute(Generate(cfg, iteration), force=force, quiet=quiet)
-
-
-class Engine(Protocol):
-    """What generate needs from a generation engine: per prompt (and seed), one sampled row
-    (response_ids, behavior_logprobs, finish_reason 'stop' | 'length'), in input order, with
-    behaviour log-probs defined as forward.py defines them; `bar` counts finished rows."""
-
-    def sample(
-        self, prompts: list[list[int]], seeds: list[int], bar: Any
-    ) -> list[tuple[list[int], list[float], str]]: ...
-
-
-def make_engine(cfg: Config, policy: str, tok: Any, prompts: Prompts) -> Engine:
-    """The configured generation engine, sampling with `cfg.generate`'s settings (generate and eval)."""
-    engine = VLLMEngine if cfg.generate.engine == "vllm" else HFEngine
-    return engine(cfg, policy, tok, prompts)
-
-
-class HFEngine:
-    """The `hf` engine: our sampler over the transformers model (KV cache, rows leave the batch
-    when they finish, batches of similar prompt length). An engine turns prompts into
-    (response_ids, behavior_logprobs, finish_reason) rows; every engine writes the same schema."""
-
-    def __init__(self, cfg: Config, policy: str, tok: Any, prompts: Prompts):
-        from rlhf_batch.models import load_model
-
-        self.g = cfg.generate
-        self.model = load_model(
-            policy,
-            "policy",
-            device=dist.stage_device(cfg.device),
-            dtype=cfg.dtype,
-            trust_remote_code=cfg.trust_remote_code,
-        )
-        fault_point("rollouts:model-loaded")
-        _check_lengths(self.model, prompts, self.g)
-        self.stop_ids, self.pad_id = _stop_ids(self.model, tok), tok.pad_token_id
-        # the pad token is never sampled (unless it also ends a row)
-        self.banned_ids = set() if self.pad_id is None else {self.pad_id} - self.stop_ids
-
-    def sample(
-        self, prompts: list[list[int]], seeds: list[int], bar: Any
-    ) -> list[tuple[list[int], list[float], str]]:
-        """One row per prompt (and seed), in input order; longest prompts are decoded first."""
-        from rlhf_batch.sampler import sample
-
-        g = self.g
-        order = sorted(range(len(prompts)), key=lambda r: (-len(prompts[r]), r))
-        results: list[Any] = [None] * len(prompts)
-        for start in range(0, len(order), g.batch_size):
-            batch = order[start : start + g.batch_size]
-            t0 = time.perf_counter()
-            out = sample(
-                self.model,
-                [prompts[r] for r in batch],
-                [seeds[r] for r in batch],
-                max_new_tokens=g.max_new_tokens,
-                temperature=g.temperature,
-                top_p=g.top_p,
-                top_k=g.top_k,
-                stop_ids=self.stop_ids,
-                pad_id=self.pad_id,
-                banned_ids=self.banned_ids,
-            )
-            for r, res in zip(batch, out, strict=True):
-                results[r] = res
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{sum(len(o[0]) for o in out) / (time.perf_counter() - t0):.0f}")
-        return results
-
-
-class VLLMEngine:
-    """The `vllm` engine: vllm.LLM (rlhf_batch.engines.vllm, in its own venv) samples every row of
-    a part at once, scheduling and batching them itself; one request and seed per row."""
-
-    def __init__(self, cfg: Config, policy: str, tok: Any, prompts: Prompts):
-        from rlhf_batch.engines.vllm import Engine as LLM
-
-        self.g = cfg.generate
-        self.llm = LLM(policy, cfg)
-        fault_point("rollouts:model-loaded")
-        _check_lengths(self.llm, prompts, self.g)
-        self.stop_ids = _stop_ids(self.llm, tok)
-
-    def sample(
-        self, prompts: list[list[int]], seeds: list[int], bar: Any
-    ) -> list[tuple[list[int], list[float], str]]:
-        from rlhf_batch.engines.vllm import sample_rows
-
-        rows = sample_rows(self.llm, prompts, seeds, self.g, self.stop_ids)
-        bar.update(len(rows))
-        return rows
-
-
-def engine_version(engine: str) -> str:
-    """The version of the package that samples: vllm, or transformers under the hf sampler."""
-    if engine == "vllm":
-        from rlhf_batch.engines.vllm import version
-
-        return version()
-    import transformers
-
-    return str(transformers.__version__)
-
-
-def _check_lengths(model: Any, prompts: Prompts, g: GenerateConfig) -> None:
-    limit = getattr(model.config, "max_position_embeddings", None)
-    longest = max(len(t) for t in prompts.tokens)
-    if limit and longest + g.max_new_tokens > limit:
-        raise StageError(
-            f"{g.prompts}: longest prompt ({longest} tokens) + generate.max_new_tokens "
-            f"({g.max_new_tokens}) exceeds the model's {limit} positions"
-        )
 
 
 def generate_part(
@@ -287,38 +176,10 @@ def generate_part(
     return table
 
 
-def _stop_ids(model: Any, tok: Any) -> set[int]:
-    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    extra = getattr(model.generation_config, "eos_token_id", None)
-    ids |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
-    return ids | _end_of_turn(tok)
-
-
-def _special_ids(tok: Any) -> set[int]:
-    added = getattr(tok, "added_tokens_decoder", {}) or {}
-    return set(tok.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
-
-
-def _end_of_turn(tok: Any) -> set[int]:
-    """The special token the chat template closes an assistant turn with (none without one)."""
-    if not getattr(tok, "chat_template", None):
-        return set()
-    marker = "ZQXJ"
-    turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": marker}]
-    try:
-        text = tok.apply_chat_template(turn, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that cannot render an assistant turn has no end token to add
-        return set()
-    if not isinstance(text, str) or marker not in text:
-        return set()
-    ids = tok(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
-    return {ids[0]} if ids and ids[0] in _special_ids(tok) else set()
-
-
 def _with_special(table: pa.Table, tok: Any) -> int:
     """Rollouts whose response holds a special token before its final stop token (a row that
     finished with 'stop' ends with the token that stopped it)."""
-    special = _special_ids(tok)
+    special = special_ids(tok)
     n = 0
     ids_col, reasons = table.column("response_ids").to_pylist(), table.column("finish_reason").to_pylist()
     for ids, reason in zip(ids_col, reasons, strict=True):

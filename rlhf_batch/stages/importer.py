@@ -36,16 +36,19 @@ import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from rlhf_batch import dist, layout
 from rlhf_batch.config import Config
 from rlhf_batch.errors import ConfigError, SchemaError, StageError
-from rlhf_batch.executor import execute
-from rlhf_batch.forward import batched_logprobs
-from rlhf_batch.ids import prompt_hash, rollout_id
-from rlhf_batch.manifests import file_fingerprint
-from rlhf_batch.models import load_model, load_tokenizer, model_fingerprint
-from rlhf_batch.schemas import LOGPROBS, ROLLOUTS, TOKENS, with_extra
-from rlhf_batch.stages.base import Part, Stage, list_tokens, start_policy
+from rlhf_batch.models.forward import batched_logprobs
+from rlhf_batch.models.load import load_model, load_tokenizer
+from rlhf_batch.models.policy import start_policy
+from rlhf_batch.runtime import dist
+from rlhf_batch.stages.base import Part, Stage, list_tokens
+from rlhf_batch.stages.executor import execute
+from rlhf_batch.store import layout
+from rlhf_batch.store.ids import prompt_hash, rollout_id
+from rlhf_batch.store.manifests import file_fingerprint
+from rlhf_batch.store.modeldir import model_fingerprint
+from rlhf_batch.store.schemas import LOGPROBS, ROLLOUTS, TOKENS, with_extra
 
 GIVEN = ("response_ids", "behavior_logprobs")  # an external engine's tokens and log-probs
 COMPUTED = set(ROLLOUTS.names) - {"prompt", "response", "prompt_id", "finish_reason", *GIVEN}

@@ -45,7 +45,6 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from rlhf_batch import dist, layout
 from rlhf_batch.config import Config, reward_search_path
 from rlhf_batch.core.kl import (
     KLController,
@@ -56,16 +55,19 @@ from rlhf_batch.core.kl import (
     sequence_kl,
 )
 from rlhf_batch.errors import ConfigError, StageError
-from rlhf_batch.executor import execute
-from rlhf_batch.faults import fault_point
-from rlhf_batch.forward import batched_logprobs
-from rlhf_batch.manifests import manifest, read_complete
-from rlhf_batch.models import load_model, model_fingerprint
+from rlhf_batch.models.forward import batched_logprobs
+from rlhf_batch.models.load import load_model
 from rlhf_batch.rewards import RM_COLUMN, RewardFunction, clip, load_reward_functions, weighted_sum
 from rlhf_batch.rewards.conventions import evaluate
-from rlhf_batch.schemas import ROLLOUTS, SCORES, with_extra
+from rlhf_batch.runtime import dist
+from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.stages.base import Part, Stage, list_tokens
+from rlhf_batch.stages.executor import execute
 from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_dir
+from rlhf_batch.store import layout
+from rlhf_batch.store.manifests import manifest, read_complete
+from rlhf_batch.store.modeldir import model_fingerprint
+from rlhf_batch.store.schemas import ROLLOUTS, SCORES, with_extra
 
 
 class Score(Stage):

@@ -14,8 +14,9 @@ import pyarrow.compute as pc
 
 from rlhf_batch.config import Config
 from rlhf_batch.errors import ModelError, SchemaError
-from rlhf_batch.models import check_model_dir, load_tokenizer, vocab_signature
-from rlhf_batch.schemas import ROLLOUTS
+from rlhf_batch.models.load import load_tokenizer, vocab_signature
+from rlhf_batch.store.modeldir import check_model_dir
+from rlhf_batch.store.schemas import ROLLOUTS
 
 
 def same_dir(a: str | None, b: str | None) -> bool:

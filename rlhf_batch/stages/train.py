@@ -30,22 +30,25 @@ gathered on rank 0's CPU (checkpoint.gather), the policy saved through a CPU cop
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlhf_batch import atomic, checkpoint, dist, faults, layout, lora, manifests, retention, tracking
 from rlhf_batch.config import Config, TrainConfig
 from rlhf_batch.errors import StageError
-from rlhf_batch.executor import StageOutput, execute
-from rlhf_batch.models import model_fingerprint
+from rlhf_batch.models import checkpoint, lora
+from rlhf_batch.models.policy import start_policy
+from rlhf_batch.observe import tracking
+from rlhf_batch.runtime import dist, faults
 from rlhf_batch.stages import train_carry
-from rlhf_batch.stages.base import Stage, start_policy
+from rlhf_batch.stages.base import Stage
+from rlhf_batch.stages.executor import execute
 from rlhf_batch.stages.train_data import TrainRows, load_rows
+from rlhf_batch.store import atomic, layout, manifests, retention
+from rlhf_batch.store.modeldir import model_fingerprint
+from rlhf_batch.store.output import StageOutput
 
 if TYPE_CHECKING:
     import numpy as np
@@ -261,7 +264,7 @@ def _save(
     manifest last). Under FSDP every rank takes part in gathering the full state dicts."""
     import pyarrow as pa
 
-    from rlhf_batch.schemas import METRICS
+    from rlhf_batch.store.schemas import METRICS
 
     dist.barrier()
     weights, optim = checkpoint.gather(trainer.model, trainer.optimizer) if trainer.sharded else (None, None)
@@ -274,7 +277,9 @@ def _save(
         for name, p in model.named_parameters():  # never a complete stage with broken weights
             if not _finite(p):
                 raise StageError(f"{out}: not written: the trained weight {name} has NaN or inf values")
-        _write_policy(model, trainer.tokenizer, out, _saved_dtype(start), checkpointing)
+        from rlhf_batch.models.load import saved_dtype
+
+        _write_policy(model, trainer.tokenizer, out, saved_dtype(start), checkpointing)
         table = pa.Table.from_pylist([{k: r[k] for k in METRICS.names} for r in rows], schema=METRICS)
         sdir = layout.folder(cfg.run_dir, iteration, layout.TRAIN)
         atomic.write_parquet_atomic(sdir / layout.METRICS_FILE, table, METRICS)
@@ -298,7 +303,8 @@ def build_trainer(cfg: Config, start: str, data: TrainRows, steps: list[Step]) -
     (`train.fsdp`, world > 1) or wrapped in DDP (world > 1), and AdamW over what it trains."""
     import torch
 
-    from rlhf_batch.models import load_model, load_tokenizer, own_memory, resolve_dtype
+    from rlhf_batch.models.load import load_model, load_tokenizer, own_memory
+    from rlhf_batch.runtime.device import resolve_dtype
     from rlhf_batch.stages.train_step import LogProbs, Trainer, recompute_old
 
     tc, (rank, world) = cfg.train, dist.rank_world()
@@ -401,7 +407,7 @@ def _fsdp(model: Any, net: Any, device: str, world: int) -> Any:
 
 def _unsharded(cfg: Config, start: str, weights: dict[str, Any]) -> Any:
     """Rank 0: a CPU copy of the policy holding the gathered full weights, for save_pretrained."""
-    from rlhf_batch.models import load_model
+    from rlhf_batch.models.load import load_model
 
     model = load_model(
         start, "policy", device="cpu", dtype="float32", trust_remote_code=cfg.trust_remote_code
@@ -410,33 +416,18 @@ def _unsharded(cfg: Config, start: str, weights: dict[str, Any]) -> Any:
     return model
 
 
-def _saved_dtype(start: str) -> Any:
-    import torch
-
-    raw = json.loads((Path(start) / "config.json").read_text())
-    name = raw.get("dtype") or raw.get("torch_dtype")
-    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)
-
-
 def _write_policy(model: Any, tok: Any, out: Path, dtype: Any, gradient_checkpointing: bool) -> None:
-    """save_pretrained + tokenizer into a hidden temp dir, then rename to `out`."""
-    from safetensors import SafetensorError
-
-    for stale in out.parent.glob(".policy.tmp-*"):
+    """save_pretrained + tokenizer (a LoRA policy: its adapter, then the merged weights), written
+    as one directory (atomic.write_dir_atomic)."""
+    for stale in out.parent.glob(".policy.tmp-*"):  # a killed writer's
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.with_name(f".policy.tmp-{os.getpid()}")
     model.config.use_cache = True
     if gradient_checkpointing:
         _activation_checkpointing(model, False)
-    try:
-        model = lora.save_adapter(model, tmp)  # a LoRA policy: its adapter, then the merged weights
-        model.eval().to(dtype).save_pretrained(tmp)
+
+    def write(tmp: Path) -> None:
+        merged = lora.save_adapter(model, tmp)
+        merged.eval().to(dtype).save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        checkpoint.fsync_tree(tmp)
-    except (OSError, SafetensorError) as e:  # a full disk, as each writer reports it
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise atomic.write_error(out, e) from e
-    faults.fault_point("train:policy:tmp")
-    if out.exists():  # from a run killed after its rename but before the manifest
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+
+    atomic.write_dir_atomic(out, write, fault="train:policy")

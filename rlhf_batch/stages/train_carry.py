@@ -22,9 +22,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlhf_batch import atomic, layout, optim_state
 from rlhf_batch.config import Config
 from rlhf_batch.errors import StageError
+from rlhf_batch.models import optim_state
+from rlhf_batch.store import atomic, layout
 
 SCHEDULE = ("lr", "weight_decay", "warmup_steps", "lr_schedule")
 

@@ -39,8 +39,8 @@ import pyarrow.compute as pc
 
 from rlhf_batch.core.batching import token_budget_batches
 from rlhf_batch.errors import StageError
-from rlhf_batch.manifests import read_complete as read_stage
-from rlhf_batch.schemas import ADVANTAGES
+from rlhf_batch.store.manifests import read_complete as read_stage
+from rlhf_batch.store.schemas import ADVANTAGES
 
 COLUMNS = ["rollout_id", "input_ids", "prompt_len", "behavior_logprobs", "ref_logprobs", "advantage"]
 

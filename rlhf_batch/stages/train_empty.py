@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rlhf_batch import atomic, dist, layout, manifests
+from rlhf_batch.runtime import dist
 from rlhf_batch.stages.train_carry import record
+from rlhf_batch.store import atomic, layout, manifests
 
 
 def carry_forward(
@@ -23,7 +24,7 @@ def carry_forward(
 ) -> dict[str, Any]:
     """Rank 0 writes; returns the manifest's `optimizer` entry (the global step is unchanged)."""
 
-    from rlhf_batch.schemas import METRICS
+    from rlhf_batch.store.schemas import METRICS
 
     step = int(prev[1]["global_step"]) if prev else 0
     total = prev[1].get("total_steps") if prev else None

@@ -25,7 +25,7 @@ import torch
 from rlhf_batch.config import TrainConfig
 from rlhf_batch.core.losses import grpo_loss
 from rlhf_batch.errors import StageError
-from rlhf_batch.forward import response_logprobs
+from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.stages.train_data import Step, TrainRows, lr_factor, micro_batch, sequences
 
 LOSSES = ("loss", "loss_objective", "loss_kl_to_ref", "loss_kl_to_inference", "loss_entropy")

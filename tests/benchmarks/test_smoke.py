@@ -99,8 +99,8 @@ def test_learning_worker_runs_iterations_as_run_does(tmp_path: Path) -> None:
     sys.path.insert(0, str(BENCH))
     import bench_learning
 
-    from rlhf_batch.rewards.demo import write_prompts
-    from rlhf_batch.tiny import init_model
+    from rlhf_batch.data.demo import write_prompts
+    from rlhf_batch.models.tiny import init_model
 
     model, prompts = init_model(tmp_path / "model", seed=0), write_prompts(tmp_path / "p.jsonl", 64)
     spec = {

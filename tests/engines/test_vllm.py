@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_batch import layout, manifests
-from rlhf_batch.forward import response_logprobs
-from rlhf_batch.models import load_model
-from rlhf_batch.schemas import ROLLOUTS
-from rlhf_batch.tiny import init_model
+from rlhf_batch.models.forward import response_logprobs
+from rlhf_batch.models.load import load_model
+from rlhf_batch.models.tiny import init_model
+from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.schemas import ROLLOUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"

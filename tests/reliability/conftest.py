@@ -12,8 +12,8 @@ from tests.reliability.harness import KILLS, Assets, run_to_completion
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
-    from rlhf_batch.rewards.demo import write_prompts
-    from rlhf_batch.tiny import init_model
+    from rlhf_batch.data.demo import write_prompts
+    from rlhf_batch.models.tiny import init_model
 
     root = tmp_path_factory.mktemp("assets")
     return Assets(

@@ -16,8 +16,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from rlhf_batch import faults, layout, manifests
-from rlhf_batch.schemas import ADVANTAGES, METRICS, ROLLOUTS, SCORES
+from rlhf_batch.runtime import faults
+from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.schemas import ADVANTAGES, METRICS, ROLLOUTS, SCORES
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "pipelines" / "demo.toml"

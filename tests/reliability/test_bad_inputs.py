@@ -2,7 +2,7 @@
 naming the file, row/column/rollout or option, no traceback, and no existing output changed.
 
 Stage inputs are copied from the reference run (real Parquet written by the real stages), then
-broken the way a user or a disk would break them. Commands run through `rlhf_batch.cli.run_cli`
+broken the way a user or a disk would break them. Commands run through `rlhf_batch.commands.cli.run_cli`
 in this process (the same code path as the console script, without 3 s of imports per case);
 `test_real_cli_process` checks the same contract on a real process, and `--debug`.
 """
@@ -23,8 +23,9 @@ import pyarrow.parquet as pq
 import pytest
 import tomli_w
 
-from rlhf_batch import executor, faults, layout, manifests
-from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES
+from rlhf_batch.runtime import faults
+from rlhf_batch.store import layout, manifests, output
+from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES
 from tests.reliability.harness import Assets, snapshot
 
 DEMO_REWARD = "rlhf_batch.rewards.demo:letter_count"
@@ -144,7 +145,7 @@ def two_label_reward_model(ctx: Ctx) -> str:
 
 def empty_stage(ctx: Ctx, stage: str) -> None:
     """A complete stage of 0 rows, with its manifest."""
-    st = executor.claim(layout.folder(ctx.run, 0, stage), stage, {"empty": True}, {})
+    st = output.claim(layout.folder(ctx.run, 0, stage), stage, {"empty": True}, {})
     st.finish(0)
 
 
@@ -368,7 +369,7 @@ def policy_without_tokenizer_json(ctx: Ctx):  # noqa: ANN201
 
 @case
 def reference_with_another_vocabulary(ctx: Ctx):  # noqa: ANN201
-    from rlhf_batch.tiny import init_model
+    from rlhf_batch.models.tiny import init_model
 
     ref = str(init_model(ctx.tmp / "ref160", vocab_size=160, seed=0))
     return _score(ctx, ref_model=ref), [ref, "different vocabularies"]
@@ -1018,7 +1019,7 @@ def cli(
 ) -> tuple[int, str]:
     """`rlhf-batch ARGS` as the console script runs it (but for its last step, `exit_now`);
     (exit code, stderr)."""
-    from rlhf_batch.cli import run_cli as main
+    from rlhf_batch.commands.cli import run_cli as main
 
     monkeypatch.setattr(sys, "argv", ["rlhf-batch", *args])
     capfd.readouterr()

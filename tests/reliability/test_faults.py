@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_batch import layout, manifests
-from rlhf_batch.pipeline import LOCK
+from rlhf_batch.commands.pipeline import LOCK
+from rlhf_batch.store import layout, manifests
 from tests.reliability.harness import (
     KILLS,
     Assets,

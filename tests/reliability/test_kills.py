@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_batch import layout, manifests
+from rlhf_batch.store import layout, manifests
 from tests.reliability.harness import (
     KILLS,
     Assets,

@@ -86,7 +86,7 @@ def test_a_raising_function_is_reported_with_the_failing_rollout() -> None:
         (["rlhf_batch.rewards.demo.letter_count"], "is not of the form 'package.module:function'"),
         (["no_such_package.rewards:f"], "cannot import 'no_such_package.rewards'"),
         (["rlhf_batch.rewards.demo:nope"], "has no attribute 'nope'"),
-        (["rlhf_batch.rewards.demo:LETTERS"], "is not callable"),
+        (["rlhf_batch.rewards:RM_COLUMN"], "is not callable"),
         ([f"{HERE}:ok_reward", f"{HERE}.ok_reward"], f"'{HERE}.ok_reward' is not of the form"),
     ],
 )

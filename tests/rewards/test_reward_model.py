@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlhf_batch.errors import ModelError
+from rlhf_batch.models.tiny import init_model
 from rlhf_batch.rewards.model import RewardModel
-from rlhf_batch.tiny import init_model
 
 SEQS = [[40, 41, 42], [50, 51, 52, 53, 54, 55, 56], [60, 61, 62, 63, 0]]  # no pad id (1) inside
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rlhf_batch import layout, manifests
-from rlhf_batch.models import load_tokenizer
+from rlhf_batch.models.load import load_tokenizer
+from rlhf_batch.models.tiny import init_model
 from rlhf_batch.rewards.model import RewardModel
-from rlhf_batch.schemas import ROLLOUTS, SCORES
 from rlhf_batch.stages import generate, score
-from rlhf_batch.tiny import init_model
+from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
 
 def permuted_reward_model(path: Path, chat_template: bool = True) -> Path:

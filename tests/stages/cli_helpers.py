@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import torch
 from typer.testing import CliRunner
 
-from rlhf_batch.cli import app
+from rlhf_batch.commands.cli import app
 
 
 def cli(*args: object) -> object:

@@ -18,12 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlhf_batch import executor, layout, manifests
 from rlhf_batch.errors import StageError
-from rlhf_batch.forward import response_logprobs
-from rlhf_batch.models import load_model, load_tokenizer
-from rlhf_batch.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate, with_extra
+from rlhf_batch.models.forward import response_logprobs
+from rlhf_batch.models.load import load_model, load_tokenizer
 from rlhf_batch.stages import advantage
+from rlhf_batch.store import layout, manifests, output
+from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate, with_extra
 from tests.core.advantages_oracle import group_advantages, group_stats
 
 NAN = float("nan")
@@ -97,7 +97,7 @@ def tables(lm: tuple[Any, Any], it: int, rows: list[R]) -> tuple[pa.Table, pa.Ta
 def write_stage(
     run_dir: str, it: int, stage: str, table: pa.Table, schema: pa.Schema, parts: int = 2
 ) -> None:
-    st = executor.claim(layout.folder(run_dir, it, stage), stage, {"test": 1}, {})
+    st = output.claim(layout.folder(run_dir, it, stage), stage, {"test": 1}, {})
     step = math.ceil(table.num_rows / parts)
     for n in range(parts):
         st.write_table(n, table.slice(n * step, step), schema)
@@ -310,7 +310,7 @@ def test_nan_reward_in_a_file_without_nulls(make_config: Any, lm: Any) -> None:
     roll, score = tables(lm, 0, rewards("p", [1.0, NAN, 1.0]) + rewards("q", [0.0, 2.0]))
     write_stage(cfg.run_dir, 0, "rollouts", roll, with_extra(ROLLOUTS, EXTRA), parts=1)
     write_stage(cfg.run_dir, 0, "scores", score.slice(0, 3), SCORES, parts=1)
-    st = executor.claim(layout.folder(cfg.run_dir, 0, "scores"), "scores", {"test": 1}, {})
+    st = output.claim(layout.folder(cfg.run_dir, 0, "scores"), "scores", {"test": 1}, {})
     st.write_table(1, score.slice(3), SCORES)
     st.finish(2)
     m = advantage.run(cfg, 0, quiet=True)

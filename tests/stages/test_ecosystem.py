@@ -1,7 +1,7 @@
 """Prompt sets and reward functions as TRL and verl users have them, unchanged.
 
-tests/data/trl_conversational.jsonl and tests/data/verl_math.parquet (written by
-tests/data/make_examples.py) load with no extra config keys; TRL- and verl-style reward
+tests/fixtures/trl_conversational.jsonl and tests/fixtures/verl_math.parquet (written by
+tests/fixtures/make_examples.py) load with no extra config keys; TRL- and verl-style reward
 functions are called with those libraries' arguments.
 """
 
@@ -18,12 +18,12 @@ from typing import Any
 import pyarrow as pa
 import pytest
 
-from rlhf_batch import layout, manifests
 from rlhf_batch.errors import RewardError
-from rlhf_batch.schemas import ROLLOUTS, SCORES
 from rlhf_batch.stages import generate, score
+from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
-DATA = Path(__file__).parent.parent / "data"
+DATA = Path(__file__).parent.parent / "fixtures"
 HERE = "tests.stages.test_ecosystem"
 CALLS: list[dict[str, Any]] = []
 

@@ -11,13 +11,14 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rlhf_batch import executor, faults, layout, manifests
 from rlhf_batch.config import load_config
 from rlhf_batch.errors import ConfigError, StageError
-from rlhf_batch.executor import execute
-from rlhf_batch.schemas import EVAL
+from rlhf_batch.models.tiny import init_model
+from rlhf_batch.runtime import faults
 from rlhf_batch.stages.evaluate import Eval
-from rlhf_batch.tiny import init_model
+from rlhf_batch.stages.executor import execute
+from rlhf_batch.store import layout, manifests, output
+from rlhf_batch.store.schemas import EVAL
 
 PARITY = "tests.stages.test_eval:parity"
 
@@ -131,7 +132,7 @@ def test_iteration_k_evaluates_the_policy_iteration_k_starts_from(make_config, t
         run_eval(cfg, 1)
     prev = layout.policy_dir(cfg.run_dir, 0)
     init_model(prev, seed=7)  # another real model in train's output place
-    executor.claim(layout.folder(cfg.run_dir, 0, "train"), "train", {"test": True}, {}).finish(0)
+    output.claim(layout.folder(cfg.run_dir, 0, "train"), "train", {"test": True}, {}).finish(0)
     m = run_eval(cfg, 1)
     t = eval_rows(cfg, 1)
     assert m["policy"] == str(prev) and set(t["policy"].to_pylist()) == {str(prev)}
@@ -157,8 +158,8 @@ def test_own_sampling_settings_and_score_reward_functions_by_default(make_config
 
 
 def test_a_training_prompt_does_not_get_generates_samples_again(make_config, demo_prompts: Path) -> None:
-    from rlhf_batch.schemas import ROLLOUTS
     from rlhf_batch.stages import generate
+    from rlhf_batch.store.schemas import ROLLOUTS
 
     # eval on the training prompts with generate's sampling settings (temperature 1, 6 new tokens, G = n = 4)
     _, cfg = make_config(eval={"prompts": str(demo_prompts), "n": 4, "reward_functions": [PARITY]})
@@ -254,9 +255,10 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
     the last train wrote), not at 1; each from the policy its iteration starts from."""
     import re
 
-    from rlhf_batch.pipeline import run_pipeline
-    from rlhf_batch.query import connect, print_status
-    from rlhf_batch.report import write_report
+    from rlhf_batch.commands.pipeline import run_pipeline
+    from rlhf_batch.observe.query import connect
+    from rlhf_batch.observe.report import write_report
+    from rlhf_batch.observe.status import print_status
 
     table = {
         "prompts": eval_prompts(tmp_path, FIVE),
@@ -333,7 +335,7 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
 
 
 def test_eval_views_of_a_run_without_eval_are_empty(tmp_path: Path) -> None:
-    from rlhf_batch.query import connect
+    from rlhf_batch.observe.query import connect
 
     con = connect(tmp_path)
     assert con.sql("SELECT count(*) FROM eval").fetchall() == [(0,)]
@@ -347,7 +349,7 @@ def test_cli_if_due_evaluates_only_where_run_would(make_config, tmp_path: Path) 
     would not evaluate, and evaluates where it would."""
     from typer.testing import CliRunner
 
-    from rlhf_batch.cli import app
+    from rlhf_batch.commands.cli import app
 
     runner = CliRunner()
     off, cfg = make_config(name="off.toml", iterations=2)
@@ -363,7 +365,7 @@ def test_cli_if_due_evaluates_only_where_run_would(make_config, tmp_path: Path) 
 
 
 def eval_as_the_cli_does(config: str | Path) -> dict:
-    from rlhf_batch import dist
+    from rlhf_batch.runtime import dist
 
     cfg = load_config(config)
     dist.init(cfg.device)
@@ -406,7 +408,7 @@ if __name__ == "__main__":  # a torchrun rank
 
 
 def test_verl_and_trl_reward_functions_score_eval_as_they_score_score(make_config) -> None:
-    data = Path(__file__).parent.parent / "data" / "verl_math.parquet"
+    data = Path(__file__).parent.parent / "fixtures" / "verl_math.parquet"
     verl, trl = "verl:tests.stages.test_ecosystem:compute_score", "trl:tests.stages.test_ecosystem:trl_reward"
     _, cfg = make_config(
         eval={

@@ -8,13 +8,14 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rlhf_batch import executor, faults, layout, manifests
 from rlhf_batch.errors import StageError
-from rlhf_batch.forward import response_logprobs
-from rlhf_batch.models import load_model, load_tokenizer
-from rlhf_batch.schemas import ROLLOUTS
-from rlhf_batch.stages import generate
-from rlhf_batch.tiny import init_model
+from rlhf_batch.models.forward import response_logprobs
+from rlhf_batch.models.load import load_model, load_tokenizer
+from rlhf_batch.models.tiny import init_model
+from rlhf_batch.runtime import faults
+from rlhf_batch.stages import executor, generate
+from rlhf_batch.store import layout, manifests, output
+from rlhf_batch.store.schemas import ROLLOUTS
 
 
 def rollouts(cfg, it: int = 0) -> pa.Table:
@@ -280,7 +281,7 @@ def test_iteration_k_samples_from_the_policy_trained_in_iteration_k_minus_1(make
     _, cfg = make_config()
     prev = layout.policy_dir(cfg.run_dir, 0)
     init_model(prev, seed=7)  # another real model in train's output place (same tokenizer)
-    done = executor.claim(layout.folder(cfg.run_dir, 0, "train"), "train", {"test": True}, {})
+    done = output.claim(layout.folder(cfg.run_dir, 0, "train"), "train", {"test": True}, {})
     done.finish(0)  # iteration 0's train stage is complete
     generate.run(cfg, 1, quiet=True)
     t = rollouts(cfg, 1).to_pylist()
@@ -315,7 +316,7 @@ def test_prompt_batches_follow_the_seeded_epoch_order_and_are_recorded(
     make_config, demo_prompts: Path
 ) -> None:
     from rlhf_batch.core.prompt_batches import epoch_order
-    from rlhf_batch.prompts import run_iterations
+    from rlhf_batch.data.prompts import run_iterations
 
     # 12 prompts, B = 5: 12 // 5 = 2 iterations per epoch (2 rows of each epoch unused)
     _, cfg = make_config("[generate]\nprompts_per_iteration = 5", seed=3)
@@ -324,7 +325,7 @@ def test_prompt_batches_follow_the_seeded_epoch_order_and_are_recorded(
     for it in range(3):
         if it:  # a stand-in for iteration it-1's trained policy
             init_model(layout.policy_dir(cfg.run_dir, it - 1), seed=it)
-            executor.claim(layout.folder(cfg.run_dir, it - 1, "train"), "train", {"test": True}, {}).finish(0)
+            output.claim(layout.folder(cfg.run_dir, it - 1, "train"), "train", {"test": True}, {}).finish(0)
         m = generate.run(cfg, it, quiet=True)
         ids = rollouts(cfg, it).column("prompt_id").to_pylist()
         assert m["rows"] == len(ids) == 5 * 4

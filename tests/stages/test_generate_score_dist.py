@@ -17,10 +17,11 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from rlhf_batch import dist, layout, manifests
 from rlhf_batch.config import load_config
-from rlhf_batch.schemas import ROLLOUTS, SCORES
+from rlhf_batch.runtime import dist
 from rlhf_batch.stages import generate, score
+from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
 REPO = Path(__file__).parents[2]
 

@@ -13,14 +13,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rlhf_batch import layout, manifests
-from rlhf_batch.cli import app
+from rlhf_batch.commands.cli import app
 from rlhf_batch.errors import ConfigError, SchemaError, StageError
-from rlhf_batch.forward import response_logprobs
-from rlhf_batch.models import load_model, load_tokenizer
-from rlhf_batch.schemas import ROLLOUTS, SCORES
+from rlhf_batch.models.forward import response_logprobs
+from rlhf_batch.models.load import load_model, load_tokenizer
 from rlhf_batch.stages import score
 from rlhf_batch.stages.importer import import_rollouts
+from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
 ROWS = [
     {"prompt": "a*2=", "response": "aa", "letter": "a", "count": 2},
@@ -256,7 +256,7 @@ def test_cli_import(make_config, tmp_path: Path) -> None:
 def test_imported_rollouts_count_as_done_for_run_and_record_their_command(
     make_config, tmp_path: Path
 ) -> None:
-    from rlhf_batch.executor import is_done
+    from rlhf_batch.stages.executor import is_done
     from rlhf_batch.stages.generate import Generate
     from rlhf_batch.stages.score import Score
 

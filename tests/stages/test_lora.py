@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_batch import checkpoint, layout, lora, manifests
 from rlhf_batch.errors import ConfigError, StageError
-from rlhf_batch.forward import response_logprobs
-from rlhf_batch.models import load_model
+from rlhf_batch.models import checkpoint, lora
+from rlhf_batch.models.forward import response_logprobs
+from rlhf_batch.models.load import load_model
 from rlhf_batch.stages import train
+from rlhf_batch.store import layout, manifests
 from tests.stages.test_train import make_table, max_diff, metrics, train_toml, weights, write_advantages
 
 LORA = "[lora]\nenabled = true\nr = 4\nalpha = 8\n"  # scale alpha / r = 2
@@ -113,15 +114,15 @@ def test_adapter_reloads_to_identical_logprobs(make_config, tiny_model: Path, tm
 def test_an_iteration_continues_the_previous_adapter_on_the_base(
     make_config, tiny_model: Path, monkeypatch
 ) -> None:
-    import rlhf_batch.models
+    import rlhf_batch.models.load
 
     _, cfg = make_config(lora_toml(lr=1e-2, tokens_per_step=16))
     # behaviour log-probs of each iteration's start policy: iteration 1 starts from policy 0
     write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8), 0)
     loaded: list[str] = []
-    real = rlhf_batch.models.load_model
+    real = rlhf_batch.models.load.load_model
     monkeypatch.setattr(
-        rlhf_batch.models, "load_model", lambda p, *a, **k: loaded.append(p) or real(p, *a, **k)
+        rlhf_batch.models.load, "load_model", lambda p, *a, **k: loaded.append(p) or real(p, *a, **k)
     )
     train.run(cfg, 0, quiet=True)
     write_advantages(cfg.run_dir, make_table(layout.policy_dir(cfg.run_dir, 0), [3] * 8, [4] * 8), 1)
@@ -136,7 +137,7 @@ def test_an_iteration_continues_the_previous_adapter_on_the_base(
 
 
 def test_a_run_can_start_from_an_existing_adapter(make_config, tiny_model: Path, tmp_path: Path) -> None:
-    from rlhf_batch.stages.base import start_policy
+    from rlhf_batch.models.policy import start_policy
 
     _, first = make_config(lora_toml(lr=1e-2, tokens_per_step=16), name="a.toml", run_dir=str(tmp_path / "a"))
     write_advantages(first.run_dir, make_table(tiny_model, [3] * 8, [4] * 8))

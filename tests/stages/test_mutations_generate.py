@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_batch.sampler import sample
+from rlhf_batch.engines.sampler import sample
 from tests.stages.cli_helpers import read, small_prompts, stage, unpadded_logprobs
 
 T = 0.7

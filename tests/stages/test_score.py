@@ -19,13 +19,14 @@ import pyarrow as pa
 import pytest
 import torch
 
-from rlhf_batch import executor, faults, layout, manifests
 from rlhf_batch.errors import ConfigError, ModelError, RewardError, SchemaError, StageError
-from rlhf_batch.forward import response_logprobs
-from rlhf_batch.models import load_model, load_tokenizer
-from rlhf_batch.schemas import ROLLOUTS, SCORES, with_extra
+from rlhf_batch.models.forward import response_logprobs
+from rlhf_batch.models.load import load_model, load_tokenizer
+from rlhf_batch.models.tiny import init_model
+from rlhf_batch.runtime import faults
 from rlhf_batch.stages import score
-from rlhf_batch.tiny import init_model
+from rlhf_batch.store import layout, manifests, output
+from rlhf_batch.store.schemas import ROLLOUTS, SCORES, with_extra
 
 PROMPTS = [("p0", "a*2=", "a", 2), ("p1", "b*3=", "b", 3), ("p2", "c*1=", "c", 1)]
 RESPONSES = ("{l}{l}", "x{l}", "{l}{l}{l}", "zz")  # sample j's response; {l} = the prompt's letter
@@ -91,7 +92,7 @@ def write_rollouts(
     if edit:
         edit(rows)
     schema = with_extra(ROLLOUTS, pa.schema([("letter", pa.string()), ("count", pa.int64())]))
-    stage = executor.claim(layout.folder(cfg.run_dir, it, "rollouts"), "rollouts", {"test": True}, {}, True)
+    stage = output.claim(layout.folder(cfg.run_dir, it, "rollouts"), "rollouts", {"test": True}, {}, True)
     n_parts = math.ceil(len(rows) / per_part)
     for n in range(n_parts):
         stage.write_table(

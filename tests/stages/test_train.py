@@ -23,13 +23,14 @@ import tomli_w
 import torch
 from safetensors.torch import load_file
 
-from rlhf_batch import checkpoint, executor, layout, manifests
 from rlhf_batch.errors import StageError
-from rlhf_batch.forward import response_logprobs
-from rlhf_batch.models import load_model
-from rlhf_batch.schemas import ADVANTAGES, METRICS
+from rlhf_batch.models import checkpoint
+from rlhf_batch.models.forward import response_logprobs
+from rlhf_batch.models.load import load_model
 from rlhf_batch.stages import train
 from rlhf_batch.stages.train_data import Step, cut_balanced, lr_factor, plan_steps
+from rlhf_batch.store import layout, manifests, output
+from rlhf_batch.store.schemas import ADVANTAGES, METRICS
 
 # ---------------------------------------------------------------------------- helpers
 
@@ -74,7 +75,7 @@ def make_table(
 
 def write_advantages(run_dir: str | Path, table: pa.Table, iteration: int = 0) -> Path:
     sdir = layout.folder(run_dir, iteration, "advantages")
-    stage = executor.claim(sdir, "advantage", {"test": True}, {"rows": table.num_rows})
+    stage = output.claim(sdir, "advantage", {"test": True}, {"rows": table.num_rows})
     stage.write_table(0, table, ADVANTAGES)
     stage.finish(1)
     return sdir
@@ -551,8 +552,8 @@ def test_rows_of_advantage_zero_are_not_run_and_change_nothing(
 ) -> None:
     """Without KL or entropy terms a row of advantage 0 has a zero gradient: the plan skips its
     forward pass but keeps it in the step's normaliser. Trained both ways, the weights agree."""
-    from rlhf_batch.query import print_status
-    from rlhf_batch.report import write_report
+    from rlhf_batch.observe.report import write_report
+    from rlhf_batch.observe.status import print_status
     from rlhf_batch.stages.train_data import load_rows
 
     # 8 rows, 4 per step, 2 epochs: rows 0-3 all of advantage 0, rows 4-7 two of them 0; epoch 1

@@ -15,12 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_batch import checkpoint, layout, manifests, optim_state
 from rlhf_batch.core.losses import grpo_loss
 from rlhf_batch.errors import StageError
-from rlhf_batch.forward import response_logprobs
-from rlhf_batch.models import load_model, load_tokenizer
+from rlhf_batch.models import checkpoint, optim_state
+from rlhf_batch.models.forward import response_logprobs
+from rlhf_batch.models.load import load_model, load_tokenizer
 from rlhf_batch.stages import train
+from rlhf_batch.store import layout, manifests
 from tests.stages.test_train import make_table, max_diff, metrics, train_toml, weights, write_advantages
 
 # 8 rows of 3 prompt + 4 response tokens, 8 tokens per step: 4 steps of 2 rows, in file order
@@ -171,7 +172,7 @@ def constant(*, responses: list[str], **_: Any) -> list[float]:
 
 
 def test_run_goes_on_through_iterations_with_no_trainable_row(make_config, tiny_model: Path, capfd) -> None:
-    from rlhf_batch.pipeline import run_pipeline
+    from rlhf_batch.commands.pipeline import run_pipeline
 
     score = {"reward_functions": ["tests.stages.test_train_carry:constant"], "kl_in_reward": False}
     path, cfg = make_config(iterations=2, in_process=True, train={"lr": 1e-2}, score=score)

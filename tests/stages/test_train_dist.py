@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from rlhf_batch import checkpoint, layout, manifests
+from rlhf_batch.models import checkpoint
 from rlhf_batch.stages import train
 from rlhf_batch.stages.train_data import load_rows, plan_steps
+from rlhf_batch.store import layout, manifests
 from tests.stages.test_train import (
     make_table,
     max_diff,

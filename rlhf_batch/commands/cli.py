@@ -1,0 +1,392 @@
+"""The `rlhf-batch` command line: parses arguments and calls library functions, no logic."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from rlhf_batch.runtime import timing  # imported at start: the fallback process start
+
+app = typer.Typer(
+    name="rlhf-batch",
+    help="Offline batch RL post-training (GRPO with KL control): generate -> score -> advantage -> train.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+ConfigArg = Annotated[Path, typer.Argument(help="TOML config file.", show_default=False)]
+IterOpt = Annotated[int, typer.Option("--iter", "-i", help="Iteration number (0-based).")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override a config key: --set generate.temperature=0.7 (repeatable)."),
+]
+ForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Delete this stage's output (complete, or partial from another config) and redo it.",
+    ),
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", "-r", help="The run directory.")]
+TargetArg = Annotated[
+    Path | None,
+    typer.Argument(
+        metavar="CONFIG|RUN_DIR",
+        help="The config file or the run directory (default: the current directory).",
+        show_default=False,
+    ),
+]
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="The config file (its run_dir is used).")
+]
+TopUpOpt = Annotated[
+    int,
+    typer.Option("--topup", help="A top-up round of the iteration (advantage.min_groups; `run` decides)."),
+]
+
+
+@app.callback()
+def _root(debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False) -> None:
+    if debug:
+        os.environ["RLHF_BATCH_DEBUG"] = "1"
+
+
+def _config(config: Path | None, overrides: list[str] | None):  # noqa: ANN202
+    from rlhf_batch.config import load_config
+
+    return load_config(config, overrides)
+
+
+def _stage(
+    name: str,
+    config: Path,
+    iteration: int,
+    overrides: list[str] | None,
+    force: bool,
+    quiet: bool,
+    topup: int = 0,
+) -> None:
+    from rlhf_batch.commands.pipeline import stage_lock
+    from rlhf_batch.runtime import dist
+    from rlhf_batch.runtime.device import setup_process
+    from rlhf_batch.stages.executor import execute
+    from rlhf_batch.stages.registry import get
+
+    cfg = _config(config, overrides)
+    setup_process(cfg.threads)
+    if topup < 0:
+        from rlhf_batch.errors import UserError
+
+        raise UserError(f"--topup must be >= 0, got {topup}")
+    with stage_lock(cfg.run_dir):
+        dist.init(cfg.device)
+        stage = get(name)(cfg, iteration, topup) if topup else get(name)(cfg, iteration)
+        execute(stage, force=force, quiet=quiet, since=timing.process_start())
+
+
+@app.command()
+def generate(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+    topup: TopUpOpt = 0,
+) -> None:
+    """Sample G responses per prompt with the iteration's policy into iter=K/rollouts."""
+    _stage("generate", config, iteration, set_, force, quiet, topup)
+
+
+@app.command()
+def score(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+    topup: TopUpOpt = 0,
+) -> None:
+    """Rewards, reference log-probs, per-token KL and KL-shaped reward into iter=K/scores."""
+    _stage("score", config, iteration, set_, force, quiet, topup)
+
+
+@app.command()
+def advantage(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Group advantages by prompt (DuckDB), filters, length-bucketed training parts."""
+    _stage("advantage", config, iteration, set_, force, quiet)
+
+
+@app.command()
+def train(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """GRPO epochs over iter=K/advantages; writes the new policy to iter=K/policy."""
+    _stage("train", config, iteration, set_, force, quiet)
+
+
+@app.command(name="eval")
+def eval_(
+    config: ConfigArg,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+    if_due: Annotated[
+        bool,
+        typer.Option(
+            "--if-due",
+            help="Do nothing unless `run` would evaluate this iteration ([eval] prompts set; "
+            "K = 0, a multiple of eval.every, or = iterations).",
+        ),
+    ] = False,
+) -> None:
+    """Held-out evaluation of iteration K's starting policy: eval.n samples per prompt, rewards,
+    mean@n / pass@k / best@n per data source into iter=K/eval."""
+    if if_due:
+        from rlhf_batch.stages.registry import get
+
+        if not get("eval").runs_at(_config(config, set_), iteration):
+            return
+    _stage("eval", config, iteration, set_, force, quiet)
+
+
+@app.command()
+def run(
+    config: ConfigArg,
+    iterations: Annotated[int | None, typer.Option(help="Iterations to run (default: from config).")] = None,
+    set_: SetOpt = None,
+    in_process: Annotated[
+        bool, typer.Option("--in-process", help="Run every stage in this process.")
+    ] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """All stages for iterations 0..N-1, skipping completed ones (safe to re-run, cron, Airflow)."""
+    from rlhf_batch.commands.pipeline import run_pipeline
+
+    overrides = list(set_ or [])
+    if iterations is not None:
+        overrides.append(f"iterations={iterations}")
+    if in_process:
+        overrides.append("in_process=true")
+    run_pipeline(config, overrides, quiet=quiet, settle_heap=True)
+
+
+@app.command(name="import")
+def import_(
+    file: Annotated[Path, typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows.")],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", "-c", help="TOML config (policy_model, temperature); without it, defaults and --set."
+        ),
+    ] = None,
+    run_dir: Annotated[
+        Path | None, typer.Option("--run-dir", "-r", help="The run directory (default: the config's).")
+    ] = None,
+    iteration: IterOpt = 0,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Turn externally produced (prompt, response) rows into iter=K/rollouts with behaviour log-probs."""
+    from rlhf_batch.stages.executor import execute
+    from rlhf_batch.stages.importer import Import
+
+    overrides = [*(set_ or []), *([f"run_dir={run_dir}"] if run_dir is not None else [])]
+    stage = Import(_config(config, overrides), iteration, file)
+    execute(stage, force=force, quiet=quiet, since=timing.process_start())
+
+
+@app.command()
+def validate(config: ConfigArg, set_: SetOpt = None) -> None:
+    """Check a config file: keys, types and values; model dirs and configs, the prompt file and its
+    columns, reward function imports."""
+    from rlhf_batch.commands.runs import validate as check
+
+    for line in check(_config(config, set_)):
+        typer.echo(f"  {line}: ok")
+    typer.echo(f"{config}: ok")
+
+
+@app.command()
+def sql(
+    query: Annotated[str | None, typer.Argument(help="SQL; without it, an interactive prompt.")] = None,
+    run_dir: RunDirOpt = None,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="table | csv | json | parquet")] = "table",
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the result to this file.")] = None,
+    config: ConfigOpt = None,
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", help="Stop a query still running after this many seconds (0: no limit)."),
+    ] = 600.0,
+) -> None:
+    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, eval, stages with an
+    iter column (rollouts, scores, stages: also topup, the dynamic-sampling round)."""
+    from rlhf_batch.commands.runs import run_dir_of
+    from rlhf_batch.observe.query import run_sql
+
+    run_sql(run_dir_of(None, run_dir, config), query, fmt=fmt, out=out, timeout=timeout)
+
+
+@app.command()
+def status(target: TargetArg = None, run_dir: RunDirOpt = None, config: ConfigOpt = None) -> None:
+    """Per iteration and stage: complete / partial / missing, rows, start-up and work seconds, tokens/s,
+    mean reward, KL, lengths."""
+    from rlhf_batch.commands.runs import run_dir_of
+    from rlhf_batch.observe.status import print_status
+
+    print_status(run_dir_of(target, run_dir, config))
+
+
+@app.command()
+def report(
+    target: TargetArg = None,
+    run_dir: RunDirOpt = None,
+    config: ConfigOpt = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Output dir (default RUN_DIR/report).")
+    ] = None,
+    tensorboard: Annotated[
+        bool, typer.Option("--tensorboard", help="Also write TensorBoard event files.")
+    ] = False,
+) -> None:
+    """PNG plots and report.html: reward, KL, length, time per stage by iteration; train metrics by step."""
+    from rlhf_batch.commands.runs import run_dir_of
+    from rlhf_batch.observe.report import write_report
+
+    path = write_report(run_dir_of(target, run_dir, config), out, tensorboard=tensorboard)
+    typer.echo(f"report: {path}")
+
+
+@app.command("init-model")
+def init_model(
+    out_dir: Annotated[Path, typer.Argument(help="Where to save the model and tokenizer.")],
+    arch: Annotated[str, typer.Option(help="qwen2 | llama")] = "qwen2",
+    hidden: Annotated[int, typer.Option(help="Hidden size.")] = 64,
+    layers: Annotated[int, typer.Option(help="Decoder layers.")] = 2,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads (grouped-query attention).")] = 2,
+    intermediate: Annotated[int, typer.Option(help="MLP intermediate size.")] = 128,
+    vocab_size: Annotated[int, typer.Option(help="Pad the vocabulary to this size (0: ~100 chars).")] = 0,
+    reward: Annotated[
+        bool, typer.Option("--reward", help="A 1-label sequence-classification reward model.")
+    ] = False,
+    pad: Annotated[str, typer.Option(help="Pad token: separate | eos | none")] = "separate",
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+) -> None:
+    """Build a tiny random-initialised model and a char-level tokenizer, offline."""
+    from rlhf_batch.errors import ConfigError
+    from rlhf_batch.models.tiny import init_model as build
+
+    if arch not in ("qwen2", "llama"):
+        raise ConfigError(f"--arch: must be qwen2 or llama, got {arch!r}")
+    if pad not in ("separate", "eos", "none"):
+        raise ConfigError(f"--pad: must be separate, eos or none, got {pad!r}")
+    try:
+        path = build(
+            out_dir,
+            arch=arch,  # type: ignore[arg-type]
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            intermediate=intermediate,
+            vocab_size=vocab_size,
+            reward=reward,
+            pad=pad,  # type: ignore[arg-type]
+            seed=seed,
+        )
+    except ValueError as e:
+        raise ConfigError(f"init-model: {e}") from None
+    typer.echo(f"model: {path}")
+
+
+@app.command("init-prompts")
+def init_prompts(
+    out: Annotated[Path, typer.Argument(help="JSONL file to write the demo task's prompts to.")],
+    n: Annotated[int, typer.Option(help="Number of prompts.")] = 256,
+    seed: Annotated[int, typer.Option(help="Seed of the prompt set.")] = 0,
+) -> None:
+    """Write the procedural demo task's prompt set (no download)."""
+    from rlhf_batch.data.demo import write_prompts
+
+    typer.echo(f"prompts: {write_prompts(out, n, seed)}")
+
+
+def main() -> None:
+    """The console script: runs the command, then exits without tearing the interpreter down."""
+    try:
+        run_cli()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """Exit as Python does (non-daemon threads joined, atexit handlers run: trackers, the process
+    group, logging; stdout and stderr flushed), then skip the teardown of every module: ~1 s
+    with torch and transformers loaded, paid by every stage process."""
+    import atexit
+    import contextlib
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe, a closed stream
+            stream.flush()
+    os._exit(code)
+
+
+def run_cli() -> None:
+    """The command line: user errors become one line on stderr and exit code 1 (usage errors: 2)."""
+    from rlhf_batch.errors import UserError
+
+    try:
+        # without standalone mode, typer returns (not raises) the code of an Exit, e.g. 130 for Ctrl-C
+        code = app(standalone_mode=False, prog_name="rlhf-batch")
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except typer.TyperException as e:  # a missing argument, an unknown option or command, a bad value
+        ctx = getattr(e, "ctx", None)
+        where = f"{ctx.command_path}: " if ctx is not None else ""
+        print(f"error: {where}{e.format_message()} (see --help)", file=sys.stderr)
+        sys.exit(2)
+    except UserError as e:
+        if os.environ.get("RLHF_BATCH_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:  # a full disk under a write not made through rlhf_batch.store.atomic
+        import errno
+
+        if os.environ.get("RLHF_BATCH_DEBUG") or e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        print(f"error: {e.filename or 'write'}: {e.strerror}; free disk space and run again", file=sys.stderr)
+        sys.exit(1)

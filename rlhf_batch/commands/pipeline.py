@@ -1,0 +1,290 @@
+"""`run`: every stage of iterations 0..N-1, skipping what is complete, under a run-dir lock.
+
+Each stage runs in its own process by default (`python -m rlhf_batch STAGE CONFIG --iter K`),
+so stages may use different devices and a crash takes one stage down, not the run; with
+`in_process = true` (or `--in-process`) they run in this process, which saves the start-up
+time of the small demo. `generate.python` names another interpreter for the generate stage
+(vLLM lives in its own venv): generate then runs in a child process even with `in_process`.
+Either way the files are the only interface between stages, and a re-run after a crash does
+only the missing work.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import fcntl
+import gc
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from rlhf_batch.config import Config, load_config
+from rlhf_batch.errors import StageError, UserError
+from rlhf_batch.stages.executor import execute
+from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.layout import LOCK
+
+LOCK_ENV = "RLHF_BATCH_RUN_LOCKED"  # set by `run` for its stage processes: it holds the lock
+
+
+def stage_lock(run_dir: str) -> contextlib.AbstractContextManager[Any]:
+    """The run lock for one stage command, so that it never writes under a running `run` or a
+    second command: taken by rank 0 (torchrun's other ranks follow it), unless the `run` that
+    started this process holds it already."""
+    if os.environ.get(LOCK_ENV) == str(Path(run_dir).resolve()) or int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext()
+    return RunLock(Path(run_dir))
+
+
+class RunLock:
+    """An exclusive flock on RUN_DIR/.run.lock holding the owner's pid. The kernel drops the lock
+    when its holder dies, so a stale lock file (dead pid) is simply taken over."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK
+        self.file: IO[str] | None = None
+
+    def __enter__(self) -> RunLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and not self.path.is_file():
+            raise StageError(f"{self.path}: is not a file; remove it (it is the run's lock file)")
+        f = open(self.path, "a+")  # noqa: SIM115 - held for the lifetime of the run
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise StageError(
+                f"{self.path.parent}: another rlhf-batch command holds the lock ({holder}); "
+                "wait for it or stop it"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+        f.flush()
+        self.file = f
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def run_pipeline(
+    config_path: Path, overrides: list[str], quiet: bool = False, settle_heap: bool = False
+) -> None:
+    """The run. `settle_heap` (the `run` command, a process of its own): with `in_process`,
+    this process's heap is settled after its first iteration (see `run_iteration`)."""
+    from rlhf_batch.data.prompts import run_iterations
+    from rlhf_batch.stages.executor import is_done
+
+    cfg = load_config(config_path, overrides)
+    with RunLock(Path(cfg.run_dir)), _env(LOCK_ENV, str(Path(cfg.run_dir).resolve())):
+        if cfg.in_process:
+            from rlhf_batch.runtime.device import setup_process
+
+            setup_process(cfg.threads)
+        if cfg.demo and cfg.epochs:
+            from rlhf_batch.data.demo import ensure_demo_assets
+
+            ensure_demo_assets(cfg)  # the prompt set sizes the run
+        cfg.iterations = run_iterations(cfg)  # `epochs`, when set, sizes the run
+
+        def run_stage(stage: Any) -> None:
+            if is_done(stage):
+                return
+            rnd = f" (top-up round {stage.topup})" if stage.topup else ""
+            _say(f"iteration {stage.iteration}: {stage.name}{rnd}", quiet)
+            python = cfg.generate.python if stage.name == "generate" else ""  # e.g. vLLM's own venv
+            if cfg.in_process and not python:
+                execute(stage, quiet=quiet)
+            else:
+                _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python)
+
+        for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
+            run_iteration(cfg, it, run_stage, quiet, settle_heap and cfg.in_process)
+    print_summary(cfg)
+
+
+def run_iteration(
+    cfg: Config, it: int, run_stage: Callable[[Any], None], quiet: bool = True, settle_heap: bool = False
+) -> None:
+    """The stages of iteration `it` in order, through `run_stage`; before advantage, the top-up
+    rounds that `advantage.min_groups` asks for. `settle_heap` (a process that runs its stages
+    itself): the first such iteration of the process defers Python's full garbage collections
+    and ends with the heap frozen (below)."""
+    from rlhf_batch.stages.executor import is_done
+    from rlhf_batch.stages.registry import pipeline
+
+    first = _defer_full_collections() if settle_heap else None
+    try:
+        for stage_class in pipeline():
+            if not stage_class.runs_at(cfg, it):
+                continue
+            stage = stage_class(cfg, it)
+            if stage.name == "advantage" and cfg.advantage.min_groups and not is_done(stage):
+                top_up(cfg, it, run_stage, quiet)
+            run_stage(stage)
+    finally:
+        if first:
+            _settle_heap(first)
+
+
+# The heap of a process that runs stages. Its first iteration imports torch, transformers and
+# DuckDB and loads the models: the heap grows from nothing to millions of objects, and Python
+# runs a full collection each time the long-lived objects grow by a quarter, walking all of
+# them again (7 full collections, 0.7 s, in the first 3.5 s of the demo, measured; none after).
+# So during the first iteration full collections are 10x rarer (young cycles are still
+# collected as usual); after it `gc.freeze()`: what the process holds by then (modules, model
+# templates) is left out of later full collections. No full collection before the freeze: it
+# would walk the ~400k objects once more (0.2 s) to find a few hundred dead ones, which stay
+# frozen. Objects are freed by reference counting as before; only a reference cycle dead by
+# then or later would stay (nothing of a stage is alive between iterations). At exit they are
+# unfrozen, so that finalisation collects them as it did.
+_HEAP: dict[str, Any] = {}  # pid: the process that deferred
+
+
+def _defer_full_collections() -> tuple[int, int, int] | None:
+    """On this process's first call: the thresholds to restore after the iteration; else None."""
+    if _HEAP.get("pid") == os.getpid():
+        return None
+    _HEAP["pid"] = os.getpid()
+    old = gc.get_threshold()
+    gc.set_threshold(old[0], old[1], old[2] * 10)
+    return old
+
+
+def _settle_heap(thresholds: tuple[int, int, int]) -> None:
+    gc.freeze()
+    gc.set_threshold(*thresholds)
+    atexit.register(gc.unfreeze)
+
+
+def top_up(cfg: Config, it: int, run_stage: Callable[[Any], None], quiet: bool) -> None:
+    """Dynamic sampling (topup.py): top-up rounds of generate + score while iteration `it` has
+    fewer informative groups than advantage.min_groups, up to advantage.max_topup_rounds. A round
+    already complete was decided before, so a re-run after a kill makes the same decisions."""
+    from rlhf_batch.stages.advantage import informative_groups, topup_rounds
+    from rlhf_batch.stages.registry import get
+
+    a = cfg.advantage
+    for r in range(1, a.max_topup_rounds + 1):
+        if r not in topup_rounds(cfg, it):
+            have = informative_groups(cfg, it)
+            if have >= a.min_groups:
+                return
+            _say(f"iteration {it}: {have} informative groups < advantage.min_groups={a.min_groups}", quiet)
+        for name in ("generate", "score"):
+            run_stage(get(name)(cfg, it, r))
+
+
+def _run_child(
+    config_path: Path,
+    overrides: list[str],
+    stage: str,
+    it: int,
+    quiet: bool,
+    topup: int = 0,
+    python: str = "",
+) -> None:
+    if python and not os.access(python, os.X_OK):
+        raise StageError(f"generate.python: {python} is not an executable interpreter (run `make vllm`?)")
+    # -P: the current directory is not put on sys.path, so no file there shadows a module
+    cmd = [python or sys.executable, "-P", "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
+    cmd += ["--topup", str(topup)] if topup else []
+    cmd += [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
+    code = subprocess.run(cmd, preexec_fn=_die_with(os.getpid())).returncode
+    if code != 0:
+        raise StageError(
+            f"{stage} of iteration {it} failed (exit {code}); fix the cause and run again, "
+            "completed work is kept"
+        )
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment (so in its children) while the block runs."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def _die_with(parent: int) -> Callable[[], None] | None:
+    """A preexec_fn: the stage process gets SIGKILL when `run` dies (Linux PR_SET_PDEATHSIG), so a
+    killed run never leaves a stage writing on after the run lock is released."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls
+
+    def child() -> None:
+        prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # `run` died before the prctl took effect
+            os._exit(1)
+
+    return child
+
+
+def reward_by_iteration(cfg: Config) -> list[dict[str, Any]]:
+    """Mean score and reward of each iteration whose scores are complete."""
+    import pyarrow.compute as pc
+
+    from rlhf_batch.data.prompts import run_iterations
+    from rlhf_batch.store.schemas import SCORES
+
+    out = []
+    for it in range(run_iterations(cfg)):
+        sdir = layout.folder(cfg.run_dir, it, "scores")
+        if manifests.manifest(sdir) is None:
+            break
+        t = manifests.read_complete(sdir, SCORES, ["score", "reward"])
+        out.append({"iter": it, "score": pc.mean(t["score"]).as_py(), "reward": pc.mean(t["reward"]).as_py()})
+    return out
+
+
+def print_summary(cfg: Config) -> None:
+    rows = reward_by_iteration(cfg)
+    print("iter  mean score  mean reward")
+    for r in rows:
+        print(f"{r['iter']:>4}  {_fmt(r['score']):>10}  {_fmt(r['reward']):>11}")
+    print_eval_summary(cfg)
+    try:
+        from rlhf_batch.observe.report import write_report
+
+        print(f"report: {write_report(Path(cfg.run_dir), None)}")
+    except UserError as e:
+        print(f"report: not written ({e})", file=sys.stderr)
+
+
+def print_eval_summary(cfg: Config) -> None:
+    """One line per evaluated iteration and data source: its held-out metrics."""
+    from rlhf_batch.observe.status import eval_details
+
+    for it in range(cfg.iterations + 1):
+        m = manifests.manifest(layout.folder(cfg.run_dir, it, layout.EVAL))
+        for line in eval_details(m) if m is not None else []:
+            print(f"eval {it:>4}  {line}")
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _say(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,46 @@
+"""The demo task's assets: its prompts (write a given letter N times, then stop; procedural, so
+no download) and, for `demo = true`, the tiny model and prompt file built where the config
+expects them. The reward is rlhf_batch.rewards.demo.letter_count."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rlhf_batch.store.atomic import write_file_atomic
+
+if TYPE_CHECKING:
+    from rlhf_batch.config import Config
+
+LETTERS = "abcde"
+
+
+MAX_COUNT = 4
+
+
+def write_prompts(path: str | Path, n: int, seed: int = 0) -> Path:
+    """Write `n` distinct demo prompts as JSONL: id, prompt, letter, count."""
+    combos = [(c, k) for c in LETTERS for k in range(1, MAX_COUNT + 1)]
+    rng = random.Random(seed)
+    p = Path(path)
+    rows = []
+    for i in range(n):
+        c, k = rng.choice(combos)
+        rows.append(
+            json.dumps({"id": f"demo-{i:06d}", "prompt": f"{c}*{k}=", "letter": c, "count": k}) + "\n"
+        )
+    p.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(p, lambda tmp: tmp.write_text("".join(rows)))
+    return p
+
+
+def ensure_demo_assets(cfg: Config) -> None:
+    """Build the tiny demo model and the demo prompts where the config expects them, if missing."""
+    from rlhf_batch.models.tiny import init_model
+
+    if cfg.policy_model and not Path(cfg.policy_model, "config.json").exists():
+        init_model(cfg.policy_model, seed=cfg.seed)
+    if cfg.generate.prompts and not Path(cfg.generate.prompts).exists():
+        write_prompts(cfg.generate.prompts, 256, seed=cfg.seed)

@@ -1,0 +1,35 @@
+"""The policy an iteration starts from: the configured model (with an initial adapter merged)
+for iteration 0, else the policy train of the iteration before wrote."""
+
+from __future__ import annotations
+
+from rlhf_batch.config import Config
+from rlhf_batch.store import layout
+
+
+def start_policy(cfg: Config, iteration: int) -> str:
+    """The policy iteration `iteration` starts from: the configured model for iteration 0, else
+    the policy train of the iteration before wrote (which must be complete)."""
+    from rlhf_batch.errors import StageError
+    from rlhf_batch.store.manifests import manifest
+    from rlhf_batch.store.modeldir import check_model_dir, removed_record
+
+    if iteration < 0:
+        raise StageError(f"--iter must be >= 0, got {iteration}")
+    if iteration == 0:
+        if cfg.lora.init_adapter:
+            from rlhf_batch.models.lora import initial_policy
+
+            return initial_policy(cfg)  # the base with that adapter merged
+        return str(check_model_dir(cfg.policy_model, "policy_model"))
+    prev = layout.policy_dir(cfg.run_dir, iteration - 1)
+    train_dir = layout.folder(cfg.run_dir, iteration - 1, layout.TRAIN)
+    why = "" if manifest(train_dir) is not None else f"; {train_dir} is not complete"
+    if not why and removed_record(prev) is not None:
+        return str(prev)  # removed by keep_policies: stages that read it are complete (retention.py)
+    if why or not prev.is_dir():
+        raise StageError(
+            f"iteration {iteration}: iteration {iteration - 1} has no trained policy ({prev}{why}); "
+            f"run train --iter {iteration - 1} first"
+        )
+    return str(check_model_dir(str(prev), "policy"))

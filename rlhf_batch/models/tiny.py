@@ -1,0 +1,109 @@
+"""Tiny local models for tests, demos and benchmarks: no download, `save_pretrained` format.
+
+The tokenizer is character-level over printable ASCII plus newline and tab (a byte-level BPE
+vocabulary with no merges, so every Hugging Face loader reads it the same way); any other
+character maps to <|unk|>. It has a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    pass
+
+SPECIALS = ["<|endoftext|>", "<|pad|>", "<|unk|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PadMode = Literal["separate", "eos", "none"]
+
+
+def build_tokenizer(pad: PadMode = "separate", vocab_size: int = 0):  # noqa: ANN201
+    """A char-level fast tokenizer; `vocab_size` > base pads the vocabulary with unused tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_char = {ord(c): c for c in pre_tokenizers.ByteLevel.alphabet()}
+    chars = sorted(byte_char.get(b) or _byte_level(b) for b in (string.printable.encode()))
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    for ch in chars:
+        vocab.setdefault(ch, len(vocab))
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<|unused_{i}|>"] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|unk|>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    kw = {"eos_token": "<|endoftext|>", "unk_token": "<|unk|>"}
+    if pad != "none":
+        kw["pad_token"] = "<|pad|>" if pad == "separate" else "<|endoftext|>"
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
+    out.chat_template = CHAT_TEMPLATE
+    return out
+
+
+def _byte_level(b: int) -> str:
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False).pre_tokenize_str(chr(b))[0][0]
+
+
+def init_model(
+    out_dir: str | Path,
+    *,
+    arch: Literal["qwen2", "llama"] = "qwen2",
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    vocab_size: int = 0,
+    reward: bool = False,
+    pad: PadMode = "separate",
+    seed: int = 0,
+    max_positions: int = 2048,
+) -> Path:
+    """Build a random-initialised causal LM (or a 1-label reward model) and its tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a one-file model
+    if hidden % heads or heads % kv_heads:
+        raise ValueError("hidden must be a multiple of heads, and heads a multiple of kv_heads")
+    tok = build_tokenizer(pad, vocab_size)
+    cfg = AutoConfig.for_model(
+        arch,
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=max_positions,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=not reward,
+        num_labels=1,
+    )
+    torch.manual_seed(seed)
+    cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
+    model = cls.from_config(cfg, dtype=torch.float32)
+    out = Path(out_dir)
+    if out.exists():  # the user's own directory: write into it
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+        return out
+    from rlhf_batch.store.atomic import write_dir_atomic
+
+    def write(tmp: Path) -> None:  # a new directory appears whole or not at all
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+
+    write_dir_atomic(out, write)
+    return out

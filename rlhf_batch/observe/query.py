@@ -1,0 +1,334 @@
+"""SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
+
+`connect(run_dir)` opens an in-memory DuckDB with seven views over every iteration, each with
+an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
+
+    rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
+    scores      RUN_DIR/iter=*/scores/part-*.parquet and iter=*/topup=*/scores/part-*.parquet
+    advantages  RUN_DIR/iter=*/advantages/part-*.parquet
+    metrics     RUN_DIR/iter=*/train/metrics.parquet
+    eval        RUN_DIR/iter=*/eval/part-*.parquet: held-out samples with reward and correct
+    eval_metrics  RUN_DIR/iter=*/eval/_manifest.json: (iter, data_source, metric, value)
+    stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
+
+rollouts, scores and stages also have a `topup` INTEGER column: 0 for an iteration's own rows,
+r for those of its dynamic-sampling top-up round r (RUN_DIR/iter=0003/topup=01/...; topup.py).
+A view whose files do not exist yet is an empty table with the stage's schema. The connection
+is read-only with respect to the run, in two layers: DuckDB may only touch files below RUN_DIR
+(`allowed_directories` + `enable_external_access = false`, then `lock_configuration = true`, so
+no query can undo it: reading /etc/passwd, ATTACH elsewhere, INSTALL/LOAD fail), and only
+read statements are run (a DuckDB `allowed_directories` entry also allows writing there, so
+COPY, EXPORT, ATTACH, CREATE, ... are refused before they reach DuckDB, and so is EXPLAIN, whose
+ANALYZE form executes its statement). `--out` files are written by Python (pyarrow), not by DuckDB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rlhf_batch.errors import ConfigError, UserError
+from rlhf_batch.sql import NAN_SAFE, quote
+
+VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schemas)
+    "rollouts": ("iter=*/rollouts/part-*.parquet", "ROLLOUTS"),
+    "scores": ("iter=*/scores/part-*.parquet", "SCORES"),
+    "advantages": ("iter=*/advantages/part-*.parquet", "ADVANTAGES"),
+    "metrics": ("iter=*/train/metrics.parquet", "METRICS"),
+    "eval": ("iter=*/eval/part-*.parquet", "EVAL"),
+}
+TOPUP_VIEWS = ("rollouts", "scores")  # also the rows of the top-up rounds (iter=K/topup=RR/), column topup
+# The stage manifests are the record of each stage's run: `numbers` holds every number at the
+# manifest's top level and in its `counts` and `prompt_counts` objects (counts win on a clash),
+# e.g. numbers['unscored'], numbers['kl_coef'], numbers['groups_total'], numbers['prompts_truncated'].
+# startup_s, work_s, tokens and tokens_per_s come from its `timing` (timing.py; null before it).
+STAGES_GLOB = "iter=*/*/_manifest.json"
+STAGES_TOPUP_GLOB = "iter=*/topup=*/*/_manifest.json"  # a top-up round's rollouts and scores
+STAGES_VIEW = """
+SELECT iter, regexp_extract(filename, '([^/]+)/_manifest\\.json$', 1) AS stage, topup,
+       (json->>'rows')::BIGINT AS rows,
+       map_from_entries([{'k': k, 'v': (flat->>k)::DOUBLE} FOR k IN json_keys(flat)
+                         IF json_type(flat->k) IN ('UBIGINT', 'BIGINT', 'DOUBLE')]) AS numbers,
+       try_strptime(json->>'created', '%Y-%m-%dT%H:%M:%S%z') AS finished,
+       (json->'timing'->>'startup_s')::DOUBLE AS startup_s, (json->'timing'->>'work_s')::DOUBLE AS work_s,
+       (json->'timing'->>'tokens')::BIGINT AS tokens, (json->'timing'->>'tokens_per_s')::DOUBLE AS tokens_per_s,
+       json AS manifest
+FROM (SELECT *, json_merge_patch(json, coalesce(json->'prompt_counts', '{}'), coalesce(json->'counts', '{}'))
+      AS flat FROM {source})
+"""
+# The held-out metrics of every eval manifest, long form: one row per (iter, data_source, metric),
+# metric `mean@n`, `best@n`, `pass@k` or `prompts`.
+EVAL_METRICS_GLOB = "iter=*/eval/_manifest.json"
+EVAL_METRICS_VIEW = """
+SELECT iter, data_source, metric, (m->>metric)::DOUBLE AS value
+FROM (SELECT iter, data_source, m, unnest(json_keys(m)) AS metric
+      FROM (SELECT iter, data_source, json->'metrics'->data_source AS m
+            FROM (SELECT iter, json, unnest(json_keys(json->'metrics')) AS data_source FROM {source})))
+"""
+FORMATS = ("table", "csv", "json", "parquet")
+SUFFIXES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+READ_ONLY = (
+    "only read queries (SELECT, FROM, WITH, VALUES, SHOW, DESCRIBE, SUMMARIZE) can run: the run is read-only"
+)
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def existing_run(run_dir: str | Path) -> Path:
+    root = Path(run_dir).expanduser().resolve()
+    if not root.is_dir():
+        raise UserError(f"{root}: run directory not found")
+    if any(c in str(root) for c in "*?[]{}"):
+        raise UserError(f"{root}: the run directory's path must not contain glob characters (*?[]{{}})")
+    return root
+
+
+def connect(run_dir: str | Path) -> Any:
+    """A DuckDB connection with the run's views, sandboxed to reading below RUN_DIR."""
+    import duckdb
+    import pyarrow as pa
+
+    from rlhf_batch.store import schemas
+
+    root = existing_run(run_dir)
+    con = duckdb.connect(":memory:")
+    for setting in ("enable_progress_bar", "autoinstall_known_extensions", "autoload_known_extensions"):
+        con.execute(f"SET {setting} = false")
+    con.execute(NAN_SAFE)
+    for name, (pattern, schema_name) in VIEWS.items():
+        rounds = name in TOPUP_VIEWS
+        selects = []
+        if files := listed(root, pattern):
+            selects.append(_read_parts(files, ["iter"], ", 0::INTEGER AS topup" if rounds else ""))
+        if rounds and (files := listed(root, pattern.replace("/", "/topup=*/", 1))):
+            selects.append(_read_parts(files, ["iter", "topup"]))
+        if selects:
+            con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(selects))
+        else:  # no files yet: an empty table with the schema, so queries over it still bind
+            empty: pa.Table = getattr(schemas, schema_name).empty_table()
+            con.register("_empty", empty)
+            extra = ", NULL::INTEGER AS topup" if rounds else ""
+            con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter{extra} FROM _empty")
+            con.unregister("_empty")
+    _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
+    _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
+    con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
+    con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+    return con
+
+
+def _read_parts(files: list[str], keys: list[str], extra: str = "") -> str:
+    """SELECT over Parquet files with the Hive keys `keys` (iter=K, topup=RR) as INTEGER columns."""
+    types = ", ".join(f"'{k}': INTEGER" for k in keys)
+    return (
+        f"SELECT *{extra} FROM read_parquet([{', '.join(map(quote, files))}], "
+        f"hive_partitioning = true, hive_types = {{{types}}}, union_by_name = true)"
+    )
+
+
+def listed(root: Path, pattern: str) -> list[str]:
+    """The files of `pattern` (below `root`) that a complete folder's manifest lists: no part of a
+    partial folder, no orphan part, no metrics of a train that did not finish."""
+    from rlhf_batch.store.layout import METRICS_FILE
+    from rlhf_batch.store.manifests import manifest
+
+    out, parts = [], {}
+    for f in sorted(root.glob(pattern)):
+        if f.parent not in parts:
+            m = manifest(f.parent)
+            parts[f.parent] = {p["file"] for p in m["parts"]} | {METRICS_FILE} if m is not None else set()
+        if f.name in parts[f.parent]:
+            out.append(str(f))
+    return out
+
+
+def _manifest_view(con: Any, root: Path, name: str, pattern: str, view: str, topup_pattern: str = "") -> None:
+    """View `name`: `view` over the manifests matching `pattern` (columns iter, filename, json), and
+    with `topup_pattern` those of the top-up rounds too (column topup, 0 for round 0)."""
+    topup = ", 0::INTEGER AS topup" if topup_pattern else ""
+    sources = [
+        f"SELECT *{extra} FROM read_json_objects({quote(str(root / glob))}, filename = true, "
+        f"hive_partitioning = true, hive_types = {{{types}}})"
+        for glob, extra, types in [
+            (pattern, topup, "'iter': INTEGER"),
+            (topup_pattern, "", "'iter': INTEGER, 'topup': INTEGER"),
+        ]
+        if glob and any(root.glob(glob))
+    ]
+    empty = "SELECT NULL::INTEGER AS iter, NULL::VARCHAR AS filename, NULL::JSON AS json"
+    empty += (", NULL::INTEGER AS topup" if topup_pattern else "") + " WHERE false"
+    source = "(" + (" UNION ALL BY NAME ".join(sources) or empty) + ")"
+    con.execute(f"CREATE VIEW {name} AS " + view.replace("{source}", source))
+
+
+def run_sql(
+    run_dir: str | Path,
+    query: str | None,
+    fmt: str = "table",
+    out: str | Path | None = None,
+    timeout: float = 600.0,
+) -> None:
+    """Run one read query over the run and print it (`fmt`) or write it to `out`; without a
+    query, read queries from stdin (each ended by ';') until EOF or `.quit`. A query still
+    running after `timeout` seconds is stopped (0: no limit)."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if not timeout >= 0:
+        raise ConfigError(f"--timeout: must be >= 0 seconds, got {timeout}")
+    con = connect(run_dir)
+    try:
+        if query is None:
+            _repl(con)
+        else:
+            with _time_limit(con, timeout):
+                _run_one(con, query, fmt, Path(out) if out else None)
+    finally:
+        con.close()
+
+
+@contextlib.contextmanager
+def _time_limit(con: Any, seconds: float) -> Iterator[None]:
+    """Interrupt the connection's query after `seconds`; the interrupt is one line naming --timeout."""
+    fired = threading.Event()
+
+    def stop() -> None:
+        fired.set()
+        con.interrupt()
+
+    timer = threading.Timer(seconds, stop) if seconds > 0 else None
+    if timer is not None:
+        timer.start()
+    try:
+        yield
+    except UserError:
+        if fired.is_set():
+            raise UserError(f"sql: stopped after {seconds:g} s (--timeout; 0 for no limit)") from None
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def _run_one(con: Any, query: str, fmt: str, out: Path | None) -> None:
+    import duckdb
+
+    try:
+        statements = con.extract_statements(query)
+        if len(statements) != 1:
+            raise UserError(f"sql: give exactly one statement, got {len(statements)}")
+        if statements[0].type != duckdb.StatementType.SELECT:
+            raise UserError(f"sql: {statements[0].type.name} refused; {READ_ONLY}")
+        rel = con.sql(query)
+        if out is not None:
+            kind = SUFFIXES.get(out.suffix.lower()) if fmt == "table" else fmt
+            if kind is None:
+                raise UserError(f"--out {out}: give --format csv|json|parquet or a .csv/.json/.parquet name")
+            rows = _write_file(rel.to_arrow_reader(), kind, out)
+            print(f"{out}: {rows} rows", file=sys.stderr)
+        elif fmt == "table":
+            width = shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
+            rel.show(max_rows=100, max_width=width)
+        elif fmt == "parquet":
+            raise UserError("--format parquet needs --out FILE")
+        else:
+            _write_text(rel.to_arrow_reader(), fmt, sys.stdout)
+    except duckdb.Error as e:
+        raise UserError(f"sql: {one_line(e)}") from None
+
+
+def _write_file(reader: Any, kind: str, out: Path) -> int:
+    """Write the rows to `out` (temporary name, then rename); return the row count."""
+    import pyarrow.parquet as pq
+
+    from rlhf_batch.store.atomic import write_file_atomic
+
+    def write(tmp: Path) -> int:
+        if kind != "parquet":
+            with open(tmp, "w", newline="") as f:
+                return _write_text(reader, kind, f)
+        rows = 0
+        with pq.ParquetWriter(tmp, reader.schema, compression="zstd") as w:
+            for batch in reader:
+                w.write_batch(batch)
+                rows += batch.num_rows
+        return rows
+
+    return write_file_atomic(out, write)
+
+
+def _write_text(reader: Any, kind: str, f: Any) -> int:
+    """CSV (nested values as JSON) or JSON Lines (non-finite floats as null), batch by batch."""
+    rows = 0
+    writer = csv.writer(f) if kind == "csv" else None
+    if writer is not None:
+        writer.writerow(reader.schema.names)
+    for batch in reader:
+        for row in batch.to_pylist():
+            if writer is not None:
+                writer.writerow(
+                    [
+                        json.dumps(_clean(v), default=str) if isinstance(v, list | dict) else v
+                        for v in row.values()
+                    ]
+                )
+            else:
+                f.write(json.dumps(_clean(row), default=str) + "\n")
+        rows += batch.num_rows
+    return rows
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, list):
+        return [_clean(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    return v
+
+
+def _repl(con: Any) -> None:
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(
+            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics'])} (column iter). End a query with ';'. .quit to leave.",
+            file=sys.stderr,
+        )
+    buf: list[str] = []
+    try:
+        while True:
+            if interactive:
+                print("sql> " if not buf else "...> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line or (not buf and line.strip() in (".quit", ".exit", "\\q")):
+                break
+            if line.strip():
+                buf.append(line)
+            if buf and line.rstrip().endswith(";"):
+                _repl_one(con, "".join(buf))
+                buf = []
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return
+    if buf:
+        _repl_one(con, "".join(buf))
+
+
+def _repl_one(con: Any, query: str) -> None:
+    try:
+        _run_one(con, query, "table", None)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)

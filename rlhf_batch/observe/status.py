@@ -1,0 +1,127 @@
+"""`rlhf-batch status`: per iteration and stage, complete / partial / missing, rows, timing and
+headline numbers, read from the manifests and the stage folders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rlhf_batch.observe.query import connect, existing_run, one_line
+from rlhf_batch.sql import sql_text
+
+STATUS_STAGES = ("rollouts", "scores", "advantages", "train", "eval")  # eval: only where it ran
+
+
+def print_status(run_dir: str | Path) -> None:
+    """Per iteration and stage: complete / partial / missing, rows, start-up and work seconds and
+    tokens/s of the run that completed it (its manifest's `timing`), and headline numbers."""
+    root = existing_run(run_dir)
+    iters = sorted(int(p.name[5:]) for p in root.glob("iter=*") if p.is_dir() and p.name[5:].isdigit())
+    if not iters:
+        print(f"{root}: no iterations yet")
+        return
+    con = connect(root)
+    try:
+        rows = [
+            (str(it), label, *_stage_status(con, root, it, stage, r))
+            for it in iters
+            for label, stage, r in _status_stages(root, it)
+        ]
+    finally:
+        con.close()
+    table = [("iter", "stage", "state", "rows", "startup_s", "work_s", "tok/s", "details"), *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(7)]
+    print(f"run: {root}")
+    for r in table:
+        cells = [
+            c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))
+        ]
+        print("  ".join([*cells, r[7]]).rstrip())
+
+
+def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
+    """(label, stage folder, top-up round) of the rows `status` shows for iteration `it`: each
+    stage, eval only where it ran, and after scores each top-up round's rollouts and scores."""
+    idir = root / f"iter={it:04d}"
+    rounds = sorted(int(p.name[6:]) for p in idir.glob("topup=*") if p.is_dir() and p.name[6:].isdigit())
+    out = []
+    for stage in STATUS_STAGES:
+        if stage != "eval" or (idir / stage).exists():
+            out.append((stage, stage, 0))
+        if stage == "scores":
+            out += [(f"topup={r:02d}/{s}", s, r) for r in rounds for s in ("rollouts", "scores")]
+    return out
+
+
+def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> tuple[str, ...]:
+    """(state, rows, startup, work, tok/s, details) of one stage of one iteration (of its top-up
+    round `topup`)."""
+    import duckdb
+    import pyarrow.parquet as pq
+
+    from rlhf_batch.store import layout, manifests
+
+    sdir = layout.folder(root, it, stage, topup)
+    m = manifests.manifest(sdir)
+    if stage == "train":
+        files = [f for f in [sdir / "metrics.parquet"] if f.exists()]
+        started = sdir.exists() or layout.policy_dir(root, it).exists()
+    else:
+        files = [sdir / p["file"] for p in m["parts"]] if m else layout.list_parts(sdir)
+        started = sdir.exists()
+    state = "complete" if m else "partial" if started else "missing"
+    details = []
+    if files:
+        try:
+            cur = con.execute(sql_text(f"status_{stage}"), {"files": [str(f) for f in files]})
+            values = dict(zip([d[0] for d in cur.description], cur.fetchall()[0], strict=True))
+            details = [f"{k} {_fmt(v)}" for k, v in values.items()]
+        except duckdb.Error as e:  # a damaged file must not hide the other stages
+            details = [f"unreadable ({one_line(e)})"]
+    if stage == "advantages" and m:
+        c = m.get("counts", {})
+        details.append(f"kept {c.get('groups_out', '?')}/{c.get('groups_total', '?')} groups")
+        if m.get("topup_rounds"):
+            details.append(f"with top-up rounds {', '.join(map(str, m['topup_rounds']))}")
+    if stage == "rollouts" and topup and m and (b := m.get("prompt_batch") or {}).get("batch") is not None:
+        details.append(
+            f"prompt batch {b['batch']} (epoch {b['epoch']}, positions {b['positions'][0]}-{b['positions'][1]})"
+        )
+    if stage == "eval" and m:
+        details += eval_details(m)
+    if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
+        details.append("policy saved")
+    elif stage == "train" and (layout.iter_dir(root, it) / layout.POLICY_REMOVED).exists():
+        details.append("policy removed (keep_policies)")
+    rows = m["rows"] if m and stage != "train" else sum(pq.read_metadata(f).num_rows for f in files)
+    return state, str(rows) if files or m else "-", *timing_cells(m), ", ".join(details)
+
+
+def timing_cells(m: dict[str, Any] | None) -> tuple[str, str, str]:
+    """Start-up and work seconds and tokens/s of a manifest's `timing`; "-" where it has none."""
+    t = (m or {}).get("timing") or {}
+
+    def cell(key: str, spec: str) -> str:
+        return "-" if t.get(key) is None else format(t[key], spec)
+
+    return cell("startup_s", ".1f"), cell("work_s", ".1f"), cell("tokens_per_s", ".0f")
+
+
+def eval_details(m: dict[str, Any]) -> list[str]:
+    """`source: mean@n x, pass@k y, ...` per data source of an eval manifest."""
+    order = ("mean", "pass", "best", "maj")
+
+    def key(name: str) -> tuple[int, int]:
+        kind, _, k = name.partition("@")
+        return order.index(kind) if kind in order else len(order), int(k) if k.isdigit() else 0
+
+    return [
+        f"{source}: " + " ".join(f"{k} {_fmt(values[k])}" for k in sorted(values, key=key) if k != "prompts")
+        for source, values in m.get("metrics", {}).items()
+    ]
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

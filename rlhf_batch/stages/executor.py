@@ -1,0 +1,112 @@
+"""The executor: the one place that runs a stage (stages/base.py) over its output folder.
+
+It alone owns what every stage has in common:
+
+* refusal: a folder complete (or partial) with another identity (config, input fingerprints,
+  schema version) is refused with the keys that differ; `--force` removes the folder first;
+* resume: only the parts not on disk are written; a complete folder is left as it is;
+* ranks: rank r writes the missing parts n with n % world == r (rank 0 all of them for a
+  single-writer stage);
+* progress: one bar per stage run, on rank 0, unless quiet;
+* timing: start-up, work and tokens (timing.py), the manifest's `timing` entry;
+* the manifest, written last by rank 0 once every part is on disk.
+
+A part is written to a hidden temporary name, fsynced and renamed (atomic.py), so a reader never
+sees half a file; a re-run ends with exactly the rows of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rlhf_batch.errors import StageError
+from rlhf_batch.observe import tracking
+from rlhf_batch.runtime.faults import fault_point
+from rlhf_batch.runtime.timing import StageClock
+from rlhf_batch.store.atomic import set_durable
+from rlhf_batch.store.manifests import (
+    manifest,
+    written_by,
+)
+from rlhf_batch.store.output import StageOutput
+
+if TYPE_CHECKING:
+    from rlhf_batch.stages.base import Stage
+
+
+def output_of(stage: Stage) -> StageOutput:
+    return StageOutput(
+        stage.sdir, stage.folder, stage.identity(), stage.inputs(), stage.cfg.to_dict(), stage.name
+    )
+
+
+def execute(
+    stage: Stage, *, force: bool = False, quiet: bool = False, since: float | None = None
+) -> dict[str, Any]:
+    """Run `stage` to completion (or see it is complete); returns its manifest. Its start-up
+    counts from `since` (a `time.monotonic` value: the stage commands give the process start),
+    by default from this call."""
+    stage.force = force
+    clock = StageClock(since)
+    set_durable(stage.cfg.fsync)
+    try:
+        out = output_of(stage)
+        out.clock = stage.clock = clock
+        if not force and (m := out.done()) is not None:
+            _tidy(stage, out)
+            return m
+        stage.check()
+        out.begin(force)
+        n_parts = stage.plan()
+        todo = out.todo(n_parts, stage.single_writer)
+        if todo:
+            stage.open(todo)
+        if clock.work_start is None:  # unless the stage marked it (earlier)
+            clock.work_begins()
+        with _progress(stage, todo, quiet or out.rank != 0) as bar:
+            stage.write_parts(todo, out, bar)
+        result = out.finish(n_parts, stage.manifest_extra)
+        if result is not None:  # rank 0: the live trackers (report_to); never raises
+            tracking.log_stage(out.record, stage.sdir, result)
+        fault_point(f"{stage.folder}:manifest:done")
+        _tidy(stage, out)
+        return result or manifest(stage.sdir) or {}
+    finally:
+        stage.close()
+
+
+def is_done(stage: Stage) -> bool:
+    """Whether `run` may skip `stage`: its folder is complete with the stage's identity and inputs,
+    or was written on purpose by another stage (rollouts imported instead of generated). A stage
+    whose inputs are not there, or whose folder differs, is not done: running it says why."""
+    m = manifest(stage.sdir)
+    if m is None:
+        return False
+    if written_by(m) not in (None, stage.name):
+        return True
+    try:
+        out = output_of(stage)
+    except StageError:
+        return False
+    if m.get("key") != out.key:
+        return False
+    _tidy(stage, out)
+    return True
+
+
+def _tidy(stage: Stage, out: StageOutput) -> None:
+    if out.rank == 0:
+        stage.on_complete()
+
+
+def _progress(stage: Stage, todo: list[int], disable: bool) -> Any:
+    from rlhf_batch.runtime.progress import progress_bar
+
+    return progress_bar(
+        total=stage.progress_total(todo),
+        unit=stage.unit,
+        unit_scale=stage.unit_scale,
+        desc=stage.progress_desc,
+        disable=disable,
+        dynamic_ncols=True,
+    )

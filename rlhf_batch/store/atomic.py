@@ -1,0 +1,140 @@
+"""Atomic writes: a file is written under a hidden temporary name, fsynced, then renamed, so a
+reader never sees half a file and a kill leaves either the old state or the new one."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf_batch.errors import StageError
+from rlhf_batch.runtime.faults import fault_point
+from rlhf_batch.store.layout import tmp_name
+from rlhf_batch.store.schemas import SCHEMA_VERSION, VERSION_KEY
+
+COUNTS_KEY = b"rlhf_batch.counts"
+_durable = True  # the run's `fsync` setting (set_durable)
+T = TypeVar("T")
+
+
+def set_durable(on: bool) -> None:
+    """The config's `fsync`: false skips every fsync. Renames stay atomic, so a killed process
+    still leaves the old state or the new one; only a power cut may lose the last writes."""
+    global _durable
+    _durable = on
+
+
+def fsync(fd: int) -> None:
+    if _durable:
+        os.fsync(fd)
+
+
+def write_error(path: Path, e: BaseException) -> StageError:
+    """A failed write (disk full, file too large, no permission) as a one-line error naming the file."""
+    reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0]
+    if not isinstance(e, OSError) and _disk_full(path):  # torch.save: "[enforce fail at inline_...]"
+        reason = os.strerror(28)  # ENOSPC
+    return StageError(
+        f"{path}: cannot write ({reason}); free disk space and run again, finished work is kept"
+    )
+
+
+def _disk_full(path: Path) -> bool:
+    import shutil
+
+    for d in (path, *path.parents):
+        if d.exists():
+            return shutil.disk_usage(d).free < (1 << 20)
+    return False
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the renames in directory `path` durable: after a power cut (not only a kill) no part
+    that a later manifest lists can be missing."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, write: Callable[[Path], T], fault: str = "") -> T:
+    """Call `write(tmp)` to write a hidden temporary file next to `path`, fsync it and rename it to
+    `path`: a reader never sees half a file. The one way every run file is written."""
+    tmp = tmp_name(path, os.getpid())
+    try:
+        result = write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            fsync(fd)
+        finally:
+            os.close(fd)
+        if fault:
+            fault_point(f"{fault}:tmp")
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from e
+        raise
+    return result
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str)
+    write_file_atomic(path, lambda tmp: tmp.write_text(text))
+
+
+def write_parquet_atomic(
+    path: Path, table: pa.Table, schema: pa.Schema, counts: dict | None = None, fault: str = ""
+) -> None:
+    """Write `table` cast to `schema` (zstd) under a temporary name, fsync, rename."""
+    meta = {**(schema.metadata or {}), VERSION_KEY: str(SCHEMA_VERSION).encode()}
+    if counts:
+        meta[COUNTS_KEY] = json.dumps(counts).encode()
+    table = table.select(schema.names).cast(schema).replace_schema_metadata(meta)
+    write_file_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"), fault)
+
+
+def write_dir_atomic(final: Path, write: Callable[[Path], T], *, replace: bool = True, fault: str = "") -> T:
+    """Call `write(tmp)` on a fresh hidden directory next to `final`, fsync it and rename it to
+    `final`: a kill leaves the old directory or the new one. An older `final` is replaced, or with
+    `replace=False` kept (another writer made it first: the new copy is dropped)."""
+    import shutil
+
+    from safetensors import SafetensorError
+
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        result = write(tmp)
+        fsync_tree(tmp)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each writer reports it
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(final, e) from e
+    if fault:
+        fault_point(f"{fault}:tmp")
+    if final.exists():
+        if not replace:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return result
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    return result
+
+
+def fsync_tree(path: Path) -> None:
+    for p in [*sorted(path.iterdir()), path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,171 @@
+"""Manifests and reads: a folder is complete when its `_manifest.json` exists (written last). It
+lists every part with its row count, the identity the folder was written with (config, input
+fingerprints, schema version), the summed per-part counts and package versions."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf_batch.errors import SchemaError, StageError
+from rlhf_batch.store.atomic import COUNTS_KEY, write_json_atomic
+from rlhf_batch.store.layout import MANIFEST, STARTED, list_parts, part_number
+from rlhf_batch.store.schemas import check_values, validate
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise StageError(f"{path}: not valid JSON ({e})") from None
+
+
+def manifest(sdir: Path) -> dict[str, Any] | None:
+    """The folder's manifest, or None while it is not complete."""
+    path = sdir / MANIFEST
+    return read_json(path) if path.exists() else None
+
+
+def read_part(path: Path, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
+    """Read one part, checking it against `schema`; errors name the file and the column."""
+    try:
+        pf = pq.ParquetFile(path)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise SchemaError(f"{path}: not a readable Parquet file ({e})") from None
+    validate(pf.schema_arrow, schema, str(path))
+    try:
+        return pf.read(columns=columns)
+    except (OSError, pa.ArrowInvalid) as e:
+        raise SchemaError(f"{path}: cannot read ({e})") from None
+
+
+def part_counts(path: Path) -> dict[str, int]:
+    meta = pq.read_schema(path).metadata or {}
+    return json.loads(meta[COUNTS_KEY]) if COUNTS_KEY in meta else {}
+
+
+def read_complete(sdir: Path, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
+    """All rows of a complete folder, in part order, schema-checked."""
+    m = manifest(sdir)
+    if m is None:
+        raise StageError(f"{sdir}: stage is not complete (no {MANIFEST}); run it first")
+    tables = []
+    for p in m["parts"]:
+        t = read_part(sdir / p["file"], schema, columns)
+        if t.num_rows != p["rows"]:
+            raise SchemaError(
+                f"{sdir / p['file']}: has {t.num_rows} rows, its stage's {MANIFEST} lists {p['rows']}; "
+                "the file was changed after the stage completed: re-run the stage with --force"
+            )
+        tables.append(t)
+    if not tables:
+        return schema.empty_table() if columns is None else schema.empty_table().select(columns)
+    table = pa.concat_tables(tables, promote_options="permissive")
+    check_values(table, str(sdir))
+    return table
+
+
+def fingerprint(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def file_fingerprint(path: str | Path) -> str:
+    """Content hash of a file, or of every file below a directory (names, sizes, bytes)."""
+    p = Path(path)
+    h = hashlib.sha256()
+    files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
+    for q in files:
+        h.update(str(q.relative_to(p) if p.is_dir() else q.name).encode())
+        with open(q, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str:
+    """Which dotted keys of the identity (config, inputs, schema_version) differ between what is
+    on disk (`old`) and this run (`new`): the first `limit`, with their values when short (not for
+    inputs, whose values are content hashes)."""
+
+    def flat(d: Any, prefix: str) -> dict[str, str]:
+        if isinstance(d, dict):
+            return {k: v for key, sub in d.items() for k, v in flat(sub, f"{prefix}.{key}").items()}
+        return {prefix: json.dumps(d, sort_keys=True, default=str)}
+
+    a, b = (
+        {k: v for key in ("config", "inputs", "schema_version") for k, v in flat(x.get(key), key).items()}
+        for x in (old, new)
+    )
+    diff = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)]
+    shown = []
+    for k in diff[:limit]:
+        was, now = a.get(k, "missing"), b.get(k, "missing")
+        short = max(len(was), len(now)) <= 40 and not k.startswith("inputs.")  # inputs: content hashes
+        shown.append(f"{k}: {was} on disk, {now} now" if short else f"{k} changed")
+    more = f" and {len(diff) - limit} more" if len(diff) > limit else ""
+    return "; ".join(shown) + more if shown else "written by another version"
+
+
+def write_manifest(
+    sdir: Path, folder: str, n_parts: int, key: str, identity: dict, extra: dict | None
+) -> dict[str, Any]:
+    """Check that parts 0..n_parts-1 are on disk, then write the manifest (last) and drop `_started`."""
+    by_n: dict[int, Path] = {}
+    for p in list_parts(sdir):
+        by_n.setdefault(part_number(p), p)
+    missing = [n for n in range(n_parts) if n not in by_n]
+    if missing:
+        raise StageError(f"{sdir}: parts {missing[:5]} are missing; re-run the stage to finish them")
+    parts, counts = [], _Counter()
+    for n in range(n_parts):
+        path = by_n[n]
+        rows = pq.ParquetFile(path).metadata.num_rows
+        parts.append({"file": path.name, "rows": rows})
+        counts.add(part_counts(path))
+    m = {
+        "stage": folder,
+        "key": key,
+        **identity,
+        "parts": parts,
+        "rows": sum(p["rows"] for p in parts),
+        "counts": dict(counts),
+        "versions": dict(_versions()),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **(extra or {}),
+    }
+    write_json_atomic(sdir / MANIFEST, m)
+    (sdir / STARTED).unlink(missing_ok=True)
+    return m
+
+
+class _Counter(dict):
+    def add(self, other: dict[str, int]) -> None:
+        for k, v in other.items():
+            self[k] = self.get(k, 0) + v
+
+
+@functools.cache  # read from the installed metadata once per process (a stage run parses it)
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("rlhf-batch", "torch", "transformers", "pyarrow", "duckdb"):
+        with contextlib.suppress(PackageNotFoundError):
+            out[pkg] = version(pkg)
+    return out
+
+
+def written_by(m: dict[str, Any]) -> str | None:
+    """The command that wrote a manifest (recorded since the stage interface; before it, only an
+    import is recognisable, by its config)."""
+    if "command" in m:
+        return str(m["command"])
+    return "import" if "import" in (m.get("config") or {}) else None

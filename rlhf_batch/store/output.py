@@ -1,0 +1,157 @@
+"""The output folder of one stage run, which every stage writes through: its identity (config,
+input fingerprints, schema version), refusal of a folder with another identity, the parts not
+yet on disk, each part written atomically, and the manifest written last (the commit).
+The executor (stages/executor.py) drives it; tests and hand-written folders use `claim`."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from rlhf_batch.errors import StageError
+from rlhf_batch.runtime import dist
+from rlhf_batch.runtime.faults import fault_point
+from rlhf_batch.runtime.timing import StageClock
+from rlhf_batch.store import layout
+from rlhf_batch.store.atomic import write_json_atomic, write_parquet_atomic
+from rlhf_batch.store.manifests import differences, fingerprint, manifest, read_json, write_manifest
+from rlhf_batch.store.schemas import SCHEMA_VERSION
+
+
+@dataclass
+class Part:
+    """One part's rows, the schema it is written with and the counts summed into the manifest."""
+
+    table: pa.Table
+    schema: pa.Schema
+    counts: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0  # the tokens the stage processed for it (the manifest's timing)
+
+
+def portable(obj: Any, root: Path | None) -> Any:
+    """`obj` with every path below the run directory written as "{run_dir}/...": a run directory
+    moved or copied elsewhere keeps the identities of its complete stages."""
+    if root is None:
+        return obj
+    if isinstance(obj, dict):
+        return {k: portable(v, root) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [portable(v, root) for v in obj]
+    if isinstance(obj, str):
+        prefix = str(root)
+        if obj == prefix or obj.startswith(prefix + "/"):
+            return "{run_dir}" + obj[len(prefix) :]
+    return obj
+
+
+class StageOutput:
+    """The output folder of one stage run, identified by `config` (what decides the result) and
+    `inputs` (fingerprints of what it reads). `record` (the whole resolved config) and `command`
+    are written into the manifest for the record; they are not compared."""
+
+    def __init__(
+        self,
+        sdir: Path,
+        folder: str,
+        config: dict,
+        inputs: dict,
+        record: dict | None = None,
+        command: str | None = None,
+    ):
+        self.sdir, self.folder, self.record, self.command = sdir, folder, record, command
+        self.rank, self.world = dist.rank_world()
+        root = layout.run_root(sdir)
+        self.identity = {
+            "config": portable(config, root),
+            "inputs": portable(inputs, root),
+            "schema_version": SCHEMA_VERSION,
+        }
+        self.key = fingerprint(self.identity)
+        self.complete = False
+        self.clock = StageClock()  # execute() gives it the stage's start
+
+    def done(self) -> dict[str, Any] | None:
+        """The manifest when the folder is complete with this identity; None when not complete;
+        an error when it is complete with another one."""
+        m = manifest(self.sdir)
+        if m is not None and m.get("key") != self.key:
+            raise StageError(
+                f"{self.sdir}: stage is complete with a different config or inputs "
+                f"({differences(m, self.identity)}); re-run it with --force to replace it"
+            )
+        self.complete = m is not None
+        return m
+
+    def begin(self, force: bool = False) -> None:
+        """Claim the folder: with `force` remove it first (asked for, never silently); refuse the
+        parts of a partial run with another identity; record this identity in `_started.json`."""
+        if force and self.rank == 0 and self.sdir.exists():
+            shutil.rmtree(self.sdir)
+        dist.barrier()
+        if self.done() is not None:
+            return
+        started = self.sdir / layout.STARTED
+        # a run that failed before writing any part leaves nothing to protect: a new config takes over
+        before = read_json(started) if started.exists() else None
+        if before is not None and before.get("key") != self.key and layout.list_parts(self.sdir):
+            raise StageError(
+                f"{self.sdir}: a partial run with a different config or inputs is here "
+                f"({differences(before, self.identity)}); re-run with the same config, or with --force to start over"
+            )
+        if self.rank == 0:
+            self.sdir.mkdir(parents=True, exist_ok=True)
+            for tmp in self.sdir.glob(".*.tmp"):  # a killed writer's leftovers (parts, manifest, _started)
+                tmp.unlink(missing_ok=True)
+            write_json_atomic(started, {"key": self.key, **self.identity})
+        dist.barrier()
+
+    def todo(self, n_parts: int, single_writer: bool = False) -> list[int]:
+        """This rank's part numbers that are not on disk yet."""
+        have = {layout.part_number(p) for p in layout.list_parts(self.sdir)}
+        mine = (lambda n: self.rank == 0) if single_writer else (lambda n: n % self.world == self.rank)
+        return [n for n in range(n_parts) if mine(n) and n not in have]
+
+    def write(self, n: int, part: Part) -> Path:
+        path = self.write_table(n, part.table, part.schema, part.counts)
+        self.clock.add(part.tokens)
+        return path
+
+    def write_table(self, n: int, table: pa.Table, schema: pa.Schema, counts: dict | None = None) -> Path:
+        """Part `n` of this rank, written atomically; `counts` are summed into the manifest."""
+        path = self.sdir / layout.part_name(self.rank, n)
+        write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}")
+        fault_point(f"{self.folder}:part-{n}:done")
+        return path
+
+    def finish(self, n_parts: int, extra: Any = None) -> dict[str, Any] | None:
+        """After every rank is done: rank 0 checks the parts and writes the manifest. `extra` is
+        a dict of manifest entries, or a function returning one (called on rank 0 only)."""
+        dist.barrier()
+        tokens = dist.all_sum(self.clock.tokens)
+        result = None
+        if self.rank == 0:
+            fault_point(f"{self.folder}:manifest")
+            record: dict[str, Any] = {"resolved_config": self.record} if self.record is not None else {}
+            if self.command is not None:
+                record["command"] = self.command
+            more = extra() if callable(extra) else extra
+            record["timing"] = self.clock.record(tokens)
+            result = write_manifest(
+                self.sdir, self.folder, n_parts, self.key, self.identity, {**record, **(more or {})}
+            )
+        dist.barrier()
+        return result
+
+
+def claim(
+    sdir: Path, folder: str, config: dict, inputs: dict, force: bool = False, resolved: dict | None = None
+) -> StageOutput:
+    """A StageOutput checked (`done`) and claimed (`begin`): for writing a folder by hand."""
+    out = StageOutput(sdir, folder, config, inputs, resolved)
+    if force or out.done() is None:
+        out.begin(force)
+    return out

@@ -1,0 +1,110 @@
+"""Progress: tqdm bars on a terminal; log lines (one per interval plus a summary) elsewhere."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from rlhf_batch.runtime.progress import LineProgress, progress_bar
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_terminal_gets_a_tqdm_bar_and_a_log_gets_lines() -> None:
+    from tqdm import tqdm
+
+    term, log = Terminal(), io.StringIO()
+    with progress_bar(total=3, desc="score", unit="tok", file=term) as bar:
+        assert isinstance(bar, tqdm)
+        bar.update(3)
+    assert "\r" in term.getvalue() and "3/3" in term.getvalue()
+    with progress_bar(total=3, desc="score", unit="tok", file=log) as bar:
+        assert isinstance(bar, LineProgress)
+        bar.update(3)
+    assert "\r" not in log.getvalue()
+    assert log.getvalue().startswith("score: done 3/3 tok in 0:00:00 (")
+
+
+def test_line_shows_done_total_rate_and_eta() -> None:
+    bar = LineProgress(total=100, desc="score", unit="tok", file=io.StringIO(), interval=10)
+    bar.start, bar.n = 0.0, 25
+    # 25 tokens in 5 s: 5 tok/s; 75 left at 5 tok/s: 15 s
+    assert bar.line(5.0) == "score: 25/100 tok (25%), 5 tok/s, ETA 0:00:15"
+    bar.set_postfix(loss="0.5")
+    bar.n = 2500.0
+    bar.total = 10000
+    # 2500 in 2 s: 1250/s -> "1.2k"; 7500 left / 1250 = 6 s
+    assert bar.line(2.0) == "score: 2500/10000 tok (25%), 1.2k tok/s, ETA 0:00:06, loss=0.5"
+
+
+def test_one_line_per_interval_and_one_summary() -> None:
+    out = io.StringIO()
+    bar = LineProgress(total=1000, desc="generate", unit="rollout", file=out, interval=3600)
+    for _ in range(1000):
+        bar.update(1)  # the interval never passes: no line until the end
+    assert out.getvalue() == ""
+    bar.close()
+    bar.close()  # closing twice writes one summary
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("generate: done 1000/1000 rollout in ")
+
+    out = io.StringIO()
+    bar = LineProgress(total=4, desc="train", unit="step", file=out, interval=0)
+    for _ in range(4):
+        bar.update(1)
+    bar.close()
+    lines = out.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines[:4]] == [
+        f"train: {i}/4 step ({25 * i}%)" for i in (1, 2, 3, 4)
+    ]
+    assert len(lines) == 5 and lines[4].startswith("train: done 4/4 step in ")
+
+
+def test_disabled_writes_nothing() -> None:
+    out = io.StringIO()
+    with LineProgress(total=2, desc="x", unit="it", file=out, interval=0, disable=True) as bar:
+        bar.update(2)
+    assert out.getvalue() == ""
+
+
+def test_a_stage_under_cron_writes_lines_not_bars(tmp_path: Path, tiny_model: Path) -> None:
+    """`rlhf-batch import` with stderr to a file: plain lines, no carriage returns."""
+    import json
+
+    rows = [{"prompt": f"a*{i}=", "response": "a" * i} for i in range(1, 6)]
+    src = tmp_path / "ext.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = tmp_path / "log"
+    env = {**os.environ, "RLHF_BATCH_PROGRESS_SECONDS": "0"}
+    with open(log, "w") as err:
+        code = subprocess.run(
+            [sys.executable, "-m", "rlhf_batch", "import", str(src), "--run-dir", str(tmp_path / "run")]
+            + ["--set", f"policy_model={tiny_model}", "--set", "device=cpu"],
+            stderr=err,
+            env=env,
+            timeout=300,
+        ).returncode
+    text = log.read_text()
+    assert code == 0, text
+    assert "\r" not in text
+    assert "import: 5/5 row (100%)" in text and "import: done 5/5 row in " in text
+
+
+def test_line_progress_takes_a_total_and_start_set_after_creation(capsys) -> None:
+    """train opens its bar before it knows its steps, then sets total / initial / n and refreshes
+    (as a tqdm bar allows): the summary counts from the resumed step."""
+    from rlhf_batch.runtime.progress import LineProgress
+
+    bar = LineProgress(None, "train", "step", interval=3600)
+    bar.total, bar.initial, bar.n = 10, 4, 4
+    bar.refresh()
+    for _ in range(6):
+        bar.update(1)
+    bar.close()
+    assert "train: done 10/10 step" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+"""What a stage's identity holds: the thread count (it changes float rounding), no absolute path
+of the run directory (a run directory can be moved or copied and go on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from rlhf_batch.commands.cli import app
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(app, [*args, "--quiet"])
+    return res.exit_code, res.output + str(res.exception or "")
+
+
+def _manifests(run_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(run_dir)): p.read_text() for p in sorted(run_dir.rglob("_manifest.json"))}
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads() -> Iterator[None]:
+    """The commands set torch's thread count in this process: later tests compare in-process
+    runs with subprocess ones, so the count is put back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_threads_are_resolved_recorded_and_compared(make_config) -> None:
+    path, cfg = make_config(threads=0)
+    assert _cli("generate", str(path))[0] == 0
+    m = json.loads((Path(cfg.run_dir) / "iter=0000" / "rollouts" / "_manifest.json").read_text())
+    assert m["config"]["threads"] == len(os.sched_getaffinity(0))  # 0: one per usable CPU
+    code, out = _cli("generate", str(path), "--set", "threads=7")
+    assert code == 1
+    assert f"config.threads: {len(os.sched_getaffinity(0))} on disk, 7 now" in out
+
+
+def test_a_copied_run_directory_goes_on_without_redoing_anything(make_config, tmp_path: Path) -> None:
+    """Iteration 0 in runs/a; `cp -a runs/a runs/b`; `run` on b with 2 iterations does iteration
+    1 only (iteration 0's manifests stay byte for byte), starting from b's own iteration-0 policy."""
+    from rlhf_batch.commands.pipeline import run_pipeline
+
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    path, _ = make_config(run_dir=str(a), in_process=True, threads=1)
+    run_pipeline(path, [], quiet=True)
+    shutil.copytree(a, b, symlinks=True)
+    before = _manifests(b)
+    assert len(before) == 4
+    shutil.rmtree(a)  # nothing of b may still point into a
+    run_pipeline(path, [f"run_dir={b}", "iterations=2"], quiet=True)
+    after = _manifests(b)
+    assert {k: after[k] for k in before} == before
+    assert sorted(set(after) - set(before)) == [
+        f"iter=0001/{f}/_manifest.json" for f in ("advantages", "rollouts", "scores", "train")
+    ]
+    rollouts = json.loads(after["iter=0001/rollouts/_manifest.json"])
+    assert rollouts["inputs"]["policy"]["path"] == "{run_dir}/iter=0000/policy"
