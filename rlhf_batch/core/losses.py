@@ -151,6 +151,34 @@ def _penalties(
     return loss_kl_to_ref, kl_to_ref, loss_kl_to_inference, loss_entropy, entropy_metric
 
 
+def _validate_terms(
+    ref_logprobs: torch.Tensor | None,
+    kl_coef: float,
+    entropy: torch.Tensor | None,
+    entropy_coef: float,
+    behavior_logprobs: torch.Tensor | None,
+    tis_cap: float,
+) -> None:
+    """Each optional term of the loss has the tensor it needs."""
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
+    if entropy_coef != 0.0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs entropy")
+    if tis_cap < 0 or (tis_cap > 0 and behavior_logprobs is None):
+        raise ValueError(f"tis_cap must be >= 0 and > 0 needs behavior_logprobs, got {tis_cap}")
+
+
+def _clipped_objective(
+    ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float | None
+) -> torch.Tensor:
+    """Per token: -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), with the dual clip for A < 0."""
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # [B, T]
+    loss_tok = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
+    if dual_clip is not None:
+        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -dual_clip * adv), loss_tok)  # [B, T]
+    return loss_tok
+
+
 def grpo_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -192,12 +220,7 @@ def grpo_loss(
     """
     eps_high = eps_low if eps_high is None else eps_high
     _validate(logprobs, mask, aggregation, norm_const, eps_low, eps_high, dual_clip, denominator)
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError("kl_coef != 0 needs ref_logprobs")
-    if entropy_coef != 0.0 and entropy is None:
-        raise ValueError("entropy_coef != 0 needs entropy")
-    if tis_cap < 0 or (tis_cap > 0 and behavior_logprobs is None):
-        raise ValueError(f"tis_cap must be >= 0 and > 0 needs behavior_logprobs, got {tis_cap}")
+    _validate_terms(ref_logprobs, kl_coef, entropy, entropy_coef, behavior_logprobs, tis_cap)
     if logprobs.dtype in (torch.bfloat16, torch.float16):
         logprobs = logprobs.float()  # [B, T]
     dtype = logprobs.dtype
@@ -210,10 +233,7 @@ def grpo_loss(
 
     log_ratio = torch.where(mask, logprobs - old, 0.0)  # [B, T], masked before exp
     ratio = torch.exp(log_ratio)  # [B, T]
-    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)  # [B, T]
-    loss_tok = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
-    if dual_clip is not None:
-        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -dual_clip * adv), loss_tok)  # [B, T]
+    loss_tok = _clipped_objective(ratio, adv, eps_low, eps_high, dual_clip)  # [B, T]
     if tis_cap > 0:
         assert behavior_logprobs is not None
         d = torch.where(mask, old - behavior_logprobs.detach().to(dtype), 0.0)  # [B, T], masked before exp

@@ -72,15 +72,11 @@ def _sample(
     logps: list[list[float]] = [[] for _ in range(n)]
     reasons = ["length"] * n
     for step in range(steps):
-        scaled = logits.float() / temperature  # [b, V]
-        if banned.numel():
-            scaled[:, banned] = float("-inf")
         if step % UNIFORM_BLOCK == 0:  # each row's next uniforms from its own generator, as a block:
             n_u = min(UNIFORM_BLOCK, steps - step)  # the same stream as one draw per step, fewer calls
             block = torch.stack([torch.rand(n_u, generator=gens[r]) for r in live.tolist()])  # [b, n_u]
         u = block[:, step % UNIFORM_BLOCK].to(device)  # [b]
-        tok = sample_from_uniform(filter_logits(scaled, top_k, top_p), u)  # [b]
-        lp = logprobs_from_logits(logits, tok, temperature)  # [b] float32, full vocabulary
+        tok, lp = _choose(logits, u, banned, temperature, top_k, top_p)  # [b], [b]
         stop = torch.isin(tok, stops)  # [b]
         for r, t, l_, d in zip(live.tolist(), tok.tolist(), lp.tolist(), stop.tolist(), strict=True):
             tokens[r].append(t)
@@ -104,6 +100,18 @@ def _sample(
         ).logits[:, -1]  # [b, V]
         next_pos = next_pos + 1
     return [(tokens[i], logps[i], reasons[i]) for i in range(n)]
+
+
+def _choose(
+    logits: torch.Tensor, u: torch.Tensor, banned: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's next token from its uniform `u` (banned ids never drawn, top-k / top-p applied)
+    and its log-prob over the full vocabulary in float32."""
+    scaled = logits.float() / temperature  # [b, V]
+    if banned.numel():
+        scaled[:, banned] = float("-inf")
+    tok = sample_from_uniform(filter_logits(scaled, top_k, top_p), u)  # [b]
+    return tok, logprobs_from_logits(logits, tok, temperature)  # [b], [b] float32
 
 
 def _prefill(model: Any, prompts: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[Any, ...]:

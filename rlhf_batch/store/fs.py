@@ -1,0 +1,205 @@
+"""Where the run lives: a local directory (a plain path or ``file://``) or an object store
+(``s3://bucket/prefix``, ``gs://bucket/prefix``) through fsspec (s3fs, gcsfs).
+
+A local run directory is a `pathlib.Path`, exactly as always. A run on an object store is a
+`upath.UPath` (universal-pathlib: the pathlib API over fsspec), so layout, manifests and
+listings read the same on both. What differs is here: an object store has no rename, so a file
+becomes visible only as one finished PUT (`put_file`; s3fs completes a multipart upload only
+after its last part), a "directory" is a prefix, and model directories are copied to a local
+cache before they are loaded (`local_dir`). Credentials and the endpoint come from the standard
+environment (``AWS_*``, ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``), never from
+the config; no key or secret is ever written into a manifest or a message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+from rlhf_batch.errors import ConfigError, StageError
+
+T = TypeVar("T")
+PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # scheme -> fsspec package
+EXTRAS = {"s3fs": "s3", "gcsfs": "gcs"}  # package -> rlhf-batch extra
+RETRIES = 5  # transient store errors: tries of one operation, with exponential backoff
+retried = 0  # transient errors retried in this process (the manifests' timing records it)
+
+
+def scheme(run_dir: str | Path) -> str:
+    """The URI scheme of a run directory ("" for a local path or file://)."""
+    text = str(run_dir)
+    if "://" not in text:
+        return ""
+    s = text.split("://", 1)[0].lower()
+    return "" if s in ("file", "local") else s
+
+
+def run_path(run_dir: str | Path) -> Path:
+    """The run directory (or a path below it) as a path object: `pathlib.Path` when local, a
+    `UPath` on an object store (typed as Path: it has the same methods). A scheme whose
+    filesystem package is missing is a one-line error, never a local folder named `s3:`."""
+    if is_remote(run_dir):
+        return cast(Path, run_dir)
+    text = str(run_dir)
+    s = scheme(text)
+    if not s:
+        return Path(text[len("file://") :] if text.startswith("file://") else text)
+    if s not in PACKAGES:
+        raise ConfigError(f"run_dir {text}: unknown scheme '{s}://'; use a local path, file://, s3:// or gs://")
+    pkg = PACKAGES[s]
+    if importlib.util.find_spec(pkg) is None:
+        raise ConfigError(
+            f"run_dir {text}: the {s}:// store needs the {pkg} package: pip install 'rlhf-batch[{EXTRAS[pkg]}]'"
+        )
+    from upath import UPath
+
+    # listings are never cached: other processes (ranks, machines) add parts while this one runs
+    return cast(Path, UPath(text, use_listings_cache=False))
+
+
+def is_remote(path: Any) -> bool:
+    """Whether `path` is on an object store (a UPath with a remote protocol)."""
+    protocol = getattr(path, "protocol", None)
+    return isinstance(protocol, str) and protocol not in ("", "file", "local")
+
+
+def filesystem(path: Path) -> Any:
+    """The fsspec filesystem of a remote path."""
+    return path.fs  # type: ignore[attr-defined]
+
+
+def key(path: Path) -> str:
+    """The object key of a remote path (bucket/prefix/..., as fsspec names it)."""
+    return str(path.path)  # type: ignore[attr-defined]
+
+
+def retry(what: Path | str, op: Callable[[], T]) -> T:
+    """Run a store operation, retrying transient errors (connection, throttling, 5xx) with
+    backoff 0.2, 0.4, ... s; then one line naming the object. Missing objects and refused
+    preconditions are not transient: they pass through at once."""
+    global retried
+    for attempt in range(RETRIES):
+        try:
+            return op()
+        except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
+            raise
+        except (OSError, ConnectionError, TimeoutError) as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if attempt == RETRIES - 1:
+                raise StageError(f"{what}: the store did not answer ({reason}); run again once it is back") from None
+            retried += 1
+            time.sleep(0.2 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def put_file(local: Path, path: Path) -> None:
+    """Upload a finished local file as the object `path` (one PUT, or a multipart upload that
+    becomes visible only once complete)."""
+    fs = filesystem(path)
+    retry(path, lambda: fs.put_file(str(local), key(path)))
+
+
+def put_dir(local: Path, path: Path) -> None:
+    """Upload every file below the local directory `local` to the prefix `path`."""
+    for f in sorted(p for p in local.rglob("*") if p.is_file()):
+        put_file(f, path / f.relative_to(local).as_posix())
+
+
+def create(path: Path, data: bytes) -> bool:
+    """Create `path` only if it does not exist (an object store's conditional create,
+    If-None-Match: *; O_EXCL locally). False when it exists already."""
+    if not is_remote(path):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return True
+    fs = filesystem(path)
+    try:
+        retry(path, lambda: fs.pipe_file(key(path), data, mode="create"))
+    except FileExistsError:
+        return False
+    except (NotImplementedError, TypeError, ValueError) as e:
+        raise StageError(
+            f"{path}: this store does not support conditional create (If-None-Match: *), which the "
+            f"run lock needs ({str(e).splitlines()[0]})"
+        ) from None
+    return True
+
+
+def remove(path: Path) -> None:
+    """Remove a file or a whole folder (prefix); nothing if it is not there."""
+    if is_remote(path):
+        fs = filesystem(path)
+        if retry(path, lambda: fs.exists(key(path))):
+            retry(path, lambda: fs.rm(key(path), recursive=True))
+        return
+    import shutil
+
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def arrow_source(path: Path) -> tuple[str, Any]:
+    """(path, filesystem) for pyarrow's readers: a local path as it is, a remote one through its
+    fsspec filesystem."""
+    if not is_remote(path):
+        return str(path), None
+    return key(path), filesystem(path)
+
+
+def register(con: Any, paths: Any) -> None:
+    """Let a DuckDB connection read the object store that `paths` live on (fsspec filesystem
+    registered with DuckDB: its httpfs extension cannot be installed offline)."""
+    for p in paths if isinstance(paths, list | tuple) else [paths]:
+        if is_remote(p):
+            fs = filesystem(p)
+            if not con.filesystem_is_registered(fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]):
+                con.register_filesystem(fs)
+            return
+
+
+def cache_root() -> Path:
+    """The local cache of model directories copied from a store ($RLHF_BATCH_CACHE, default
+    ~/.cache/rlhf-batch/models)."""
+    base = os.environ.get("RLHF_BATCH_CACHE") or os.path.join(os.path.expanduser("~/.cache"), "rlhf-batch")
+    return Path(base) / "models"
+
+
+def local_dir(path: Path) -> Path:
+    """A model directory on the store copied into the local cache once per machine, keyed by its
+    objects' names, sizes and ETags (another policy, another key); a local path as it is."""
+    if not is_remote(path):
+        return path
+    fs = filesystem(path)
+    listing = retry(path, lambda: fs.find(key(path), detail=True))
+    if not listing:
+        return path  # not there: the caller's checks name it
+    sig = sorted((name, info.get("size"), str(info.get("ETag") or info.get("etag") or "")) for name, info in listing.items())
+    digest = hashlib.sha256(repr(sig).encode()).hexdigest()[:24]
+    out = cache_root() / digest
+    if (out / ".complete").exists():
+        return out
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    prefix = key(path).rstrip("/") + "/"
+    for name in listing:
+        dest = tmp / name[len(prefix) :]
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        retry(path, lambda n=name, d=dest: fs.get_file(n, str(d)))
+    (tmp / ".complete").write_text(str(path))
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process of this machine cached it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
