@@ -50,7 +50,7 @@ NOTE = (
     "against the float32 peak). Figures are comparable within one run only (a shared machine drifts). "
     "A machine column ending in 'busy: load L > T' means the 1-minute load average exceeded T while that "
     "benchmark measured (T = its own threads + half the cores), 'tiny' a --tiny run: such rows do not reach "
-    "the README table (benchmarks/table.py).\n\n"
+    "the table of docs/performance.md (benchmarks/table.py).\n\n"
 )
 
 
@@ -486,7 +486,7 @@ def append_row(
     with open(path, "a") as f:
         if new:
             f.write(
-                "# Benchmark results\n\nAppended by `make bench` (benchmarks/run_all.py); see README.md.\n\n"
+                "# Benchmark results\n\nAppended by `make bench` (benchmarks/run_all.py); see docs/performance.md.\n\n"
             )
             f.write(NOTE)
             f.write(HEADER)

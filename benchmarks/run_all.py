@@ -1,10 +1,10 @@
 """`make bench`: measure the matmul peaks, then run every benchmark, appending rows to
-benchmarks/results.md, then rewrite the README's Performance table from it (benchmarks/table.py).
+benchmarks/results.md, then rewrite the Performance table of docs/performance.md from it (benchmarks/table.py).
 `--tiny` runs everything on the tiny model and workload (the smoke test).
 Each benchmark runs in its own process and each measurement in a fresh worker process.
 It says which CPU it found and what dtype auto is there; it refuses to start while the machine
 is busy (1-minute load average above half the cores) unless --allow-busy; rows measured under
-load are marked "busy" and left out of the README table."""
+load are marked "busy" and left out of that table."""
 
 from __future__ import annotations
 
@@ -67,8 +67,8 @@ def main() -> None:
     if not args.tiny and args.results.resolve() == common.RESULTS:
         import table
 
-        table.update_readme(common.ROOT / "README.md", args.results)
-        print("# README.md: Performance table rewritten from the latest complete quiet run of each CPU kind")
+        table.update_readme(table.PAGE, args.results)
+        print("# docs/performance.md: Performance table rewritten from the latest complete quiet run of each CPU kind")
     if failed:
         raise SystemExit(f"benchmarks failed: {', '.join(failed)}")
 

@@ -1,4 +1,4 @@
-"""The README's Performance table, built from benchmarks/results.md: the latest complete, quiet
+"""The Performance table of docs/performance.md, built from benchmarks/results.md: the latest complete, quiet
 `make bench` run of each kind of CPU, side by side (one column per kind, one row per metric).
 
 A run is the rows from a "matmul peak" row (run_all.py writes it first; a benchmark run alone
@@ -6,7 +6,7 @@ that measures its own peaks writes one too) up to the next "matmul peak" row of 
 A kind is the machine column without its marks ("AMD EPYC, 2 cores, avx2, no bf16 units").
 Rows marked "busy" (taken while the load average was high, see common.busy_mark) or "tiny"
 are left out; a run is complete when its remaining rows include every row of REQUIRED.
-run_all.py rewrites the block between START and END in README.md after a `make bench`;
+run_all.py rewrites the block between START and END in docs/performance.md (PAGE) after a `make bench`;
 `python benchmarks/table.py` does it from the results as they are.
 """
 
@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PAGE = HERE.parent / "docs" / "performance.md"  # the page whose table run_all.py rewrites
 COLUMNS = (
     "date",
     "machine",
@@ -50,7 +51,7 @@ REQUIRED = (
     "train padding",
     "train scaling",
 )
-NOT_SHOWN = ("learning:",)  # bench_learning is not part of `make bench`; its own README section
+NOT_SHOWN = ("learning:",)  # bench_learning is not part of `make bench`; its own section of docs/performance.md
 
 Row = dict[str, str]
 
@@ -167,7 +168,7 @@ def update_readme(readme: Path, results: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--results", type=Path, default=HERE / "results.md")
-    p.add_argument("--readme", type=Path, default=HERE.parent / "README.md")
+    p.add_argument("--readme", type=Path, default=PAGE, help="the page holding the table")
     args = p.parse_args()
     update_readme(args.readme, args.results)
     print(f"{args.readme}: benchmark table rewritten from {args.results}")

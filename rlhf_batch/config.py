@@ -252,7 +252,7 @@ class EvalConfig:
 @dataclass
 class LoraConfig:
     """LoRA policies (peft): train updates only the adapter; each policy is the adapter plus its
-    merged full weights (README "LoRA")."""
+    merged full weights (docs/lora.md)."""
 
     enabled: bool = knob(False, "train")
     r: int = knob(8, "train")  # rank of the update B @ A
@@ -291,7 +291,7 @@ class Config:
         True
     )  # fsync what stages write; false: a kill is still safe, a power cut may lose the last writes
     demo: bool = knob(False)  # generate: build the tiny demo model and prompts when missing
-    report_to: list[Tracker] = knob([])  # live tracking (README: Live tracking)
+    report_to: list[Tracker] = knob([])  # live tracking (docs/inspecting.md: Live tracking)
     run_name: str = knob("")  # trackers' run name; default: the run_dir's folder name
     tracking_project: str = knob("")  # wandb/trackio project, MLflow experiment; default "rlhf-batch"
     keep_policies: int = knob(0)  # keep the policies of the last N trained iterations; 0: keep all

@@ -369,8 +369,8 @@ def test_status_of_an_empty_and_a_missing_run_dir(tmp_path: Path) -> None:
     assert res.exit_code == 1 and "run directory not found" in str(res.exception)
 
 
-def test_every_readme_sql_example_runs(run: Path) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_every_sql_example_of_the_docs_runs(run: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "inspecting.md").read_text()
     block = readme.split("```sql\n", 1)[1].split("```", 1)[0]
     queries = [q.strip() for q in re.sub(r"^--.*$", "", block, flags=re.M).split(";") if q.strip()]
     assert len(queries) == 6  # reward, worst, zero variance, length, training, stage records
