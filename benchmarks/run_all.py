@@ -68,7 +68,7 @@ def main() -> None:
         import table
 
         table.update_readme(table.PAGE, args.results)
-        print("# docs/performance.md: Performance table rewritten from the latest complete quiet run of each CPU kind")
+        print("# docs/performance.md: table rewritten from the latest complete quiet run of each CPU kind")
     if failed:
         raise SystemExit(f"benchmarks failed: {', '.join(failed)}")
 

@@ -51,7 +51,7 @@ REQUIRED = (
     "train padding",
     "train scaling",
 )
-NOT_SHOWN = ("learning:",)  # bench_learning is not part of `make bench`; its own section of docs/performance.md
+NOT_SHOWN = ("learning:",)  # not part of `make bench`: its own section of the page
 
 Row = dict[str, str]
 
