@@ -1,5 +1,5 @@
 """The benchmarks' bookkeeping: the busy mark from load averages, the MFU target of each dtype,
-and the README's side-by-side table built from a results.md (benchmarks/table.py)."""
+and the side-by-side table of docs/performance.md built from a results.md (benchmarks/table.py)."""
 
 from __future__ import annotations
 
