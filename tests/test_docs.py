@@ -285,7 +285,7 @@ def test_the_configuration_page_lists_every_key_and_only_keys() -> None:
     assert config_list_problems((ROOT / "docs" / "configuration.md").read_text()) == []
 
 
-def test_the_checks_find_planted_mistakes(tmp_path: Path) -> None:
+def test_the_checks_find_planted_mistakes() -> None:
     # every check passes on correct text and names the planted mistake, so none can pass vacuously
     good = (
         "Set `score.kl_estimator` or `--set train.lr=1e-4`; see `rlhf_batch/core/kl.py`, `core/kl.py`,\n"
