@@ -507,6 +507,8 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
         if not s or (s in hub_ids and not (base / s).exists()):
             return s
         s = s.replace("{run_dir}", cfg.run_dir)
+        if "://" in s:  # a URI (s3://, gs://, file://) is taken as it is (store/fs.py)
+            return s
         p = Path(s).expanduser()
         return str(p if p.is_absolute() else (base / p))
 

@@ -62,3 +62,25 @@ def make_config(tmp_path: Path, tiny_model: Path, demo_prompts: Path):
         return path, load_config(path)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A real S3-protocol server on 127.0.0.1 (tests/s3server.py) for the whole session."""
+    from tests.s3server import S3Server
+
+    server = S3Server()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_run(s3_server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """`s3://<fresh bucket>/run`, with the server's endpoint and test credentials in the
+    environment (as a user's AWS_* variables would be)."""
+    from tests.s3server import new_bucket
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    return f"s3://{new_bucket(s3_server)}/run"

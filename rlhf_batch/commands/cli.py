@@ -34,9 +34,11 @@ ForceOpt = Annotated[
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
-RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", "-r", help="The run directory.")]
+RunDirOpt = Annotated[
+    str | None, typer.Option("--run-dir", "-r", help="The run directory (a path or s3://, gs://).")
+]
 TargetArg = Annotated[
-    Path | None,
+    str | None,
     typer.Argument(
         metavar="CONFIG|RUN_DIR",
         help="The config file or the run directory (default: the current directory).",
@@ -73,7 +75,7 @@ def _stage(
     quiet: bool,
     topup: int = 0,
 ) -> None:
-    from rlhf_batch.commands.pipeline import stage_lock
+    from rlhf_batch.store.lock import stage_lock
     from rlhf_batch.runtime import dist
     from rlhf_batch.runtime.device import setup_process
     from rlhf_batch.stages.executor import execute
@@ -198,7 +200,7 @@ def import_(
         ),
     ] = None,
     run_dir: Annotated[
-        Path | None, typer.Option("--run-dir", "-r", help="The run directory (default: the config's).")
+        str | None, typer.Option("--run-dir", "-r", help="The run directory (default: the config's).")
     ] = None,
     iteration: IterOpt = 0,
     set_: SetOpt = None,

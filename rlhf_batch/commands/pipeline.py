@@ -13,69 +13,21 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import gc
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from rlhf_batch.config import Config, load_config
 from rlhf_batch.errors import StageError, UserError
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.store import layout, manifests
-from rlhf_batch.store.layout import LOCK
-
-LOCK_ENV = "RLHF_BATCH_RUN_LOCKED"  # set by `run` for its stage processes: it holds the lock
-
-
-def stage_lock(run_dir: str) -> contextlib.AbstractContextManager[Any]:
-    """The run lock for one stage command, so that it never writes under a running `run` or a
-    second command: taken by rank 0 (torchrun's other ranks follow it), unless the `run` that
-    started this process holds it already."""
-    if os.environ.get(LOCK_ENV) == str(Path(run_dir).resolve()) or int(os.environ.get("RANK", "0")) != 0:
-        return contextlib.nullcontext()
-    return RunLock(Path(run_dir))
-
-
-class RunLock:
-    """An exclusive flock on RUN_DIR/.run.lock holding the owner's pid. The kernel drops the lock
-    when its holder dies, so a stale lock file (dead pid) is simply taken over."""
-
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / LOCK
-        self.file: IO[str] | None = None
-
-    def __enter__(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists() and not self.path.is_file():
-            raise StageError(f"{self.path}: is not a file; remove it (it is the run's lock file)")
-        f = open(self.path, "a+")  # noqa: SIM115 - held for the lifetime of the run
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            f.close()
-            raise StageError(
-                f"{self.path.parent}: another rlhf-batch command holds the lock ({holder}); "
-                "wait for it or stop it"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}")
-        f.flush()
-        self.file = f
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.file is not None:
-            self.file.close()
+from rlhf_batch.store.fs import run_path
+from rlhf_batch.store.lock import LOCK_ENV, RunLock, lock_id
 
 
 def run_pipeline(
@@ -87,7 +39,7 @@ def run_pipeline(
     from rlhf_batch.stages.executor import is_done
 
     cfg = load_config(config_path, overrides)
-    with RunLock(Path(cfg.run_dir)), _env(LOCK_ENV, str(Path(cfg.run_dir).resolve())):
+    with RunLock(run_path(cfg.run_dir)), _env(LOCK_ENV, lock_id(cfg.run_dir)):
         if cfg.in_process:
             from rlhf_batch.runtime.device import setup_process
 
@@ -266,7 +218,7 @@ def print_summary(cfg: Config) -> None:
     try:
         from rlhf_batch.observe.report import write_report
 
-        print(f"report: {write_report(Path(cfg.run_dir), None)}")
+        print(f"report: {write_report(cfg.run_dir, None)}")
     except UserError as e:
         print(f"report: not written ({e})", file=sys.stderr)
 

@@ -12,26 +12,27 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import ConfigError, UserError
+from rlhf_batch.store.fs import is_remote, run_path
 
 
-def run_dir_of(target: Path | None = None, run_dir: Path | None = None, config: Path | None = None) -> Path:
+def run_dir_of(target: str | None = None, run_dir: str | None = None, config: Path | None = None) -> Path:
     """The run directory named by a config file or a directory; UserError when it holds no run."""
     given = [x for x in (target, run_dir, config) if x is not None]
     if len(given) > 1:
         raise UserError("give one of CONFIG, RUN_DIR, --config or --run-dir, not several")
-    if target is not None and (target.suffix == ".toml" or target.is_file()):
-        config = target
+    if target is not None and "://" not in target and (target.endswith(".toml") or Path(target).is_file()):
+        config = Path(target)
     elif target is not None:
         run_dir = target
     where = ""
     if config is not None:
         from rlhf_batch.config import load_config
 
-        root = Path(load_config(config, resolve_models=False).run_dir)
+        root = run_path(load_config(config, resolve_models=False).run_dir)
         where = f" (run_dir of {config})"
     else:
-        root = run_dir if run_dir is not None else Path(".")
-    root = root.expanduser().resolve()
+        root = run_path(run_dir) if run_dir is not None else Path(".")
+    root = root if is_remote(root) else root.expanduser().resolve()
     if not root.is_dir():
         raise UserError(f"{root}: run directory not found{where}")
     if not any(p.is_dir() and p.name.startswith("iter=") for p in root.iterdir()):

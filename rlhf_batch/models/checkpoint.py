@@ -19,12 +19,12 @@ parameter name), and on resume every rank reads the files and keeps its own shar
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import StageError
 from rlhf_batch.models import optim_state
+from rlhf_batch.store import fs
 
 PREFIX = "step-"
 
@@ -71,12 +71,12 @@ def save(
         save_file(rng, str(tmp / "rng.safetensors"))
         (tmp / "state.json").write_text(json.dumps({**state, "next_step": step}, indent=1))
 
-    root.mkdir(parents=True, exist_ok=True)
+    fs.makedirs(root)
     final = root / f"{PREFIX}{step:08d}"
     write_dir_atomic(final, write)
     for old in root.iterdir():
         if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+            fs.remove(old)
     return final
 
 
@@ -96,6 +96,7 @@ def load_latest(
     path = latest(root)
     if path is None:
         return None
+    path = fs.local_dir(path)  # a checkpoint on the object store: its local copy
     try:
         state: dict[str, Any] = json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -122,4 +123,4 @@ def load_latest(
 
 
 def remove(root: Path) -> None:
-    shutil.rmtree(root, ignore_errors=True)
+    fs.remove(root)

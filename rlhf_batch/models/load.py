@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf_batch.errors import ModelError
 from rlhf_batch.runtime.device import resolve_device, resolve_dtype
+from rlhf_batch.store.fs import local_dir, run_path
 from rlhf_batch.store.modeldir import check_model_dir, refuse_removed
 
 if TYPE_CHECKING:
@@ -35,10 +36,11 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     lengths, so pad == eos loses nothing). Padding side is set by the caller per use."""
     from transformers import AutoTokenizer
 
-    p = Path(path)
+    p = run_path(path)
     if not p.is_dir():
         refuse_removed(p, "tokenizer")
         raise ModelError(f"tokenizer directory not found: {p}")
+    p = local_dir(p)  # a directory on the object store: its local copy
     key = None if trust_remote_code else _files_digest(p)
     if key in _TOKENIZERS:  # a copy: callers own what they get
         tok = copy.deepcopy(_TOKENIZERS[key])
@@ -98,7 +100,7 @@ def load_model(
     from rlhf_batch.models.attention import use_matmul_attention
 
     hf_logging.disable_progress_bar()
-    p = check_model_dir(path, what)
+    p = local_dir(check_model_dir(path, what))  # a directory on the object store: its local copy
     if _needs_remote_code(p) and not trust_remote_code:
         raise ModelError(
             f"{what}: {p} needs remote code (config.json has auto_map); "
@@ -293,6 +295,6 @@ def saved_dtype(model_dir: str) -> Any:
 
     import torch
 
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    raw = json.loads((run_path(model_dir) / "config.json").read_text())
     name = raw.get("dtype") or raw.get("torch_dtype")
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name, torch.float32)

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.store import layout
+from rlhf_batch.store.fs import run_path
+from rlhf_batch.store.modeldir import same_dir
 
 if TYPE_CHECKING:
     from rlhf_batch.config import Config
@@ -30,10 +32,6 @@ if TYPE_CHECKING:
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 SOURCE = "init_adapter.json"  # in RUN_DIR/init_policy: which adapter it was made from
-
-
-def _same(a: str | Path, b: str | Path) -> bool:
-    return Path(a).resolve() == Path(b).resolve()
 
 
 def peft_config(cfg: Config) -> Any:
@@ -52,9 +50,9 @@ def train_base(cfg: Config, start: str) -> tuple[str, Path | None]:
     fresh adapter)."""
     if not cfg.lora.enabled:
         return start, None
-    if _same(start, cfg.policy_model):
+    if same_dir(start, cfg.policy_model):
         return cfg.policy_model, None
-    adapter = Path(start) / layout.ADAPTER_DIR
+    adapter = run_path(start) / layout.ADAPTER_DIR
     if not (adapter / ADAPTER_WEIGHTS).is_file():
         raise StageError(
             f"{start}: no LoRA adapter ({adapter / ADAPTER_WEIGHTS}); this policy was trained without "

@@ -38,6 +38,7 @@ from typing import Any
 
 from rlhf_batch.errors import ConfigError, UserError
 from rlhf_batch.sql import NAN_SAFE, quote
+from rlhf_batch.store.fs import is_remote, register, run_path
 
 VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schemas)
     "rollouts": ("iter=*/rollouts/part-*.parquet", "ROLLOUTS"),
@@ -86,7 +87,8 @@ def one_line(e: BaseException) -> str:
 
 
 def existing_run(run_dir: str | Path) -> Path:
-    root = Path(run_dir).expanduser().resolve()
+    root = run_path(run_dir)
+    root = root if is_remote(root) else root.expanduser().resolve()
     if not root.is_dir():
         raise UserError(f"{root}: run directory not found")
     if any(c in str(root) for c in "*?[]{}"):
@@ -103,6 +105,7 @@ def connect(run_dir: str | Path) -> Any:
 
     root = existing_run(run_dir)
     con = duckdb.connect(":memory:")
+    register(con, root)
     for setting in ("enable_progress_bar", "autoinstall_known_extensions", "autoload_known_extensions"):
         con.execute(f"SET {setting} = false")
     con.execute(NAN_SAFE)

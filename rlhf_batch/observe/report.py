@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlhf_batch.errors import StageError
-from rlhf_batch.store import atomic, layout, manifests
+from rlhf_batch.store import atomic, fs, layout, manifests
 from rlhf_batch.store.schemas import EVAL, METRICS, ROLLOUTS, SCORES
 
 
@@ -92,13 +92,13 @@ def _std(col: Any) -> float | None:
 def write_report(
     run_dir: Path | str, out: Path | None = None, *, tensorboard: bool = False, n_examples: int = 5
 ) -> Path:
-    run_dir = Path(run_dir)
+    run_dir = fs.run_path(run_dir)
     if not run_dir.is_dir():
         raise StageError(f"{run_dir}: run directory not found")
-    out = Path(out) if out else run_dir / "report"
+    out = fs.run_path(out) if out else run_dir / "report"
     if out.exists() and not out.is_dir():
         raise StageError(f"--out {out}: is a file; the report needs a directory")
-    out.mkdir(parents=True, exist_ok=True)
+    fs.makedirs(out)
     data = collect(run_dir)
     plots = _plots(data, out)
     examples = _examples(run_dir, data["last"], n_examples) if data["last"] is not None else []

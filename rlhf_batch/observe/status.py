@@ -57,7 +57,6 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
     """(state, rows, startup, work, tok/s, details) of one stage of one iteration (of its top-up
     round `topup`)."""
     import duckdb
-    import pyarrow.parquet as pq
 
     from rlhf_batch.store import layout, manifests
 
@@ -93,7 +92,11 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
         details.append("policy saved")
     elif stage == "train" and (layout.iter_dir(root, it) / layout.POLICY_REMOVED).exists():
         details.append("policy removed (keep_policies)")
-    rows = m["rows"] if m and stage != "train" else sum(pq.read_metadata(f).num_rows for f in files)
+    rows = (
+        m["rows"]
+        if m and stage != "train"
+        else sum(manifests.parquet_file(f).metadata.num_rows for f in files)
+    )
     return state, str(rows) if files or m else "-", *timing_cells(m), ", ".join(details)
 
 

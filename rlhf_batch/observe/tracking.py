@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlhf_batch.store import manifests
 from rlhf_batch.store.layout import METRICS_FILE
 
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")
@@ -154,7 +155,6 @@ def headline(sdir: Path, manifest: dict[str, Any]) -> dict[str, float]:
     """A stage's numbers: the manifest's counts and a few of its values, plus means read from
     the parts (rollouts: response length; scores: score, reward, kl_sum; train: loss)."""
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     out: dict[str, float] = {}
     for group in ("prompt_counts", "counts"):
@@ -164,16 +164,17 @@ def headline(sdir: Path, manifest: dict[str, Any]) -> dict[str, float]:
     stage = manifest.get("stage")
     if stage == "rollouts" and files:
         lengths = [
-            pc.list_value_length(pq.read_table(f, columns=["response_ids"])["response_ids"]) for f in files
+            pc.list_value_length(manifests.read_table(f, columns=["response_ids"])["response_ids"])
+            for f in files
         ]
         total = sum(int(pc.sum(x).as_py() or 0) for x in lengths)
         out["response_tokens"] = total
         out["response_length_mean"] = total / max(1, sum(len(x) for x in lengths))
     elif stage == "scores" and files:
-        t = _concat([pq.read_table(f, columns=["score", "reward", "kl_sum"]) for f in files])
+        t = _concat([manifests.read_table(f, columns=["score", "reward", "kl_sum"]) for f in files])
         out.update({f"{c}_mean": pc.mean(t[c]).as_py() for c in ("score", "reward", "kl_sum")})
     elif stage == "train" and (sdir / METRICS_FILE).exists():
-        loss = pq.read_table(sdir / METRICS_FILE, columns=["loss"])["loss"]
+        loss = manifests.read_table(sdir / METRICS_FILE, columns=["loss"])["loss"]
         if len(loss):
             out["loss_mean"] = pc.mean(loss).as_py()
             out["loss_last"] = loss[-1].as_py()

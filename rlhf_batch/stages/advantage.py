@@ -63,7 +63,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from rlhf_batch.config import Config
 from rlhf_batch.core.batching import aligned_chunks
@@ -72,7 +71,7 @@ from rlhf_batch.runtime import faults
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
-from rlhf_batch.store import layout, manifests
+from rlhf_batch.store import fs, layout, manifests
 from rlhf_batch.store.output import StageOutput
 from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate
 
@@ -109,7 +108,8 @@ class Advantage(Stage):
     def check(self) -> None:
         """Pool, check and count in DuckDB: bad or empty input fails before the folder is started."""
         self.work_begins()  # no model to load: pooling is work
-        self.con = _connect(Path(self.cfg.run_dir) / ".duckdb.tmp")
+        self.con = _connect(_spill_dir(self.cfg.run_dir))
+        fs.register(self.con, layout.iter_dir(self.cfg.run_dir, self.iteration))
         self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds)
         faults.fault_point("advantages:pool")
         self.counts = _counts(self.con, self.cfg, self.iteration)
@@ -195,12 +195,26 @@ def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema, topup: int = 0)
     for p in (manifests.manifest(sdir) or {}).get("parts", []):
         path = sdir / p["file"]
         try:
-            meta = pq.ParquetFile(path).metadata
+            meta = manifests.parquet_file(path).metadata
         except (OSError, pa.ArrowInvalid) as e:
             raise SchemaError(f"{path}: not a readable Parquet file ({e})") from None
         validate(meta.schema.to_arrow_schema(), schema, str(path))
         out.append((str(path.resolve()), meta.num_rows))
     return out
+
+
+def _spill_dir(run_dir: str) -> Path:
+    """Where DuckDB spills: RUN_DIR/.duckdb.tmp for a local run, a local temporary directory
+    for a run on an object store (DuckDB spills to local files only)."""
+    root = fs.run_path(run_dir)
+    if not fs.is_remote(root):
+        return root / ".duckdb.tmp"
+    import hashlib
+    import tempfile
+
+    return (
+        Path(tempfile.gettempdir()) / f"rlhf-batch-duckdb-{hashlib.sha256(run_dir.encode()).hexdigest()[:12]}"
+    )
 
 
 _DB: dict[str, Any] = {}  # this process's database: pid, tmp (its spill directory), db

@@ -28,7 +28,6 @@ import math
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from rlhf_batch.config import Config, GenerateConfig, reward_search_path
 from rlhf_batch.core.eval_metrics import aggregate, aggregate_by_source, group_samples
@@ -40,7 +39,7 @@ from rlhf_batch.rewards import load_reward_functions, weighted_sum
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.generate import generate_part
 from rlhf_batch.stages.score import reward_values
-from rlhf_batch.store import layout
+from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.ids import row_seed
 from rlhf_batch.store.manifests import file_fingerprint
 from rlhf_batch.store.schemas import EVAL, with_extra
@@ -164,7 +163,7 @@ def eval_metrics(sdir: Any, n_parts: int, ks: list[int], threshold: float) -> di
     first: dict[int, Any] = {}
     for p in layout.list_parts(sdir):
         first.setdefault(layout.part_number(p), p)
-    tables = [pq.read_table(first[n]) for n in range(n_parts) if n in first]
+    tables = [manifests.read_table(first[n]) for n in range(n_parts) if n in first]
     t = pa.concat_tables(tables, promote_options="permissive") if tables else EVAL.empty_table()
     pids, rewards = t["prompt_id"].to_pylist(), t["reward"].to_pylist()
     sources = t[SOURCE_COLUMN].to_pylist() if SOURCE_COLUMN in t.column_names else [ALL] * len(pids)

@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
 from rlhf_batch.config import Config, reward_search_path
@@ -64,7 +63,7 @@ from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_dir
-from rlhf_batch.store import layout
+from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.manifests import manifest, read_complete
 from rlhf_batch.store.modeldir import model_fingerprint
 from rlhf_batch.store.schemas import ROLLOUTS, SCORES, with_extra
@@ -176,7 +175,9 @@ def controller_extra(sdir: Path, n_parts: int, ctl: KLController, kl_coef: float
     for p in layout.list_parts(sdir):
         first.setdefault(layout.part_number(p), p)
     sums = [
-        pq.read_table(first[n], columns=["kl_sum"])["kl_sum"].to_numpy() for n in range(n_parts) if n in first
+        manifests.read_table(first[n], columns=["kl_sum"])["kl_sum"].to_numpy()
+        for n in range(n_parts)
+        if n in first
     ]
     kl_sums = np.concatenate(sums) if sums else np.zeros(0)  # [rows]
     mean_kl = float(kl_sums.mean()) if kl_sums.size else 0.0

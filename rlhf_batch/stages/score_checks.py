@@ -5,7 +5,6 @@ Every failure is a one-line error naming the rollout or the model directory."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,12 +14,9 @@ import pyarrow.compute as pc
 from rlhf_batch.config import Config
 from rlhf_batch.errors import ModelError, SchemaError
 from rlhf_batch.models.load import load_tokenizer, vocab_signature
-from rlhf_batch.store.modeldir import check_model_dir
+from rlhf_batch.store.fs import run_path
+from rlhf_batch.store.modeldir import check_model_dir, same_dir
 from rlhf_batch.store.schemas import ROLLOUTS
-
-
-def same_dir(a: str | None, b: str | None) -> bool:
-    return bool(a) and bool(b) and Path(str(a)).resolve() == Path(str(b)).resolve()
 
 
 def check_rollouts(t: pa.Table, where: str, vocab_size: int) -> None:
@@ -69,7 +65,7 @@ def check_tokenizers(cfg: Config, policies: list[str]) -> Any:
     (the ones that are model directories) have the same vocabulary. (A reward model with another
     vocabulary re-tokenises the text: see rlhf_batch.rewards.model.)"""
     ref_tok = _tokenizer(cfg.ref, "ref_model", cfg)
-    others = [(p, "policy") for p in policies if (Path(p) / "config.json").is_file()]
+    others = [(p, "policy") for p in policies if (run_path(p) / "config.json").is_file()]
     for path, what in others:
         if not same_dir(path, cfg.ref) and vocab_signature(_tokenizer(path, what, cfg)) != vocab_signature(
             ref_tok

@@ -26,6 +26,7 @@ from rlhf_batch.config import Config
 from rlhf_batch.errors import StageError
 from rlhf_batch.models import optim_state
 from rlhf_batch.store import atomic, layout
+from rlhf_batch.store.fs import local_dir
 
 SCHEDULE = ("lr", "weight_decay", "warmup_steps", "lr_schedule")
 
@@ -92,7 +93,7 @@ def state_extra(cfg: Config, global_step: int, total: int, carried_from: int | N
 def restore(trainer: Any, path: Path, weight_decay: float) -> None:
     """Load the carried state into the trainer's optimizer. load_state_dict also restores the
     saved hyper-parameters; weight decay is set back to the config's (lr is set every step)."""
-    optim_state.restore(path, trainer.model, trainer.optimizer, trainer.sharded)
+    optim_state.restore(local_dir(path), trainer.model, trainer.optimizer, trainer.sharded)
     for group in trainer.optimizer.param_groups:
         group["weight_decay"] = weight_decay
 

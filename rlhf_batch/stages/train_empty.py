@@ -17,6 +17,7 @@ from typing import Any
 from rlhf_batch.runtime import dist
 from rlhf_batch.stages.train_carry import record
 from rlhf_batch.store import atomic, layout, manifests
+from rlhf_batch.store.fs import local_dir, run_path
 
 
 def carry_forward(
@@ -40,11 +41,11 @@ def carry_forward(
     )
     if prev is not None:
         _copy_dir(prev[0], layout.optimizer_dir(cfg.run_dir, iteration))
-    _copy_dir(Path(start), layout.policy_dir(cfg.run_dir, iteration))
+    _copy_dir(run_path(start), layout.policy_dir(cfg.run_dir, iteration))
     sdir = layout.folder(cfg.run_dir, iteration, layout.TRAIN)
     atomic.write_parquet_atomic(sdir / layout.METRICS_FILE, METRICS.empty_table(), METRICS)
     return carried
 
 
 def _copy_dir(src: Path, dst: Path) -> None:
-    atomic.write_dir_atomic(dst, lambda tmp: shutil.copytree(src, tmp, dirs_exist_ok=True))
+    atomic.write_dir_atomic(dst, lambda tmp: shutil.copytree(local_dir(src), tmp, dirs_exist_ok=True))

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from rlhf_batch.errors import StageError
 from rlhf_batch.runtime.faults import fault_point
+from rlhf_batch.store import fs
 from rlhf_batch.store.layout import tmp_name
 from rlhf_batch.store.schemas import SCHEMA_VERSION, VERSION_KEY
 
@@ -56,6 +57,8 @@ def _disk_full(path: Path) -> bool:
 def fsync_dir(path: Path) -> None:
     """Make the renames in directory `path` durable: after a power cut (not only a kill) no part
     that a later manifest lists can be missing."""
+    if fs.is_remote(path):
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         fsync(fd)
@@ -65,7 +68,10 @@ def fsync_dir(path: Path) -> None:
 
 def write_file_atomic(path: Path, write: Callable[[Path], T], fault: str = "") -> T:
     """Call `write(tmp)` to write a hidden temporary file next to `path`, fsync it and rename it to
-    `path`: a reader never sees half a file. The one way every run file is written."""
+    `path`: a reader never sees half a file. The one way every run file is written. On an object
+    store the file is written locally, then uploaded as one object (there is no rename)."""
+    if fs.is_remote(path):
+        return _put_written(path, write, fault)
     tmp = tmp_name(path, os.getpid())
     try:
         result = write(tmp)
@@ -83,6 +89,19 @@ def write_file_atomic(path: Path, write: Callable[[Path], T], fault: str = "") -
         if isinstance(e, OSError):
             raise write_error(path, e) from e
         raise
+    return result
+
+
+def _put_written(path: Path, write: Callable[[Path], T], fault: str) -> T:
+    """`write` into a local temporary file, then one PUT of the finished object."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rlhf-batch-") as d:
+        tmp = Path(d) / path.name
+        result = write(tmp)
+        if fault:
+            fault_point(f"{fault}:tmp")
+        fs.put_file(tmp, path)
     return result
 
 
@@ -110,6 +129,8 @@ def write_dir_atomic(final: Path, write: Callable[[Path], T], *, replace: bool =
 
     from safetensors import SafetensorError
 
+    if fs.is_remote(final):
+        return _put_dir(final, write, replace, fault)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -128,6 +149,25 @@ def write_dir_atomic(final: Path, write: Callable[[Path], T], *, replace: bool =
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(final.parent)
+    return result
+
+
+def _put_dir(final: Path, write: Callable[[Path], T], replace: bool, fault: str) -> T:
+    """On an object store: `write` into a local temporary directory, then upload it file by file.
+    A prefix cannot appear at once: what makes it count is the manifest written after it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rlhf-batch-") as d:
+        tmp = Path(d) / final.name
+        tmp.mkdir()
+        result = write(tmp)
+        if fault:
+            fault_point(f"{fault}:tmp")
+        if final.exists():
+            if not replace:
+                return result
+            fs.remove(final)
+        fs.put_dir(tmp, final)
     return result
 
 

@@ -50,7 +50,9 @@ def run_path(run_dir: str | Path) -> Path:
     if not s:
         return Path(text[len("file://") :] if text.startswith("file://") else text)
     if s not in PACKAGES:
-        raise ConfigError(f"run_dir {text}: unknown scheme '{s}://'; use a local path, file://, s3:// or gs://")
+        raise ConfigError(
+            f"run_dir {text}: unknown scheme '{s}://'; use a local path, file://, s3:// or gs://"
+        )
     pkg = PACKAGES[s]
     if importlib.util.find_spec(pkg) is None:
         raise ConfigError(
@@ -91,7 +93,9 @@ def retry(what: Path | str, op: Callable[[], T]) -> T:
         except (OSError, ConnectionError, TimeoutError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             if attempt == RETRIES - 1:
-                raise StageError(f"{what}: the store did not answer ({reason}); run again once it is back") from None
+                raise StageError(
+                    f"{what}: the store did not answer ({reason}); run again once it is back"
+                ) from None
             retried += 1
             time.sleep(0.2 * 2**attempt)
     raise AssertionError("unreachable")
@@ -102,6 +106,12 @@ def put_file(local: Path, path: Path) -> None:
     becomes visible only once complete)."""
     fs = filesystem(path)
     retry(path, lambda: fs.put_file(str(local), key(path)))
+
+
+def put_bytes(path: Path, data: bytes) -> None:
+    """Write a small object whole (one PUT); a local file atomically is store/atomic's job."""
+    fs = filesystem(path)
+    retry(path, lambda: fs.pipe_file(key(path), data))
 
 
 def put_dir(local: Path, path: Path) -> None:
@@ -134,6 +144,13 @@ def create(path: Path, data: bytes) -> bool:
     return True
 
 
+def makedirs(path: Path) -> None:
+    """A local directory and its parents; nothing on an object store (a prefix exists through
+    its objects)."""
+    if not is_remote(path):
+        path.mkdir(parents=True, exist_ok=True)
+
+
 def remove(path: Path) -> None:
     """Remove a file or a whole folder (prefix); nothing if it is not there."""
     if is_remote(path):
@@ -163,7 +180,9 @@ def register(con: Any, paths: Any) -> None:
     for p in paths if isinstance(paths, list | tuple) else [paths]:
         if is_remote(p):
             fs = filesystem(p)
-            if not con.filesystem_is_registered(fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]):
+            if not con.filesystem_is_registered(
+                fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+            ):
                 con.register_filesystem(fs)
             return
 
@@ -175,6 +194,10 @@ def cache_root() -> Path:
     return Path(base) / "models"
 
 
+def _get(fs: Any, path: Path, name: str, dest: Path) -> None:
+    retry(path, lambda: fs.get_file(name, str(dest)))
+
+
 def local_dir(path: Path) -> Path:
     """A model directory on the store copied into the local cache once per machine, keyed by its
     objects' names, sizes and ETags (another policy, another key); a local path as it is."""
@@ -184,7 +207,10 @@ def local_dir(path: Path) -> Path:
     listing = retry(path, lambda: fs.find(key(path), detail=True))
     if not listing:
         return path  # not there: the caller's checks name it
-    sig = sorted((name, info.get("size"), str(info.get("ETag") or info.get("etag") or "")) for name, info in listing.items())
+    sig = sorted(
+        (name, info.get("size"), str(info.get("ETag") or info.get("etag") or ""))
+        for name, info in listing.items()
+    )
     digest = hashlib.sha256(repr(sig).encode()).hexdigest()[:24]
     out = cache_root() / digest
     if (out / ".complete").exists():
@@ -194,7 +220,7 @@ def local_dir(path: Path) -> Path:
     for name in listing:
         dest = tmp / name[len(prefix) :]
         dest.parent.mkdir(parents=True, exist_ok=True)
-        retry(path, lambda n=name, d=dest: fs.get_file(n, str(d)))
+        _get(fs, path, name, dest)
     (tmp / ".complete").write_text(str(path))
     try:
         os.replace(tmp, out)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlhf_batch.store.fs import is_remote, run_path
+
 MANIFEST = "_manifest.json"
 STARTED = "_started.json"
 LOCK = ".run.lock"
@@ -36,12 +38,12 @@ FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL)
 
 
 def iter_dir(run_dir: str | Path, it: int) -> Path:
-    return Path(run_dir) / f"iter={it:04d}"
+    return run_path(run_dir) / f"iter={it:04d}"
 
 
 def run_root(sdir: Path) -> Path | None:
     """The run directory that holds the stage folder `sdir` (the parent of its iter=K folder)."""
-    for d in Path(sdir).absolute().parents:
+    for d in (sdir if is_remote(sdir) else Path(sdir).absolute()).parents:
         if d.name.startswith("iter="):
             return d.parent
     return None
@@ -60,7 +62,7 @@ def policy_dir(run_dir: str | Path, it: int) -> Path:
 
 def init_policy_dir(run_dir: str | Path) -> Path:
     """With lora.init_adapter: the base model and that adapter, merged (iteration 0's policy)."""
-    return Path(run_dir) / "init_policy"
+    return run_path(run_dir) / "init_policy"
 
 
 def checkpoint_dir(run_dir: str | Path, it: int) -> Path:

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.store.atomic import COUNTS_KEY, write_json_atomic
+from rlhf_batch.store.fs import arrow_source, run_path
 from rlhf_batch.store.layout import MANIFEST, STARTED, list_parts, part_number
 from rlhf_batch.store.schemas import check_values, validate
 
@@ -34,10 +35,20 @@ def manifest(sdir: Path) -> dict[str, Any] | None:
     return read_json(path) if path.exists() else None
 
 
+def parquet_file(path: Path) -> pq.ParquetFile:
+    """A Parquet file of the run, local or on the object store."""
+    source, filesystem = arrow_source(path)
+    return pq.ParquetFile(source, filesystem=filesystem)
+
+
+def read_table(path: Path, columns: list[str] | None = None) -> pa.Table:
+    return parquet_file(path).read(columns=columns)
+
+
 def read_part(path: Path, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
     """Read one part, checking it against `schema`; errors name the file and the column."""
     try:
-        pf = pq.ParquetFile(path)
+        pf = parquet_file(path)
     except (OSError, pa.ArrowInvalid) as e:
         raise SchemaError(f"{path}: not a readable Parquet file ({e})") from None
     validate(pf.schema_arrow, schema, str(path))
@@ -48,7 +59,7 @@ def read_part(path: Path, schema: pa.Schema, columns: list[str] | None = None) -
 
 
 def part_counts(path: Path) -> dict[str, int]:
-    meta = pq.read_schema(path).metadata or {}
+    meta = parquet_file(path).schema_arrow.metadata or {}
     return json.loads(meta[COUNTS_KEY]) if COUNTS_KEY in meta else {}
 
 
@@ -79,12 +90,12 @@ def fingerprint(obj: Any) -> str:
 
 def file_fingerprint(path: str | Path) -> str:
     """Content hash of a file, or of every file below a directory (names, sizes, bytes)."""
-    p = Path(path)
+    p = run_path(path)
     h = hashlib.sha256()
     files = sorted(q for q in p.rglob("*") if q.is_file()) if p.is_dir() else [p]
     for q in files:
         h.update(str(q.relative_to(p) if p.is_dir() else q.name).encode())
-        with open(q, "rb") as f:
+        with q.open("rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
     return h.hexdigest()[:16]
@@ -127,7 +138,7 @@ def write_manifest(
     parts, counts = [], _Counter()
     for n in range(n_parts):
         path = by_n[n]
-        rows = pq.ParquetFile(path).metadata.num_rows
+        rows = parquet_file(path).metadata.num_rows
         parts.append({"file": path.name, "rows": rows})
         counts.add(part_counts(path))
     m = {

@@ -10,10 +10,11 @@ from typing import Any
 from rlhf_batch.errors import ModelError
 from rlhf_batch.runtime.hub import hub_revision
 from rlhf_batch.store import layout
+from rlhf_batch.store.fs import is_remote, run_path
 
 
 def check_model_dir(path: str, what: str) -> Path:
-    p = Path(path)
+    p = run_path(path) if path else Path(path)
     if not path:
         raise ModelError(f"{what}: no model directory configured")
     if not p.is_dir():
@@ -24,6 +25,16 @@ def check_model_dir(path: str, what: str) -> Path:
     if not any(p.glob("*.safetensors")):
         raise ModelError(f"{what}: {p} has no *.safetensors weights (only safetensors are loaded)")
     return p
+
+
+def same_dir(a: str | Path | None, b: str | Path | None) -> bool:
+    """Whether two model paths name the same directory (symlinks and `..` resolved locally)."""
+    if not a or not b:
+        return False
+    pa, pb = run_path(a), run_path(b)
+    if is_remote(pa) or is_remote(pb):
+        return str(pa).rstrip("/") == str(pb).rstrip("/")
+    return pa.resolve() == pb.resolve()
 
 
 def refuse_removed(p: Path, what: str) -> None:
@@ -42,7 +53,7 @@ def model_fingerprint(path: str, what: str) -> dict[str, Any]:
     p = check_model_dir(path, what)
     weights = {q.name: q.stat().st_size for q in sorted(p.glob("*.safetensors"))}
     out = {"path": str(p), "config": (p / "config.json").read_text(), "weights": weights}
-    hub = hub_revision(p)
+    hub = None if is_remote(p) else hub_revision(p)
     return {**out, "hub": hub} if hub else out
 
 
@@ -50,7 +61,7 @@ def removed_record(path: str | Path) -> dict[str, Any] | None:
     """The record of a policy dir that retention removed (None when it was not removed)."""
     import json
 
-    p = Path(path)
+    p = run_path(path)
     record = p.parent / layout.POLICY_REMOVED
     if p.name != layout.POLICY_DIR or p.exists() or not record.is_file():
         return None

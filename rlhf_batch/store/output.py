@@ -5,7 +5,6 @@ The executor (stages/executor.py) drives it; tests and hand-written folders use 
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.runtime.timing import StageClock
-from rlhf_batch.store import layout
+from rlhf_batch.store import fs, layout
 from rlhf_batch.store.atomic import write_json_atomic, write_parquet_atomic
 from rlhf_batch.store.manifests import differences, fingerprint, manifest, read_json, write_manifest
 from rlhf_batch.store.schemas import SCHEMA_VERSION
@@ -90,7 +89,7 @@ class StageOutput:
         """Claim the folder: with `force` remove it first (asked for, never silently); refuse the
         parts of a partial run with another identity; record this identity in `_started.json`."""
         if force and self.rank == 0 and self.sdir.exists():
-            shutil.rmtree(self.sdir)
+            fs.remove(self.sdir)
         dist.barrier()
         if self.done() is not None:
             return
@@ -103,7 +102,7 @@ class StageOutput:
                 f"({differences(before, self.identity)}); re-run with the same config, or with --force to start over"
             )
         if self.rank == 0:
-            self.sdir.mkdir(parents=True, exist_ok=True)
+            fs.makedirs(self.sdir)
             for tmp in self.sdir.glob(".*.tmp"):  # a killed writer's leftovers (parts, manifest, _started)
                 tmp.unlink(missing_ok=True)
             write_json_atomic(started, {"key": self.key, **self.identity})

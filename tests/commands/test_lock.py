@@ -5,13 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_batch.commands.pipeline import LOCK, RunLock
+from rlhf_batch.store.layout import LOCK
+from rlhf_batch.store.lock import RunLock
 from rlhf_batch.errors import StageError
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from rlhf_batch.commands.pipeline import RunLock
+from rlhf_batch.store.lock import RunLock
 with RunLock(Path(sys.argv[1])):
     print("locked", flush=True)
     time.sleep(60)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_batch.commands.pipeline import LOCK
+from rlhf_batch.store.layout import LOCK
 from rlhf_batch.store import layout, manifests
 from tests.reliability.harness import (
     KILLS,
