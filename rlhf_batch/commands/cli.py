@@ -75,11 +75,11 @@ def _stage(
     quiet: bool,
     topup: int = 0,
 ) -> None:
-    from rlhf_batch.store.lock import stage_lock
     from rlhf_batch.runtime import dist
     from rlhf_batch.runtime.device import setup_process
     from rlhf_batch.stages.executor import execute
     from rlhf_batch.stages.registry import get
+    from rlhf_batch.store.lock import stage_lock
 
     cfg = _config(config, overrides)
     setup_process(cfg.threads)

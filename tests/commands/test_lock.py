@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_batch.errors import StageError
 from rlhf_batch.store.layout import LOCK
 from rlhf_batch.store.lock import RunLock
-from rlhf_batch.errors import StageError
 
 HOLD = """
 import sys, time

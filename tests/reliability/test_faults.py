@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_batch.store.layout import LOCK
 from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.layout import LOCK
 from tests.reliability.harness import (
     KILLS,
     Assets,

@@ -33,7 +33,9 @@ def rows(run_dir: str, stage: str) -> list[tuple]:
         "scores": "rollout_id, score, reward, ref_logprobs, kl_sum",
         "advantages": "rollout_id, advantage",
     }[stage]
-    rel = con.sql(f"SELECT {cols} FROM read_parquet('{root}/iter=*/{stage}/part-*.parquet') ORDER BY rollout_id")
+    rel = con.sql(
+        f"SELECT {cols} FROM read_parquet('{root}/iter=*/{stage}/part-*.parquet') ORDER BY rollout_id"
+    )
     return rel.fetchall()
 
 
@@ -45,7 +47,12 @@ def weights(run_dir: str, it: int) -> dict:
 
 @pytest.mark.slow
 def test_a_run_on_s3_equals_the_same_run_on_local_disk(make_config, s3_run: str, tmp_path: Path) -> None:
-    settings = {"iterations": 2, "threads": 1, "in_process": True, "train": {"lr": 1e-3, "tokens_per_step": 256}}
+    settings = {
+        "iterations": 2,
+        "threads": 1,
+        "in_process": True,
+        "train": {"lr": 1e-3, "tokens_per_step": 256},
+    }
     local, local_cfg = make_config(name="local.toml", **settings)
     remote, remote_cfg = make_config(name="s3.toml", run_dir=s3_run, **settings)
     assert remote_cfg.run_dir == s3_run  # a URI stays a URI
