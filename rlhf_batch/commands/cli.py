@@ -48,6 +48,18 @@ TargetArg = Annotated[
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", "-c", help="The config file (its run_dir is used).")
 ]
+RankOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--rank",
+        help="This process's rank in a fan-out of independent processes (default: from Slurm or a "
+        "Kubernetes Indexed Job, else none). It writes the parts n with n % world size == rank.",
+    ),
+]
+WorldOpt = Annotated[
+    int | None,
+    typer.Option("--world-size", help="The number of processes of the fan-out (see --rank)."),
+]
 TopUpOpt = Annotated[
     int,
     typer.Option("--topup", help="A top-up round of the iteration (advantage.min_groups; `run` decides)."),
@@ -74,6 +86,7 @@ def _stage(
     force: bool,
     quiet: bool,
     topup: int = 0,
+    fanout: tuple[int | None, int | None] | None = None,
 ) -> None:
     from rlhf_batch.runtime import dist
     from rlhf_batch.runtime.device import setup_process
@@ -87,6 +100,8 @@ def _stage(
         from rlhf_batch.errors import UserError
 
         raise UserError(f"--topup must be >= 0, got {topup}")
+    if fanout is not None:  # generate, score, eval: independent processes may share the parts
+        dist.set_fanout(*fanout)
     with stage_lock(cfg.run_dir):
         dist.init(cfg.device)
         stage = get(name)(cfg, iteration, topup) if topup else get(name)(cfg, iteration)
@@ -101,9 +116,11 @@ def generate(
     force: ForceOpt = False,
     quiet: QuietOpt = False,
     topup: TopUpOpt = 0,
+    rank: RankOpt = None,
+    world_size: WorldOpt = None,
 ) -> None:
     """Sample G responses per prompt with the iteration's policy into iter=K/rollouts."""
-    _stage("generate", config, iteration, set_, force, quiet, topup)
+    _stage("generate", config, iteration, set_, force, quiet, topup, (rank, world_size))
 
 
 @app.command()
@@ -114,9 +131,11 @@ def score(
     force: ForceOpt = False,
     quiet: QuietOpt = False,
     topup: TopUpOpt = 0,
+    rank: RankOpt = None,
+    world_size: WorldOpt = None,
 ) -> None:
     """Rewards, reference log-probs, per-token KL and KL-shaped reward into iter=K/scores."""
-    _stage("score", config, iteration, set_, force, quiet, topup)
+    _stage("score", config, iteration, set_, force, quiet, topup, (rank, world_size))
 
 
 @app.command()
@@ -158,6 +177,8 @@ def eval_(
             "K = 0, a multiple of eval.every, or = iterations).",
         ),
     ] = False,
+    rank: RankOpt = None,
+    world_size: WorldOpt = None,
 ) -> None:
     """Held-out evaluation of iteration K's starting policy: eval.n samples per prompt, rewards,
     mean@n / pass@k / best@n per data source into iter=K/eval."""
@@ -166,7 +187,7 @@ def eval_(
 
         if not get("eval").runs_at(_config(config, set_), iteration):
             return
-    _stage("eval", config, iteration, set_, force, quiet)
+    _stage("eval", config, iteration, set_, force, quiet, fanout=(rank, world_size))
 
 
 @app.command()

@@ -68,7 +68,7 @@ class Run:
         s = settings(cfg)
         from rlhf_batch.runtime import dist
 
-        if dist.rank_world()[0] != 0:
+        if not dist.leads():
             return
         for name in s["report_to"]:
             try:

@@ -3,6 +3,12 @@
 Every stage works unchanged on one process; under `torchrun --nproc-per-node N -m rlhf_batch
 STAGE ...` the CLI calls `init()` and the stages split their parts by rank. Every stage that
 loads a model puts it on `stage_device(cfg.device)`: GPU LOCAL_RANK of its node under torchrun.
+
+Fan-out without a process group (generate, score, eval): N independent processes, started
+apart (a Slurm array, a Kubernetes Indexed Job, Airflow mapped tasks, N shells), each given its
+rank (`--rank R --world-size N`, or read from the scheduler's environment: `fanout_from`). Each
+writes the parts n with n % N == R; there are no barriers, and whichever process finds every
+part on the store commits the manifest (store/output.py).
 """
 
 from __future__ import annotations
@@ -10,6 +16,9 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from collections.abc import Mapping
+
+from rlhf_batch.errors import UserError
 
 
 def init(device: str = "cpu") -> None:
@@ -35,14 +44,80 @@ def _leave() -> None:
         td.destroy_process_group()
 
 
-def rank_world() -> tuple[int, int]:
+_fanout: tuple[int, int] | None = None  # (rank, world) of an independent fan-out process
+
+
+def grouped() -> bool:
+    """Whether this process is in a torch.distributed process group (torchrun)."""
     if "torch.distributed" not in sys.modules:
-        return 0, 1
+        return False
     import torch.distributed as td
 
-    if td.is_available() and td.is_initialized():
+    return bool(td.is_available() and td.is_initialized())
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size): torchrun's process group, else the fan-out's, else (0, 1)."""
+    if grouped():
+        import torch.distributed as td
+
         return td.get_rank(), td.get_world_size()
-    return 0, 1
+    return _fanout or (0, 1)
+
+
+def leads() -> bool:
+    """Whether this process does what one process does for all (the identity file, the manifest,
+    the trackers): rank 0 of a process group; every independent fan-out process."""
+    return not grouped() or rank_world()[0] == 0
+
+
+def fanned_out() -> bool:
+    return _fanout is not None and _fanout[1] > 1 and not grouped()
+
+
+def set_fanout(rank: int | None, world: int | None) -> None:
+    """This process's place in a fan-out (None, None: none, or the scheduler's: `fanout_from`)."""
+    global _fanout
+    _fanout = fanout_from(rank, world, os.environ)
+
+
+def fanout_from(rank: int | None, world: int | None, env: Mapping[str, str]) -> tuple[int, int] | None:
+    """(rank, world) from the options, else from the scheduler's environment: a Slurm array
+    (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT), Slurm tasks
+    (SLURM_PROCID of SLURM_NTASKS, when torchrun is not the launcher), a Kubernetes Indexed Job
+    (JOB_COMPLETION_INDEX, with the world size given once: --world-size or RLHF_BATCH_WORLD_SIZE)."""
+    if world is None and env.get("RLHF_BATCH_WORLD_SIZE"):
+        world = _int(env["RLHF_BATCH_WORLD_SIZE"], "RLHF_BATCH_WORLD_SIZE")
+    if rank is None:
+        if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+            lowest = _int(env.get("SLURM_ARRAY_TASK_MIN", "0"), "SLURM_ARRAY_TASK_MIN")
+            rank = _int(env["SLURM_ARRAY_TASK_ID"], "SLURM_ARRAY_TASK_ID") - lowest
+            world = world or _int(env["SLURM_ARRAY_TASK_COUNT"], "SLURM_ARRAY_TASK_COUNT")
+        elif "JOB_COMPLETION_INDEX" in env:
+            rank = _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
+            if world is None:
+                raise UserError(
+                    "JOB_COMPLETION_INDEX is set: give the world size once (--world-size N or RLHF_BATCH_WORLD_SIZE)"
+                )
+        elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "TORCHELASTIC_RUN_ID" not in env:
+            rank = _int(env["SLURM_PROCID"], "SLURM_PROCID")
+            world = world or _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
+    if rank is None and world is None:
+        return None
+    if rank is None or world is None:
+        raise UserError("--rank and --world-size go together (or come from the scheduler's environment)")
+    if world < 1 or not 0 <= rank < world:
+        raise UserError(f"--rank {rank} --world-size {world}: the rank must be in 0..world size - 1")
+    if int(env.get("WORLD_SIZE", "1")) > 1:
+        raise UserError("--rank/--world-size: this process runs under torchrun, whose ranks it uses")
+    return rank, world
+
+
+def _int(text: str, name: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"{name}={text!r}: not a whole number") from None
 
 
 def local_rank() -> int:
@@ -50,7 +125,7 @@ def local_rank() -> int:
 
 
 def barrier() -> None:
-    if rank_world()[1] > 1:
+    if grouped() and rank_world()[1] > 1:
         import torch.distributed as td
 
         td.barrier()
@@ -58,7 +133,7 @@ def barrier() -> None:
 
 def all_sum(n: int) -> int:
     """The sum of `n` over the ranks (every rank calls it), `n` itself on one process."""
-    if rank_world()[1] <= 1:
+    if not grouped() or rank_world()[1] <= 1:
         return n
     import torch
     import torch.distributed as td

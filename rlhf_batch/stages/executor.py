@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlhf_batch.errors import StageError
 from rlhf_batch.observe import tracking
+from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.runtime.timing import StageClock
 from rlhf_batch.store.atomic import set_durable
@@ -63,7 +64,7 @@ def execute(
             stage.open(todo)
         if clock.work_start is None:  # unless the stage marked it (earlier)
             clock.work_begins()
-        with _progress(stage, todo, quiet or out.rank != 0) as bar:
+        with _progress(stage, todo, quiet or not dist.leads()) as bar:
             stage.write_parts(todo, out, bar)
         result = out.finish(n_parts, stage.manifest_extra)
         if result is not None:  # rank 0: the live trackers (report_to); never raises

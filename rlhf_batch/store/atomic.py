@@ -110,6 +110,26 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_file_atomic(path, lambda tmp: tmp.write_text(text))
 
 
+def write_json_exclusive(path: Path, obj: Any) -> bool:
+    """Write `path` whole only if it does not exist yet (False if it does): an object store's
+    conditional create; locally a finished temporary file hard-linked to its name."""
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str)
+    if fs.is_remote(path):
+        return fs.create(path, text.encode())
+    tmp = tmp_name(path, os.getpid())
+    try:
+        tmp.write_text(text)
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    except OSError as e:
+        raise write_error(path, e) from e
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
+
+
 def write_parquet_atomic(
     path: Path, table: pa.Table, schema: pa.Schema, counts: dict | None = None, fault: str = ""
 ) -> None:

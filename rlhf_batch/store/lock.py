@@ -44,8 +44,12 @@ def lock_id(run_dir: str | Path) -> str:
 def stage_lock(run_dir: str) -> contextlib.AbstractContextManager[Any]:
     """The run lock for one command, so that it never writes under a running `run` or a second
     command: taken by rank 0 (torchrun's other ranks follow it), unless the `run` that started
-    this process holds it already."""
+    this process holds it already. A fanned-out process (--world-size > 1) takes none."""
+    from rlhf_batch.runtime import dist
+
     if os.environ.get(LOCK_ENV) == lock_id(run_dir) or int(os.environ.get("RANK", "0")) != 0:
+        return contextlib.nullcontext()
+    if dist.fanned_out():  # N processes share the stage on purpose: whoever started them owns the run
         return contextlib.nullcontext()
     return RunLock(fs.run_path(run_dir))
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_batch.errors import SchemaError, StageError
-from rlhf_batch.store.atomic import COUNTS_KEY, write_json_atomic
+from rlhf_batch.store.atomic import COUNTS_KEY, write_json_atomic, write_json_exclusive
 from rlhf_batch.store.fs import arrow_source, run_path
 from rlhf_batch.store.layout import MANIFEST, STARTED, list_parts, part_number
 from rlhf_batch.store.schemas import check_values, validate
@@ -126,7 +126,13 @@ def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str
 
 
 def write_manifest(
-    sdir: Path, folder: str, n_parts: int, key: str, identity: dict, extra: dict | None
+    sdir: Path,
+    folder: str,
+    n_parts: int,
+    key: str,
+    identity: dict,
+    extra: dict | None,
+    exclusive: bool = False,
 ) -> dict[str, Any]:
     """Check that parts 0..n_parts-1 are on disk, then write the manifest (last) and drop `_started`."""
     by_n: dict[int, Path] = {}
@@ -152,7 +158,10 @@ def write_manifest(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **(extra or {}),
     }
-    write_json_atomic(sdir / MANIFEST, m)
+    if exclusive and not write_json_exclusive(sdir / MANIFEST, m):
+        return read_json(sdir / MANIFEST)  # another process committed first: its manifest stands
+    if not exclusive:
+        write_json_atomic(sdir / MANIFEST, m)
     (sdir / STARTED).unlink(missing_ok=True)
     return m
 

@@ -88,6 +88,11 @@ class StageOutput:
     def begin(self, force: bool = False) -> None:
         """Claim the folder: with `force` remove it first (asked for, never silently); refuse the
         parts of a partial run with another identity; record this identity in `_started.json`."""
+        if force and dist.fanned_out():
+            raise StageError(
+                f"{self.sdir}: --force with --world-size > 1 would remove the other processes' parts; "
+                "run it once with world size 1"
+            )
         if force and self.rank == 0 and self.sdir.exists():
             fs.remove(self.sdir)
         dist.barrier()
@@ -101,10 +106,13 @@ class StageOutput:
                 f"{self.sdir}: a partial run with a different config or inputs is here "
                 f"({differences(before, self.identity)}); re-run with the same config, or with --force to start over"
             )
-        if self.rank == 0:
+        if dist.leads():
             fs.makedirs(self.sdir)
-            for tmp in self.sdir.glob(".*.tmp"):  # a killed writer's leftovers (parts, manifest, _started)
-                tmp.unlink(missing_ok=True)
+            if not dist.fanned_out():  # a fanned-out process would take another's file in progress
+                for tmp in self.sdir.glob(
+                    ".*.tmp"
+                ):  # a killed writer's leftovers (parts, manifest, _started)
+                    tmp.unlink(missing_ok=True)
             write_json_atomic(started, {"key": self.key, **self.identity})
         dist.barrier()
 
@@ -128,11 +136,18 @@ class StageOutput:
 
     def finish(self, n_parts: int, extra: Any = None) -> dict[str, Any] | None:
         """After every rank is done: rank 0 checks the parts and writes the manifest. `extra` is
-        a dict of manifest entries, or a function returning one (called on rank 0 only)."""
+        a dict of manifest entries, or a function returning one (called on rank 0 only).
+        Fanned out (no process group), the process that finds every part there commits: the
+        manifest is created only if it does not exist, so of two finishing together one commits
+        and the other returns the manifest it wrote; one that finds parts missing returns None."""
         dist.barrier()
         tokens = dist.all_sum(self.clock.tokens)
         result = None
-        if self.rank == 0:
+        if dist.fanned_out():
+            have = {layout.part_number(p) for p in layout.list_parts(self.sdir)}
+            if any(n not in have for n in range(n_parts)):
+                return None  # another process's parts are still to come: the last one commits
+        if dist.leads():
             fault_point(f"{self.folder}:manifest")
             record: dict[str, Any] = {"resolved_config": self.record} if self.record is not None else {}
             if self.command is not None:
@@ -140,7 +155,13 @@ class StageOutput:
             more = extra() if callable(extra) else extra
             record["timing"] = self.clock.record(tokens)
             result = write_manifest(
-                self.sdir, self.folder, n_parts, self.key, self.identity, {**record, **(more or {})}
+                self.sdir,
+                self.folder,
+                n_parts,
+                self.key,
+                self.identity,
+                {**record, **(more or {})},
+                exclusive=dist.fanned_out(),
             )
         dist.barrier()
         return result
