@@ -7,9 +7,10 @@ AIRFLOW_VENV := .venv-airflow
 TRACKIO_VENV := .venv-trackio
 VLLM_VENV := .venv-vllm
 TRL_VENV := .venv-trl
+S3_VENV := .venv-s3
 RUN_DIR ?= runs/demo
 
-.PHONY: setup airflow trackio vllm trl test test-fast demo lint bench bench-learning soak clean
+.PHONY: setup airflow trackio vllm trl s3 test test-fast demo lint bench bench-learning soak clean
 
 setup: $(VENV)/.installed
 
@@ -58,13 +59,23 @@ $(TRL_VENV)/.installed: constraints-trl.txt
 	$(TRL_VENV)/bin/python -m pip install --quiet -c constraints-trl.txt trl
 	touch $@
 
+# The S3-protocol server the object-store tests start on 127.0.0.1 (moto's standalone server): a
+# process of its own, so its pins (boto3, Flask) stay out of the project's venv.
+s3: $(S3_VENV)/.installed
+
+$(S3_VENV)/.installed: constraints-s3.txt
+	test -x $(S3_VENV)/bin/python || $(PYTHON) -m venv $(S3_VENV)
+	$(S3_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(S3_VENV)/bin/python -m pip install --quiet -c constraints-s3.txt 'moto[server]'
+	touch $@
+
 # pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure
 # then a short random-kill soak (6 kills; `make soak` runs 24)
-test: setup airflow trackio vllm
+test: setup airflow trackio vllm s3
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	RLHF_BATCH_SOAK_KILLS=6 $(PY) -m pytest -q -m soak tests/reliability/test_soak.py
 
-test-fast: setup
+test-fast: setup s3
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 demo: setup
@@ -85,4 +96,4 @@ soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak
 
 clean:
-	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) $(TRL_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) $(TRL_VENV) $(S3_VENV) runs .pytest_cache
