@@ -409,7 +409,20 @@ def run_cli() -> None:
     except OSError as e:  # a full disk under a write not made through rlhf_batch.store.atomic
         import errno
 
+        _store_error(e)
         if os.environ.get("RLHF_BATCH_DEBUG") or e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise
         print(f"error: {e.filename or 'write'}: {e.strerror}; free disk space and run again", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:
+        _store_error(e)
+        raise
+
+
+def _store_error(e: BaseException) -> None:
+    """An object store that stopped answering: one line and exit 1 instead of a traceback."""
+    from rlhf_batch.store.fs import unreachable
+
+    if not os.environ.get("RLHF_BATCH_DEBUG") and (line := unreachable(e)) is not None:
+        print(f"error: {line}", file=sys.stderr)
         sys.exit(1)

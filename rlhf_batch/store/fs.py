@@ -61,7 +61,29 @@ def run_path(run_dir: str | Path) -> Path:
     from upath import UPath
 
     # listings are never cached: other processes (ranks, machines) add parts while this one runs
-    return cast(Path, UPath(text, use_listings_cache=False))
+    root = cast(Path, UPath(text, use_listings_cache=False))
+    _used.setdefault(str(root).split("://", 1)[1].split("/", 1)[0], root)
+    return root
+
+
+_used: dict[str, Path] = {}  # bucket -> a path on it, for every store this process used
+
+
+def unreachable(e: BaseException) -> str | None:
+    """When a command fails and a store it used does not answer now, one line saying so (naming
+    what failed); None when every store it used answers (the error is not the store's)."""
+    for bucket, path in list(_used.items()):
+        fs = path.fs  # type: ignore[attr-defined]
+        try:
+            fs.ls(bucket, refresh=True)
+        except Exception as probe:  # noqa: BLE001 - any failure of the probe means no answer
+            reason = str(probe).splitlines()[0] if str(probe) else type(probe).__name__
+            what = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return (
+                f"{path.protocol}://{bucket}: the object store does not answer ({reason}); the command "  # type: ignore[attr-defined]
+                f"stopped at: {what}. Finished work is kept: run it again once the store is back"
+            )
+    return None
 
 
 def is_remote(path: Any) -> bool:
