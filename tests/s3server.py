@@ -4,14 +4,14 @@ under test talks HTTP to it through s3fs, as it would to S3 or MinIO."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,21 +65,6 @@ class S3Server:
         self.proc = None
 
 
-@contextmanager
-def s3_env(server: S3Server) -> Iterator[None]:
-    """The server's endpoint and test credentials in os.environ for the block."""
-    old = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def new_bucket(server: S3Server) -> str:
     """Create a fresh bucket on the server (through s3fs, as the code under test talks)."""
     import s3fs
@@ -93,3 +78,52 @@ def new_bucket(server: S3Server) -> str:
     )
     fs.mkdir(name)
     return name
+
+
+class Proxy:
+    """A TCP proxy on 127.0.0.1 in front of the server: `down()` closes its port and every open
+    connection (to the client the store is gone), `up()` opens it again on the same port, with
+    the server's data intact (moto keeps objects in memory, so the server itself must stay up)."""
+
+    def __init__(self, target_port: int):
+        self.target = target_port
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.listener: socket.socket | None = None
+        self.conns: list[socket.socket] = []
+        self.lock = threading.Lock()
+
+    def up(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", self.port), reuse_port=False)
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def down(self) -> None:
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        with self.lock:
+            for c in self.conns:
+                with contextlib.suppress(OSError):
+                    c.shutdown(socket.SHUT_RDWR)
+                c.close()
+            self.conns.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # closed by down()
+            server = socket.create_connection(("127.0.0.1", self.target))
+            with self.lock:
+                self.conns += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
