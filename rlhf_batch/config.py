@@ -424,6 +424,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         and isinstance(value, str)
         and value
         and "{run_dir}" not in value
+        and "://" not in value  # a URI (s3://, gs://, file://) is taken as it is
         and not _hub(key, value)
     ):
         value = str(Path(value).expanduser().absolute())  # command-line paths are relative to the cwd

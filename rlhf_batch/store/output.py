@@ -154,6 +154,8 @@ class StageOutput:
                 record["command"] = self.command
             more = extra() if callable(extra) else extra
             record["timing"] = self.clock.record(tokens)
+            if fs.retried:  # transient store errors this process retried (store/fs.py retry)
+                record["store_retries"] = fs.retried
             result = write_manifest(
                 self.sdir,
                 self.folder,

@@ -68,6 +68,7 @@ def test_a_run_on_s3_equals_the_same_run_on_local_disk(make_config, s3_run: str,
     # a second run does nothing: every stage is complete on the store
     before = {str(p): p.read_text() for p in run_path(s3_run).glob("iter=*/*/_manifest.json")}
     assert len(before) == 8
+    assert not any("testing" in text for text in before.values())  # the test credentials are nowhere
     assert run("run", str(remote), "--quiet").returncode == 0
     assert {str(p): p.read_text() for p in run_path(s3_run).glob("iter=*/*/_manifest.json")} == before
     assert not any(layout.LOCK in str(p) for p in run_path(s3_run).iterdir())  # the lock was released

@@ -1,0 +1,77 @@
+"""The storage layer's choices, one by one: which run directories are local, which are URIs, and
+the one-line errors for a scheme this machine cannot reach."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlhf_batch.errors import ConfigError
+from rlhf_batch.store import fs
+
+
+def test_local_paths_stay_pathlib_paths(tmp_path: Path) -> None:
+    assert fs.run_path(str(tmp_path)) == tmp_path and type(fs.run_path(str(tmp_path))) is type(tmp_path)
+    assert fs.run_path(f"file://{tmp_path}") == tmp_path
+    assert fs.scheme("runs/demo") == "" and fs.scheme("file:///x") == "" and fs.scheme("s3://b/p") == "s3"
+    assert not fs.is_remote(tmp_path)
+
+
+def test_a_scheme_without_its_package_or_unknown_is_a_one_line_error() -> None:
+    if fs.importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed in this venv")
+    with pytest.raises(
+        ConfigError,
+        match=r"run_dir gs://b/run: the gs:// store needs the gcsfs package: pip install 'rlhf-batch\[gcs\]'",
+    ):
+        fs.run_path("gs://b/run")
+    with pytest.raises(ConfigError, match=r"run_dir ftp://h/run: unknown scheme 'ftp://'"):
+        fs.run_path("ftp://h/run")
+
+
+def test_a_stage_on_a_store_it_cannot_reach_writes_nothing_locally(make_config, tmp_path: Path) -> None:
+    """The bug this guards: `--set run_dir=s3://bucket/run` wrote the whole run into ./s3:/."""
+    path, _ = make_config()
+    for uri, words in (("gs://bucket/run", "needs the gcsfs package"), ("ftp://h/run", "unknown scheme")):
+        if "gcsfs" in words and fs.importlib.util.find_spec("gcsfs") is not None:
+            continue
+        done = subprocess.run(
+            [sys.executable, "-m", "rlhf_batch", "generate", str(path), "--set", f"run_dir={uri}", "--quiet"],
+            capture_output=True, text=True, cwd=tmp_path, env=os.environ.copy(),
+        )  # fmt: skip
+        assert done.returncode == 1 and words in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+        assert not any(p.name.endswith(":") for p in tmp_path.iterdir())  # no gs: or ftp: folder
+
+
+def test_create_is_exclusive_on_local_disk_and_on_the_store(tmp_path: Path, s3_run: str) -> None:
+    for root in (tmp_path, fs.run_path(s3_run)):
+        target = root / "x.json"
+        assert fs.create(target, b"first") is True
+        assert fs.create(target, b"second") is False  # If-None-Match: * on the store
+        assert target.read_bytes() == b"first"
+
+
+def test_read_commands_take_a_run_on_the_store(s3_run: str, make_config) -> None:
+    from rlhf_batch.stages import generate, score
+
+    path, cfg = make_config(run_dir=s3_run)
+    generate.run(cfg, 0, quiet=True)
+    score.run(cfg, 0, quiet=True)
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rlhf_batch", *args], capture_output=True, text=True)
+
+    status = cli("status", s3_run)
+    assert status.returncode == 0, status.stderr
+    assert f"run: {s3_run}" in status.stdout and "rollouts    complete" in status.stdout
+    sql = cli("sql", "--run-dir", s3_run, "--format", "csv", "SELECT count(*) AS n FROM scores")
+    assert sql.returncode == 0 and sql.stdout.split() == ["n", "48"], sql.stderr
+    report = cli("report", str(path))
+    assert report.returncode == 0, report.stderr
+    assert report.stdout.strip() == f"report: {s3_run}/report/report.html"
+    assert (fs.run_path(s3_run) / "report" / "reward.png").read_bytes()[:4] == b"\x89PNG"
