@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.store import manifests
+from rlhf_batch.store.fs import local_side
 from rlhf_batch.store.layout import METRICS_FILE
 
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")
@@ -49,7 +50,7 @@ def settings(cfg: Any) -> dict[str, Any]:
     return {
         "report_to": list(d.get("report_to") or []),
         "run_dir": run_dir,
-        "run_name": d.get("run_name") or Path(run_dir).name or "rlhf-batch",
+        "run_name": d.get("run_name") or run_dir.rstrip("/").rsplit("/", 1)[-1] or "rlhf-batch",
         "project": d.get("tracking_project") or "rlhf-batch",
         "config": d,
     }
@@ -132,8 +133,8 @@ def log_stage(cfg: Any, sdir: Path, manifest: dict[str, Any] | None) -> None:
     if manifest is None or not settings(cfg)["report_to"]:
         return
     try:
-        iteration, prefix = _where(Path(sdir), manifest["stage"])
-        numbers = headline(Path(sdir), manifest)
+        iteration, prefix = _where(sdir, manifest["stage"])
+        numbers = headline(sdir, manifest)
     except Exception as e:
         warn(f"headline numbers of {sdir} could not be read ({type(e).__name__}: {e})")
         return
@@ -208,7 +209,7 @@ class _TensorBoard:
     def __init__(self, s: dict[str, Any]):
         from torch.utils.tensorboard import SummaryWriter
 
-        logdir = Path(s["run_dir"]) / "tracking" / "tensorboard"
+        logdir = local_side(s["run_dir"], "tracking") / "tensorboard"
         first = not any(logdir.glob("events.out.tfevents.*"))
         self.w = SummaryWriter(str(logdir))
         if first:
@@ -228,9 +229,9 @@ class _Wandb:
     def __init__(self, s: dict[str, Any]):
         import wandb
 
-        tdir = Path(s["run_dir"]) / "tracking"
+        tdir = local_side(s["run_dir"], "tracking")
         tdir.mkdir(parents=True, exist_ok=True)
-        run_id = hashlib.sha256(str(Path(s["run_dir"]).resolve()).encode()).hexdigest()[:16]
+        run_id = hashlib.sha256(str(tdir.parent.resolve()).encode()).hexdigest()[:16]
         self.run = wandb.init(
             project=s["project"],
             name=s["run_name"],
@@ -286,7 +287,7 @@ class _Mlflow:
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:  # our own local file store (mlflow-skinny has no database backend)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            uri = (Path(s["run_dir"]) / "tracking" / "mlruns").resolve().as_uri()
+            uri = (local_side(s["run_dir"], "tracking") / "mlruns").resolve().as_uri()
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(s["project"])
         exp_id = exp.experiment_id if exp else self.client.create_experiment(s["project"])

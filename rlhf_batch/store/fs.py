@@ -209,6 +209,17 @@ def register(con: Any, paths: Any) -> None:
             return
 
 
+def local_side(run_dir: str | Path, name: str) -> Path:
+    """A local directory for files that libraries write with local file APIs (TensorBoard event
+    files, wandb's and MLflow's stores): RUN_DIR/name for a local run, else a local directory
+    beside the model cache, one per run URI."""
+    root = run_path(run_dir)
+    if not is_remote(root):
+        return root / name
+    digest = hashlib.sha256(str(root).encode()).hexdigest()[:16]
+    return cache_root().parent / "runs" / digest / name
+
+
 def cache_root() -> Path:
     """The local cache of model directories copied from a store ($RLHF_BATCH_CACHE, default
     ~/.cache/rlhf-batch/models)."""

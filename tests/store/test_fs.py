@@ -75,3 +75,17 @@ def test_read_commands_take_a_run_on_the_store(s3_run: str, make_config) -> None
     assert report.returncode == 0, report.stderr
     assert report.stdout.strip() == f"report: {s3_run}/report/report.html"
     assert (fs.run_path(s3_run) / "report" / "reward.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_trackers_of_a_run_on_the_store_write_beside_the_model_cache(
+    s3_run: str, make_config, tmp_path: Path, monkeypatch
+) -> None:
+    from rlhf_batch.stages import generate
+
+    monkeypatch.setenv("RLHF_BATCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    _, cfg = make_config(run_dir=s3_run, report_to=["tensorboard"])
+    generate.run(cfg, 0, quiet=True)
+    events = list((fs.local_side(s3_run, "tracking") / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].is_relative_to(tmp_path / "cache" / "runs")
+    assert not any(p.name.endswith(":") for p in tmp_path.iterdir())  # no local folder named s3:
