@@ -14,10 +14,11 @@ import pytest
 
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.fs import run_path
+from tests.observe.test_tracking import write_config
 from tests.s3server import Proxy, new_bucket
 from tests.store.test_s3_run import rows, weights
 
-SETTINGS = {"iterations": 2, "threads": 1, "in_process": True, "train": {"lr": 1e-3, "tokens_per_step": 256}}
+SETTINGS = {"iterations": 2, "in_process": True}
 
 
 def rlhf(*args: str, env: dict, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -34,32 +35,12 @@ def rlhf(*args: str, env: dict, cwd: Path | None = None) -> subprocess.Completed
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, demo_prompts: Path) -> str:
     """The uninterrupted run on local disk (equal to the same run on S3: test_s3_run.py)."""
-    import tomli_w
-
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     path = run_dir.parent / "c.toml"
-    path.write_text(tomli_w.dumps(config(str(run_dir), tiny_model, demo_prompts)))
+    write_config(path, tiny_model, demo_prompts, run_dir=str(run_dir), **SETTINGS)
     done = rlhf("run", str(path), "--quiet", env=os.environ.copy())
     assert done.returncode == 0, done.stderr
     return str(run_dir)
-
-
-def config(run_dir: str, model: Path, prompts: Path) -> dict:
-    return {
-        "run_dir": run_dir,
-        "seed": 0,
-        "policy_model": str(model),
-        "device": "cpu",
-        "dtype": "float32",
-        "generate": {
-            "prompts": str(prompts),
-            "num_generations": 4,
-            "max_new_tokens": 6,
-            "prompts_per_part": 5,
-        },
-        "score": {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"]},
-        **SETTINGS,
-    }
 
 
 def same_as(reference: str, run_dir: str) -> None:
@@ -90,13 +71,11 @@ KILL_POINTS = [
 def test_a_kill_on_s3_resumes_to_the_uninterrupted_run(
     point: str, reference: str, s3_server, tiny_model: Path, demo_prompts: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    import tomli_w
-
     for k, v in s3_server.env().items():  # this process reads the store too
         monkeypatch.setenv(k, v)
     run_dir = f"s3://{new_bucket(s3_server)}/run"
     path = tmp_path / "c.toml"
-    path.write_text(tomli_w.dumps(config(run_dir, tiny_model, demo_prompts)))
+    write_config(path, tiny_model, demo_prompts, run_dir=run_dir, **SETTINGS)
     env = {**os.environ, **s3_server.env(), "RLHF_BATCH_LOCK_STALE_S": "1"}
     killed = rlhf("run", str(path), "--quiet", env={**env, "RLHF_BATCH_FAULT": point})
     assert killed.returncode == -9, killed.stderr  # SIGKILL at the fault point
@@ -130,14 +109,12 @@ def test_a_fresh_lock_refuses_a_second_command_in_one_line(s3_run: str, make_con
 def test_the_store_going_away_mid_stage_is_one_line_and_the_run_resumes(
     s3_server, reference: str, tiny_model: Path, demo_prompts: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    import tomli_w
-
     proxy = Proxy(s3_server.port)
     proxy.up()
     bucket = new_bucket(s3_server)
     run_dir = f"s3://{bucket}/run"
     path = tmp_path / "c.toml"
-    path.write_text(tomli_w.dumps(config(run_dir, tiny_model, demo_prompts)))
+    write_config(path, tiny_model, demo_prompts, run_dir=run_dir, **SETTINGS)
     env = {
         **os.environ,
         **s3_server.env(),
