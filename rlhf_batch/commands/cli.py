@@ -200,7 +200,8 @@ def run(
     ] = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """All stages for iterations 0..N-1, skipping completed ones (safe to re-run, cron, Airflow)."""
+    """All stages for iterations 0..N-1, skipping completed ones (safe to re-run, cron, Airflow); one
+    warning line for each iteration whose train crosses a health threshold."""
     from rlhf_batch.commands.pipeline import run_pipeline
 
     overrides = list(set_ or [])
@@ -260,8 +261,8 @@ def sql(
         typer.Option("--timeout", help="Stop a query still running after this many seconds (0: no limit)."),
     ] = 600.0,
 ) -> None:
-    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, eval, stages with an
-    iter column (rollouts, scores, stages: also topup, the dynamic-sampling round)."""
+    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, health, eval, stages
+    with an iter column (rollouts, scores, stages: also topup, the dynamic-sampling round)."""
     from rlhf_batch.commands.runs import run_dir_of
     from rlhf_batch.observe.query import run_sql
 
@@ -271,7 +272,7 @@ def sql(
 @app.command()
 def status(target: TargetArg = None, run_dir: RunDirOpt = None, config: ConfigOpt = None) -> None:
     """Per iteration and stage: complete / partial / missing, rows, start-up and work seconds, tokens/s,
-    mean reward, KL, lengths."""
+    mean reward, KL, lengths, and train's health (ok, or the thresholds crossed)."""
     from rlhf_batch.commands.runs import run_dir_of
     from rlhf_batch.observe.status import print_status
 
@@ -290,7 +291,8 @@ def report(
         bool, typer.Option("--tensorboard", help="Also write TensorBoard event files.")
     ] = False,
 ) -> None:
-    """PNG plots and report.html: reward, KL, length, time per stage by iteration; train metrics by step."""
+    """PNG plots and report.html: reward, KL, length, time per stage by iteration; train metrics by step;
+    the iterations flagged by the health checks."""
     from rlhf_batch.commands.runs import run_dir_of
     from rlhf_batch.observe.report import write_report
 

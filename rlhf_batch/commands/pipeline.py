@@ -60,6 +60,8 @@ def run_pipeline(
                 execute(stage, quiet=quiet)
             else:
                 _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python)
+            if stage.name == "train":
+                warn_health(cfg, stage.iteration)
 
         for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
             run_iteration(cfg, it, run_stage, quiet, settle_heap and cfg.in_process)
@@ -190,6 +192,14 @@ def _die_with(parent: int) -> Callable[[], None] | None:
             os._exit(1)
 
     return child
+
+
+def warn_health(cfg: Config, it: int) -> None:
+    """One warning line on stderr when iteration `it`'s train crossed a health threshold."""
+    from rlhf_batch.observe.health import iteration_warning, warning_line
+
+    if warning := iteration_warning(cfg.run_dir, it):
+        print(warning_line(it, warning), file=sys.stderr, flush=True)
 
 
 def reward_by_iteration(cfg: Config) -> list[dict[str, Any]]:

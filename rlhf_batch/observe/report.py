@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlhf_batch.errors import StageError
+from rlhf_batch.observe.health import THRESHOLDS
 from rlhf_batch.store import atomic, fs, layout, manifests
 from rlhf_batch.store.schemas import EVAL, METRICS, ROLLOUTS, SCORES
 
@@ -100,6 +101,7 @@ def write_report(
         raise StageError(f"--out {out}: is a file; the report needs a directory")
     fs.makedirs(out)
     data = collect(run_dir)
+    data["health"] = _health(run_dir, data["iters"])
     plots = _plots(data, out)
     examples = _examples(run_dir, data["last"], n_examples) if data["last"] is not None else []
     plots += _eval_plot(data, out) + _time_plot(data, out)
@@ -111,6 +113,23 @@ def write_report(
     if tensorboard:
         _tensorboard(data, out / "tensorboard")
     return page
+
+
+def _health(run_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The health view's rows; each iteration's flags also go into its row (summary.json)."""
+    from rlhf_batch.observe.health import rows as health_rows
+    from rlhf_batch.observe.query import connect
+
+    con = connect(run_dir)
+    try:
+        found = health_rows(con)
+    finally:
+        con.close()
+    flags = {r["iter"]: r["flags"] for r in found}
+    for row in rows:
+        if row["iter"] in flags:
+            row["health"] = flags[row["iter"]]
+    return found
 
 
 def _plots(data: dict[str, Any], out: Path) -> list[str]:
@@ -162,6 +181,8 @@ def _plots(data: dict[str, Any], out: Path) -> list[str]:
         for ax, key in zip(axes, ["clip_fraction", "entropy", "ess", "kl_approx"], strict=True):
             ax.plot(x, [float("nan") if v is None else v for v in steps[key].to_pylist()])  # null: no row ran
             ax.set(title=key, xlabel="train step (all iterations)")
+            if key in THRESHOLDS:  # the health threshold (health.py)
+                ax.axhline(THRESHOLDS[key], color="red", linestyle=":", linewidth=1)
         save(fig, "train.png")
     return names
 
@@ -310,10 +331,24 @@ def _html(run_dir: Path, data: dict[str, Any], plots: list[str], examples: list[
 table{{border-collapse:collapse}}pre{{margin:0;white-space:pre-wrap}}img{{margin:4px}}</style></head><body>
 <h1>rlhf-batch report</h1><p>{html.escape(str(run_dir))}</p>
 <h2>By iteration</h2><table><tr>{"".join(f"<th>{k}</th>" for k in keys)}</tr>{table}</table>
+<h2>Health</h2>{_health_html(data["health"])}
 <h2>Plots</h2>{imgs or "<p>nothing to plot yet</p>"}
 <h2>Best and worst responses (iteration {data["last"]})</h2>
 <table><tr><th></th><th>score</th><th>prompt</th><th>response</th></tr>{ex}</table></body></html>
 """
+
+
+def _health_html(rows: list[dict[str, Any]]) -> str:
+    """The flagged iterations (README "Run health": the thresholds and their sources)."""
+    flagged = [r for r in rows if r["flags"]]
+    if not flagged:
+        return f"<p>no iteration crossed a threshold ({len(rows)} trained)</p>"
+    body = "".join(
+        f"<tr><td>{r['iter']}</td><td>{', '.join(r['flags'])}</td><td>{html.escape(r['warning'])}</td></tr>"
+        for r in flagged
+    )
+    head = f"<p>{len(flagged)} of {len(rows)} trained iterations crossed a threshold</p>"
+    return f"{head}<table><tr><th>iter</th><th>flags</th><th>what crossed</th></tr>{body}</table>"
 
 
 def _tensorboard(data: dict[str, Any], logdir: Path) -> None:

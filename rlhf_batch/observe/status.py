@@ -88,6 +88,8 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
         )
     if stage == "eval" and m:
         details += eval_details(m)
+    if stage == "train" and m:
+        details += _health(con, it)
     if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
         details.append("policy saved")
     elif stage == "train" and (layout.iter_dir(root, it) / layout.POLICY_REMOVED).exists():
@@ -98,6 +100,14 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
         else sum(manifests.parquet_file(f).metadata.num_rows for f in files)
     )
     return state, str(rows) if files or m else "-", *timing_cells(m), ", ".join(details)
+
+
+def _health(con: Any, it: int) -> list[str]:
+    """`health ok`, or `HEALTH: <what crossed its threshold>`, for a complete train."""
+    found = con.execute("SELECT warning FROM health WHERE iter = ?", [it]).fetchall()
+    if not found:
+        return []
+    return [f"HEALTH: {found[0][0]}" if found[0][0] else "health ok"]
 
 
 def timing_cells(m: dict[str, Any] | None) -> tuple[str, str, str]:

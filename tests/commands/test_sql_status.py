@@ -353,10 +353,11 @@ def test_status_on_a_partial_run(run: Path) -> None:
         s["0", "advantages"]
         == "complete 2 groups 1, mean_reward 0.5, mean_abs_advantage 0.7071, kept 1/2 groups"
     )
-    # loss 1.0 then 0.5; kl_to_ref (0.1 + 0.3) / 2 = 0.2; clip (0 + 0.5) / 2 = 0.25
-    assert (
-        s["0", "train"]
-        == "complete 2 final_loss 0.5, mean_kl_to_ref 0.2, mean_clip_fraction 0.25, policy saved"
+    # loss 1.0 then 0.5; kl_to_ref (0.1 + 0.3) / 2 = 0.2; clip (0 + 0.5) / 2 = 0.25, also its median,
+    # above the health threshold 0.2; ESS 0 on both steps: 100% below 0.5
+    assert s["0", "train"] == (
+        "complete 2 final_loss 0.5, mean_kl_to_ref 0.2, mean_clip_fraction 0.25, HEALTH: median "
+        "clip_fraction 0.25 > 0.20; ESS < 0.5 on 100% of steps (> 50%), policy saved"
     )
     assert s["1", "rollouts"].startswith("partial 2 ")
     assert [s["1", st] for st in ("scores", "advantages", "train")] == ["missing -"] * 3
