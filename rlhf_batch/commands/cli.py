@@ -315,11 +315,26 @@ def init_model(
     ] = False,
     pad: Annotated[str, typer.Option(help="Pad token: separate | eos | none")] = "separate",
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    shape: Annotated[
+        str,
+        typer.Option(help="A named shape (tiny, qwen2.5-0.5b): sets hidden, layers, heads, ... and vocab."),
+    ] = "",
 ) -> None:
     """Build a tiny random-initialised model and a char-level tokenizer, offline."""
     from rlhf_batch.errors import ConfigError
+    from rlhf_batch.models.tiny import SHAPES
     from rlhf_batch.models.tiny import init_model as build
 
+    if shape and shape not in SHAPES:
+        raise ConfigError(f"--shape: must be one of {', '.join(SHAPES)}, got {shape!r}")
+    sizes = SHAPES[shape] if shape else {}
+    hidden, layers, heads = (
+        sizes.get("hidden", hidden),
+        sizes.get("layers", layers),
+        sizes.get("heads", heads),
+    )
+    kv_heads, intermediate = sizes.get("kv_heads", kv_heads), sizes.get("intermediate", intermediate)
+    vocab_size = sizes.get("vocab_size", vocab_size)
     if arch not in ("qwen2", "llama"):
         raise ConfigError(f"--arch: must be qwen2 or llama, got {arch!r}")
     if pad not in ("separate", "eos", "none"):

@@ -20,6 +20,20 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 PadMode = Literal["separate", "eos", "none"]
+# Named shapes for init-model --shape: the size options of init_model. qwen2.5-0.5b is the
+# architecture of Qwen/Qwen2.5-0.5B(-Instruct) (494M parameters, tied embeddings), random weights
+# and the char-level tokenizer padded to its vocabulary.
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 128, "vocab_size": 0},
+    "qwen2.5-0.5b": {
+        "hidden": 896,
+        "layers": 24,
+        "heads": 14,
+        "kv_heads": 2,
+        "intermediate": 4864,
+        "vocab_size": 151936,
+    },
+}
 
 
 def build_tokenizer(pad: PadMode = "separate", vocab_size: int = 0):  # noqa: ANN201
@@ -69,28 +83,12 @@ def init_model(
 ) -> Path:
     """Build a random-initialised causal LM (or a 1-label reward model) and its tokenizer."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a one-file model
-    if hidden % heads or heads % kv_heads:
-        raise ValueError("hidden must be a multiple of heads, and heads a multiple of kv_heads")
     tok = build_tokenizer(pad, vocab_size)
-    cfg = AutoConfig.for_model(
-        arch,
-        vocab_size=len(tok),
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=intermediate,
-        max_position_embeddings=max_positions,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=not reward,
-        num_labels=1,
-    )
+    cfg = model_config(tok, arch, hidden, layers, heads, kv_heads, intermediate, reward, max_positions)
     torch.manual_seed(seed)
     cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
     model = cls.from_config(cfg, dtype=torch.float32)
@@ -107,3 +105,36 @@ def init_model(
 
     write_dir_atomic(out, write)
     return out
+
+
+def model_config(  # noqa: ANN201
+    tok,  # noqa: ANN001
+    arch: str,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate: int,
+    reward: bool = False,
+    max_positions: int = 2048,
+):
+    """The transformers config of init_model's model for tokenizer `tok`."""
+    from transformers import AutoConfig
+
+    if hidden % heads or heads % kv_heads:
+        raise ValueError("hidden must be a multiple of heads, and heads a multiple of kv_heads")
+    return AutoConfig.for_model(
+        arch,
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=max_positions,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=not reward,
+        num_labels=1,
+    )
