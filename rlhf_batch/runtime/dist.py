@@ -22,8 +22,9 @@ from rlhf_batch.errors import UserError
 
 
 def init(device: str = "cpu") -> None:
-    """Join the process group torchrun describes in the environment (no-op without it)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """Join the process group torchrun describes in the environment (no-op without it). Under
+    torchrun even one process joins (a group of one), so that train.fsdp shards on one GPU too."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not launched_by_torchrun():
         return
     import torch.distributed as td
 
@@ -33,6 +34,20 @@ def init(device: str = "cpu") -> None:
         backend = "nccl" if resolve_device(device).startswith("cuda") else "gloo"
         td.init_process_group(backend=backend)
         atexit.register(_leave)
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun (torch.distributed.run) sets these for every process it starts."""
+    return all(k in os.environ for k in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "RANK"))
+
+
+def in_group() -> bool:
+    """Whether this process has joined a process group (`init` under torchrun), even of one."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as td
+
+    return td.is_available() and td.is_initialized()
 
 
 def _leave() -> None:

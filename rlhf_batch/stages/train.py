@@ -21,7 +21,7 @@ reads the whole advantages table and the ranks split each step's micro-batches (
 batch per step is the same as on one rank; train_data). DistributedDataParallel averages the
 gradients; rank 0 writes checkpoints, the policy and the manifest. The run dir must be on a
 filesystem every rank sees. DDP keeps a full copy of the model, gradients and AdamW state on
-every rank. With `train.fsdp` (and N > 1; on one process it is a no-op) FSDP2 shards them
+every rank. With `train.fsdp` (under torchrun, also with N = 1; without torchrun it is a no-op) FSDP2 shards them
 instead (`_fsdp`): each rank still loads the full float32 model first (and runs
 `recompute_old` on it), then keeps 1/N of it; checkpoints and the policy are full state dicts
 gathered on rank 0's CPU (checkpoint.gather), the policy saved through a CPU copy of the model.
@@ -141,6 +141,7 @@ class TrainResult:
     start: str
     world: int
     optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)  # carried state: steps
+    fsdp: bool = False  # sharded with FSDP2
 
     def manifest_extra(self) -> dict[str, Any]:
         counts = {
@@ -156,6 +157,7 @@ class TrainResult:
             "policy": f"../{layout.POLICY_DIR}",
             "start_policy": self.start,
             "world_size": self.world,
+            "fsdp": self.fsdp,
             "optimizer": self.optimizer,
         }
 
@@ -218,7 +220,7 @@ def _train(
     carried = train_carry.record(offset, offset + len(steps), total, iteration - 1 if prev else None)
     extra = train_carry.state_extra(cfg, offset + len(steps), total, carried["carried_from"])
     _save(cfg, iteration, trainer, start, rows, extra)
-    return TrainResult(rows, tc.ppo_epochs, len(data), start, trainer.world, carried)
+    return TrainResult(rows, tc.ppo_epochs, len(data), start, trainer.world, carried, trainer.sharded)
 
 
 def _active_rows(tc: TrainConfig, data: TrainRows) -> np.ndarray | None:
@@ -300,7 +302,7 @@ def _finite(p: Any) -> bool:
 def build_trainer(cfg: Config, start: str, data: TrainRows, steps: list[Step]) -> Trainer:
     """The trainer of `steps`, fully wired: the starting policy (float32, train mode, no dropout),
     its old log-probs recomputed when asked (on the full model), then sharded with FSDP2
-    (`train.fsdp`, world > 1) or wrapped in DDP (world > 1), and AdamW over what it trains."""
+    (`train.fsdp` under torchrun) or wrapped in DDP (world > 1), and AdamW over what it trains."""
     import torch
 
     from rlhf_batch.models.load import load_model, load_tokenizer, own_memory
@@ -331,7 +333,7 @@ def build_trainer(cfg: Config, start: str, data: TrainRows, steps: list[Step]) -
     )
     if tc.recompute_old or tc.tis_cap:  # tis_cap weighs the recomputed log-probs against the engine's
         recompute_old(trainer, steps)  # on the full model, before it is sharded
-    if world > 1 and tc.fsdp:
+    if tc.fsdp and dist.in_group():  # under torchrun, a group of one included
         sharded = _fsdp(model, net, str(device), world)
         # AdamW over the sharded parameters (the one above has no state yet)
         adamw = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)

@@ -66,7 +66,7 @@ def two_and_one_rank(
     return path, two, one, len(plan)
 
 
-def assert_same_training(two, one, n_steps: int, tiny_model: Path) -> None:
+def assert_same_training(two, one, n_steps: int, tiny_model: Path, world: int = 2) -> None:
     rows_two, rows_one = metrics(two.run_dir).to_pylist(), metrics(one.run_dir).to_pylist()
     assert len(rows_two) == len(rows_one) == n_steps
     for a, b in zip(rows_two, rows_one, strict=True):
@@ -74,7 +74,7 @@ def assert_same_training(two, one, n_steps: int, tiny_model: Path) -> None:
         for k in ("loss", "ratio_mean", "clip_fraction", "kl_to_ref", "entropy", "ess"):
             assert a[k] == pytest.approx(b[k], abs=1e-5), k
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    assert manifests.manifest(layout.folder(two.run_dir, 0, "train"))["world_size"] == 2
+    assert manifests.manifest(layout.folder(two.run_dir, 0, "train"))["world_size"] == world
     w_two, w_one = weights(layout.policy_dir(two.run_dir, 0)), weights(layout.policy_dir(one.run_dir, 0))
     assert max_diff(w_two, w_one) < 1e-5 < 1e-4 < max_diff(w_one, weights(tiny_model))
 
@@ -141,3 +141,22 @@ def test_fsdp_two_ranks_killed_and_resumed_match_one_rank(
     assert m["optimizer"]["global_step_start"] == n_steps
     w_two, w_one = weights(layout.policy_dir(two.run_dir, 1)), weights(layout.policy_dir(one.run_dir, 1))
     assert max_diff(w_two, w_one) < 1e-5 < 1e-4 < max_diff(w_one, weights(layout.policy_dir(one.run_dir, 0)))
+
+
+@pytest.mark.slow
+def test_fsdp_on_one_rank_under_torchrun_shards_and_matches_plain(
+    make_config, tiny_model: Path, tmp_path: Path
+) -> None:
+    """torchrun with one process joins a group of one, so train.fsdp shards (FSDP2 over a mesh of
+    one) instead of being a no-op; it trains as plain one-rank training does."""
+    path, two, one, n_steps = two_and_one_rank(make_config, tiny_model, tmp_path, fsdp=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone"]
+    cmd += ["-m", "rlhf_batch", "train", str(path), "--iter", "0", "-q"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    sharded = manifests.manifest(layout.folder(two.run_dir, 0, "train"))
+    assert sharded is not None and sharded["fsdp"] is True and sharded["world_size"] == 1
+    plain = train.run(one, 0, quiet=True)
+    assert plain["fsdp"] is False
+    assert_same_training(two, one, n_steps, tiny_model, world=1)
