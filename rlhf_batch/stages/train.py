@@ -386,7 +386,18 @@ def _ddp(net: Any, device: str) -> Any:
 
     ids = [dist.local_rank()] if device.startswith("cuda") else None
     # buffers (rotary tables) are equal on every rank: synced once at construction, not per forward
-    return DistributedDataParallel(net, device_ids=ids, forward_sync_buffers=False)
+    return DistributedDataParallel(net, device_ids=ids, **no_forward_buffer_sync(DistributedDataParallel))
+
+
+def no_forward_buffer_sync(ddp_class: Any) -> dict[str, bool]:
+    """DDP's switch for the per-forward buffer broadcast: `forward_sync_buffers` since torch 2.13
+    (which deprecates the old name), `broadcast_buffers` in the older releases pyproject accepts."""
+    import inspect
+
+    params = inspect.signature(ddp_class.__init__).parameters
+    return (
+        {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    )
 
 
 def _fsdp(model: Any, net: Any, device: str, world: int) -> Any:
