@@ -2,9 +2,10 @@
 
 Both start from the same tiny model (`rlhf_batch.models.tiny.init_model`, `--seeds`, default 0, which
 also seed both runs' sampling and prompt order; with several seeds, rows of their mean too) and the same 256
-demo prompts, with the same G, learning rate, PPO epochs, clip range, prompts per iteration,
+demo prompts, with the same G, learning rate and its cosine schedule, PPO epochs, clip range, prompts per iteration,
 rollouts per optimizer step, max new tokens and temperature, no KL, on the same number of torch threads
-(`--threads`, default 1: the demo's setting).
+(`--threads`, default 1: the demo's setting). One setting differs: ours adds the demo's entropy bonus
+(`train.entropy_coef`), which TRL's GRPO loss does not have.
 Both stop on the same end tokens, never sample the pad token, and score the same text: TRL's
 reward decodes `completion_ids` with special tokens kept, as our score stage does (TRL's own
 `completions` drop them, which hides a policy that pads its answers with special tokens). Recorded per iteration: the
@@ -18,7 +19,7 @@ TRL runs in its own venv, `.venv-trl` (`make trl`, pinned by constraints-trl.txt
 torch); without it (as in the smoke test) only rlhf-batch runs and the TRL cells read '-'.
 
     make bench-learning                      # creates .venv-trl if missing, then runs this
-    .venv/bin/python benchmarks/bench_learning.py --iterations 30
+    .venv/bin/python benchmarks/bench_learning.py --iterations 40
 """
 
 from __future__ import annotations
@@ -37,32 +38,39 @@ import common  # noqa: E402
 
 TRL_PYTHON = common.ROOT / ".venv-trl" / "bin" / "python"
 DEMO = common.ROOT / "pipelines" / "demo.toml"
-# The settings both sides share; ours come from pipelines/demo.toml, checked against these.
+# The settings both sides share: pipelines/demo.toml's (tests/benchmarks/test_smoke.py checks them).
 SHARED = {
     "num_generations": 8,
     "prompts_per_iteration": 64,
     "max_new_tokens": 8,
     "temperature": 1.0,
-    "lr": 5e-3,
-    "ppo_epochs": 2,
-    "eps": 0.1,
+    "lr": 3e-3,
+    "lr_schedule": "cosine",
+    "total_steps": 160,
+    "ppo_epochs": 1,
+    "eps": 0.2,
     "max_grad_norm": 1.0,
+    "sequences_per_step": 128,
+    "iterations": 40,
 }
-TRL_ROLLOUTS_PER_STEP = 64  # ours: train.sequences_per_step = 64 (pipelines/demo.toml)
+TRL_ROLLOUTS_PER_STEP = SHARED["sequences_per_step"]
 
 
 def mapping(b: int) -> str:
+    per_step = min(TRL_ROLLOUTS_PER_STEP, 8 * b)
     return (
         f"G: num_generations = num_generations (8); prompts/iteration: prompts_per_iteration ({b}) = "
-        f"generation_batch_size / num_generations ({8 * b} / 8); PPO epochs: ppo_epochs = num_iterations (2); "
-        "clip: eps_low = epsilon (0.1); lr 5e-3 constant, no warmup, AdamW defaults, max_grad_norm 1; "
+        f"generation_batch_size / num_generations ({8 * b} / 8); PPO epochs: ppo_epochs = num_iterations (1); "
+        "clip: eps_low = epsilon (0.2); lr 3e-3 cosine over 160 optimizer steps (ours total_steps, TRL max_steps), "
+        "no warmup, AdamW defaults, max_grad_norm 1; "
         "KL: kl_in_reward false, train.kl_loss_coef 0 = beta 0; aggregation token_mean = loss_type 'dapo'; "
         "advantage grpo (r - mean) / (std + 1e-6) = scale_rewards 'group' (std + 1e-4); "
-        f"optimizer step: sequences_per_step {TRL_ROLLOUTS_PER_STEP} = per_device_train_batch_size "
-        f"{TRL_ROLLOUTS_PER_STEP} (x steps_per_generation {8 * b // TRL_ROLLOUTS_PER_STEP}); max new tokens 8, "
+        f"optimizer step: sequences_per_step {per_step} = per_device_train_batch_size "
+        f"{per_step} (x steps_per_generation {8 * b // per_step}); max new tokens 8, "
         "temperature 1; both stop on <|endoftext|> and <|im_end|>, never sample <|pad|>, and the reward reads "
         "the text with special tokens kept (TRL's reward decodes completion_ids so); "
-        "difference: ours drops zero-variance groups (no rows, no tokens in the normaliser, fewer steps)"
+        "differences: ours drops zero-variance groups (no rows, no tokens in the normaliser, fewer steps); "
+        "ours adds an entropy bonus (train.entropy_coef 0.05), TRL's GRPO loss has none"
     )
 
 
@@ -133,7 +141,7 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
         bf16=False,
         seed=spec["seed"],
         learning_rate=SHARED["lr"],
-        lr_scheduler_type="constant",
+        lr_scheduler_type=SHARED["lr_schedule"],
         warmup_steps=0,
         max_grad_norm=SHARED["max_grad_norm"],
         num_generations=g,
@@ -313,7 +321,7 @@ def mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     p = common.parser(__doc__ or "")
-    p.add_argument("--iterations", type=int, default=30)
+    p.add_argument("--iterations", type=int, default=SHARED["iterations"])
     p.add_argument("--png", type=Path, help="default: learning.png beside --results")
     p.add_argument("--no-trl", action="store_true", help="run rlhf-batch only")
     p.add_argument(

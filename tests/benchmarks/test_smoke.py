@@ -117,3 +117,33 @@ def test_learning_worker_runs_iterations_as_run_does(tmp_path: Path) -> None:
         p.relative_to(tmp_path / "ours").as_posix() for p in (tmp_path / "ours").glob("iter=*/topup=*")
     )
     assert rounds == ["iter=0000/topup=01", "iter=0001/topup=01"]
+
+
+def test_learning_benchmark_shares_the_demo_settings() -> None:
+    """The settings bench_learning gives TRL are the demo's (pipelines/demo.toml), key by key."""
+    sys.path.insert(0, str(BENCH))
+    import bench_learning
+
+    from rlhf_batch.config import load_config
+
+    cfg = load_config(bench_learning.DEMO, [])
+    g, t = cfg.generate, cfg.train
+    ours = {
+        "num_generations": g.num_generations,
+        "prompts_per_iteration": g.prompts_per_iteration,
+        "max_new_tokens": g.max_new_tokens,
+        "temperature": g.temperature,
+        "lr": t.lr,
+        "lr_schedule": t.lr_schedule,
+        "total_steps": t.total_steps,
+        "ppo_epochs": t.ppo_epochs,
+        "eps": t.eps_low,
+        "max_grad_norm": t.max_grad_norm,
+        "sequences_per_step": t.sequences_per_step,
+        "iterations": cfg.iterations,
+    }
+    assert bench_learning.SHARED == ours
+    assert (t.eps_high, t.kl_loss_coef, cfg.score.kl_in_reward, t.warmup_steps) == (0.0, 0.0, False, 0)
+    # TRL's max_steps (iterations x steps per generation x epochs) is the length of our schedule
+    steps_per_generation = g.num_generations * g.prompts_per_iteration // t.sequences_per_step
+    assert cfg.iterations * steps_per_generation * t.ppo_epochs == t.total_steps

@@ -113,27 +113,37 @@ def test_report_on_a_complete_run(make_config, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_shortened_demo_learns_and_would_not_with_a_zero_learning_rate(tmp_path: Path) -> None:
-    """16 of the demo's 30 iterations. With lr = 0 the mean score stays at the random model's
-    ~0.004 (its standard error over 2048 rollouts is ~0.001); learning lifts it well above."""
-    gains = {}
-    for lr in ("5e-3", "0.0"):
-        run_dir = tmp_path / f"lr{lr}"
-        res = run(
-            str(ROOT / "pipelines/demo.toml"),
-            "--quiet",
-            "--iterations",
-            "16",
-            "--set",
-            f"run_dir={run_dir}",
-            "--set",
-            f"train.lr={lr}",
-        )
-        assert res.returncode == 0, res.stderr
-        scores = [float(line.split()[1]) for line in res.stdout.splitlines()[1:17]]
-        gains[lr] = scores[-1] - scores[0]
-    assert gains["5e-3"] > 0.1  # measured: ~0.19 (0.004 -> 0.19)
-    assert abs(gains["0.0"]) < 0.02  # the same test with lr = 0 fails the learning assertion
+def test_the_demo_learns_healthily_and_would_not_with_a_zero_learning_rate(tmp_path: Path) -> None:
+    """The demo as `make demo` runs it: its mean score reaches 0.7 (measured on the AMD EPYC with
+    AVX512-BF16: 0.83 at iteration 30, 0.92 at 39), the median clip fraction of its steps stays
+    under 0.2, ESS is above 0.5 on most steps, and no iteration crosses a health threshold. With
+    lr = 0 (16 iterations) the mean score stays at the random model's ~0.002-0.004 (its standard
+    error over 512 rollouts is ~0.002)."""
+    from rlhf_batch import query
+
+    run_dir = tmp_path / "demo"
+    res = run(str(ROOT / "pipelines/demo.toml"), "--quiet", "--set", f"run_dir={run_dir}")
+    assert res.returncode == 0, res.stderr
+    scores = [float(line.split()[1]) for line in res.stdout.splitlines()[1:41]]
+    assert len(scores) == 40 and max(scores) >= 0.7 and scores[-1] >= 0.7, scores
+    assert "train health" not in res.stderr  # run's warning line
+    con = query.connect(run_dir)
+    try:
+        clip, ess_ok = con.execute(
+            "SELECT median(clip_fraction), avg((ess > 0.5)::INT) FROM metrics"
+        ).fetchone()
+        flagged = con.execute("SELECT count(*) FROM health WHERE len(flags) > 0").fetchone()[0]
+    finally:
+        con.close()
+    assert clip < 0.2 and ess_ok > 0.5 and flagged == 0
+    flat = tmp_path / "lr0"
+    res = run(
+        str(ROOT / "pipelines/demo.toml"),
+        *("--quiet", "--iterations", "16", "--set", f"run_dir={flat}", "--set", "train.lr=0.0"),
+    )
+    assert res.returncode == 0, res.stderr
+    flat_scores = [float(line.split()[1]) for line in res.stdout.splitlines()[1:17]]
+    assert max(flat_scores) < 0.02  # the same test with a learning rate of 0 fails the assertions above
 
 
 def test_run_cli_and_airflow_dag_use_the_registry_order() -> None:
