@@ -142,7 +142,7 @@ def test_learning_benchmark_shares_the_demo_settings() -> None:
         "sequences_per_step": t.sequences_per_step,
         "iterations": cfg.iterations,
     }
-    assert bench_learning.SHARED == ours
+    assert ours == bench_learning.SHARED
     assert (t.eps_high, t.kl_loss_coef, cfg.score.kl_in_reward, t.warmup_steps) == (0.0, 0.0, False, 0)
     # TRL's max_steps (iterations x steps per generation x epochs) is the length of our schedule
     steps_per_generation = g.num_generations * g.prompts_per_iteration // t.sequences_per_step
