@@ -9,8 +9,10 @@ VLLM_VENV := .venv-vllm
 TRL_VENV := .venv-trl
 S3_VENV := .venv-s3
 RUN_DIR ?= runs/demo
+WHEELS ?= wheels
+GPU_PYTHON_VERSION ?= 3.11
 
-.PHONY: setup airflow trackio vllm trl s3 test test-fast demo lint bench bench-learning soak clean
+.PHONY: setup airflow trackio vllm trl s3 test test-fast demo lint bench bench-learning soak wheels gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -95,5 +97,14 @@ bench-learning: setup trl
 soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak
 
+# For a GPU machine without a network: the project and its runtime dependencies but torch as
+# wheels for its Python (GPU_PYTHON_VERSION), made here; there, `make gpu-check` installs them
+# offline into .venv-gpu (which sees the machine's CUDA torch) and runs benchmarks/gpu_check.py.
+wheels: setup
+	$(PY) benchmarks/gpu_wheels.py --out $(WHEELS) --python-version $(GPU_PYTHON_VERSION)
+
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py --wheels $(WHEELS) --out gpu_check
+
 clean:
-	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) $(TRL_VENV) $(S3_VENV) runs .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) $(TRL_VENV) $(S3_VENV) .venv-gpu runs .pytest_cache
