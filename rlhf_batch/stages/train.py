@@ -389,7 +389,7 @@ def _ddp(net: Any, device: str) -> Any:
     return DistributedDataParallel(net, device_ids=ids, **no_forward_buffer_sync(DistributedDataParallel))
 
 
-def no_forward_buffer_sync(ddp_class: Any) -> dict[str, bool]:
+def no_forward_buffer_sync(ddp_class: Any) -> dict[str, Any]:
     """DDP's switch for the per-forward buffer broadcast: `forward_sync_buffers` since torch 2.13
     (which deprecates the old name), `broadcast_buffers` in the older releases pyproject accepts."""
     import inspect
