@@ -96,7 +96,7 @@ def worker(peak_file: str, argv: list[str]) -> None:
 
     atexit.register(record)
     sys.argv = ["rlhf-batch", *argv]
-    from rlhf_batch.cli import main
+    from rlhf_batch.commands.cli import main
 
     main()
 

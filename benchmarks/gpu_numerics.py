@@ -50,10 +50,10 @@ def compare(policy: Path, advantages: Path, device: str, rows: int, temperature:
     `device`), each against CPU float32; also generate's behaviour log-probs against CPU float32."""
     import torch
 
-    from rlhf_batch.forward import response_logprobs
-    from rlhf_batch.manifests import read_complete
-    from rlhf_batch.models import load_model, load_tokenizer
-    from rlhf_batch.schemas import ADVANTAGES
+    from rlhf_batch.models.forward import response_logprobs
+    from rlhf_batch.models.load import load_model, load_tokenizer
+    from rlhf_batch.store.manifests import read_complete
+    from rlhf_batch.store.schemas import ADVANTAGES
 
     t = read_complete(advantages, ADVANTAGES).slice(0, rows).to_pylist()
     seqs, plens = [r["input_ids"] for r in t], [r["prompt_len"] for r in t]

@@ -119,7 +119,7 @@ def test_the_demo_learns_healthily_and_would_not_with_a_zero_learning_rate(tmp_p
     under 0.2, ESS is above 0.5 on most steps, and no iteration crosses a health threshold. With
     lr = 0 (16 iterations) the mean score stays at the random model's ~0.002-0.004 (its standard
     error over 512 rollouts is ~0.002)."""
-    from rlhf_batch import query
+    from rlhf_batch.observe import query
 
     run_dir = tmp_path / "demo"
     res = run(str(ROOT / "pipelines/demo.toml"), "--quiet", "--set", f"run_dir={run_dir}")
