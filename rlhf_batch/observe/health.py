@@ -4,7 +4,7 @@ The rule is one SQL query, rlhf_batch/sql/health.sql, over the `metrics` view (o
 optimizer step): median clip fraction, the share of steps whose ESS is low, the fall of the mean
 entropy from the previous trained iteration, and the largest step KL between the policy that
 sampled and the one being trained. `sql` has it as the view `health`; `status`, the report and
-`run` read it from there. The thresholds and their sources are in README "Run health".
+`run` read it from there. The thresholds and their sources are in docs/inspecting.md "Run health".
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from rlhf_batch.sql import sql_text
 
 HINT = 'rlhf-batch sql "SELECT * FROM health"'
-# The thresholds (README "Run health" gives the source of each). An iteration is flagged when:
+# The thresholds (docs/inspecting.md "Run health" gives the source of each). An iteration is flagged when:
 THRESHOLDS = {
     "clip_fraction": 0.2,  # the median clip fraction of its optimizer steps is above this
     "ess": 0.5,  # a step's ESS (of the sequences' importance weights, over n) is below this ...

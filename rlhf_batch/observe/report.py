@@ -339,7 +339,7 @@ table{{border-collapse:collapse}}pre{{margin:0;white-space:pre-wrap}}img{{margin
 
 
 def _health_html(rows: list[dict[str, Any]]) -> str:
-    """The flagged iterations (README "Run health": the thresholds and their sources)."""
+    """The flagged iterations (docs/inspecting.md "Run health": the thresholds and their sources)."""
     flagged = [r for r in rows if r["flags"]]
     if not flagged:
         return f"<p>no iteration crossed a threshold ({len(rows)} trained)</p>"

@@ -1,5 +1,5 @@
 -- health: one row per trained iteration, its train diagnostics against the thresholds below
--- (README "Run health" gives their sources). Reads the `metrics` view: one row per optimizer
+-- (docs/inspecting.md "Run health" gives their sources). Reads the `metrics` view: one row per optimizer
 -- step; a step that ran no token has null token means and ESS and is left out of them.
 WITH limits AS (  -- health.THRESHOLDS, written in by health.view_sql()
     SELECT
