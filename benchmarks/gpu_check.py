@@ -60,27 +60,35 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, timeout: 
 
 def install(args: argparse.Namespace) -> int:
     """Install the project from --wheels into --venv (offline), then run the check there."""
-    venv = Path(args.venv)
-    if not (venv / "bin" / "python").exists():
-        _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], "venv")
+    venv, wheels = Path(args.venv), str(args.wheels)
     py = str(venv / "bin" / "python")
-    wheel = sorted(Path(args.wheels).glob("rlhf_batch-*.whl"))
+    if not Path(py).exists():
+        make_venv(venv)
+    wheel = sorted(Path(wheels).glob("rlhf_batch-*.whl"))
     if not wheel:
-        raise Failure(f"--wheels {args.wheels}: no rlhf_batch wheel there (make wheels)")
-    pip = [
-        py,
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--no-index",
-        "--find-links",
-        str(args.wheels),
-        str(wheel[-1]),
-    ]
-    _run(pip, f"pip install from {args.wheels} (offline)")
-    rest = [a for a in sys.argv[1:] if a not in ("--wheels", args.wheels)]
+        raise Failure(f"--wheels {wheels}: no rlhf_batch wheel there (make wheels)")
+    pip = [py, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", wheels]
+    _run([*pip, str(wheel[-1])], f"pip install from {wheels} (offline)")
+    _run([*pip, "--no-deps", "--force-reinstall", str(wheel[-1])], "pip install of the project's wheel")
+    rest = [a for a in sys.argv[1:] if a not in ("--wheels", wheels)]
     return subprocess.run([py, __file__, "--no-install", *rest]).returncode
+
+
+def make_venv(venv: Path) -> None:
+    """A venv that sees this Python's packages (its torch) behind its own: a .pth file lists this
+    interpreter's site-packages, wherever they are (system, conda or another venv, which
+    `--system-site-packages` would miss), so what pip installs there comes first."""
+    import site
+
+    _run([sys.executable, "-m", "venv", str(venv)], "venv")
+    purelib = _run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        "venv",
+    )
+    host = [p for p in [*site.getsitepackages(), site.getusersitepackages()] if Path(p).is_dir()]
+    Path(purelib.strip(), "gpu_check_host.pth").write_text("\n".join(host) + "\n")
+    # the setuptools a new venv brings (Python < 3.12) would hide the one torch requires
+    _run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "--quiet", "-y", "setuptools"], "venv")
 
 
 def worker(peak_file: str, argv: list[str]) -> None:
