@@ -327,32 +327,14 @@ def init_model(
 
     if shape and shape not in SHAPES:
         raise ConfigError(f"--shape: must be one of {', '.join(SHAPES)}, got {shape!r}")
-    sizes = SHAPES[shape] if shape else {}
-    hidden, layers, heads = (
-        sizes.get("hidden", hidden),
-        sizes.get("layers", layers),
-        sizes.get("heads", heads),
-    )
-    kv_heads, intermediate = sizes.get("kv_heads", kv_heads), sizes.get("intermediate", intermediate)
-    vocab_size = sizes.get("vocab_size", vocab_size)
+    sizes = {"hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads}
+    sizes |= {"intermediate": intermediate, "vocab_size": vocab_size, **(SHAPES[shape] if shape else {})}
     if arch not in ("qwen2", "llama"):
         raise ConfigError(f"--arch: must be qwen2 or llama, got {arch!r}")
     if pad not in ("separate", "eos", "none"):
         raise ConfigError(f"--pad: must be separate, eos or none, got {pad!r}")
     try:
-        path = build(
-            out_dir,
-            arch=arch,  # type: ignore[arg-type]
-            hidden=hidden,
-            layers=layers,
-            heads=heads,
-            kv_heads=kv_heads,
-            intermediate=intermediate,
-            vocab_size=vocab_size,
-            reward=reward,
-            pad=pad,  # type: ignore[arg-type]
-            seed=seed,
-        )
+        path = build(out_dir, arch=arch, reward=reward, pad=pad, seed=seed, **sizes)  # type: ignore[arg-type]
     except ValueError as e:
         raise ConfigError(f"init-model: {e}") from None
     typer.echo(f"model: {path}")
