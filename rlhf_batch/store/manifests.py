@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.store.atomic import COUNTS_KEY, write_json_atomic, write_json_exclusive
-from rlhf_batch.store.fs import arrow_source, run_path
+from rlhf_batch.store.fs import arrow_source, is_remote, run_path
 from rlhf_batch.store.layout import MANIFEST, STARTED, list_parts, part_number
 from rlhf_batch.store.schemas import check_values, validate
 
@@ -59,8 +59,28 @@ def read_part(path: Path, schema: pa.Schema, columns: list[str] | None = None) -
 
 
 def part_counts(path: Path) -> dict[str, int]:
-    meta = parquet_file(path).schema_arrow.metadata or {}
-    return json.loads(meta[COUNTS_KEY]) if COUNTS_KEY in meta else {}
+    return footer(path)[1]
+
+
+def footer(path: Path) -> tuple[int, dict[str, int]]:
+    """(rows, counts) of a part, from its Parquet footer (one open, one read of the footer)."""
+    pf = parquet_file(path)
+    meta = pf.schema_arrow.metadata or {}
+    return pf.metadata.num_rows, json.loads(meta[COUNTS_KEY]) if COUNTS_KEY in meta else {}
+
+
+FOOTER_READERS = 16  # footers read at once from an object store: each read waits on a round trip
+
+
+def footers(paths: list[Path]) -> list[tuple[int, dict[str, int]]]:
+    """`footer` of every path, in order; concurrently on an object store (a stage of a few
+    hundred parts otherwise waits for hundreds of round trips one after another)."""
+    if len(paths) < 2 or not is_remote(paths[0]):
+        return [footer(p) for p in paths]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(FOOTER_READERS, len(paths))) as pool:
+        return list(pool.map(footer, paths))
 
 
 def read_complete(sdir: Path, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
@@ -133,8 +153,11 @@ def write_manifest(
     identity: dict,
     extra: dict | None,
     exclusive: bool = False,
+    known: dict[str, tuple[int, dict]] | None = None,
 ) -> dict[str, Any]:
-    """Check that parts 0..n_parts-1 are on disk, then write the manifest (last) and drop `_started`."""
+    """Check that parts 0..n_parts-1 are on disk, then write the manifest (last) and drop `_started`.
+    `known`: (rows, counts) by part name of the parts this process wrote (their footers are not
+    read back: on an object store each is a round trip); the others' are read from their footers."""
     by_n: dict[int, Path] = {}
     for p in list_parts(sdir):
         by_n.setdefault(part_number(p), p)
@@ -142,11 +165,13 @@ def write_manifest(
     if missing:
         raise StageError(f"{sdir}: parts {missing[:5]} are missing; re-run the stage to finish them")
     parts, counts = [], _Counter()
-    for n in range(n_parts):
-        path = by_n[n]
-        rows = parquet_file(path).metadata.num_rows
+    paths = [by_n[n] for n in range(n_parts)]
+    known = known or {}
+    read = dict(zip(unknown := [p for p in paths if p.name not in known], footers(unknown), strict=True))
+    for path in paths:
+        rows, part = known[path.name] if path.name in known else read[path]
         parts.append({"file": path.name, "rows": rows})
-        counts.add(part_counts(path))
+        counts.add(part)
     m = {
         "stage": folder,
         "key": key,

@@ -72,6 +72,7 @@ class StageOutput:
         self.key = fingerprint(self.identity)
         self.complete = False
         self.clock = StageClock()  # execute() gives it the stage's start
+        self.written: dict[str, tuple[int, dict]] = {}  # part name -> (rows, counts) written here
 
     def done(self) -> dict[str, Any] | None:
         """The manifest when the folder is complete with this identity; None when not complete;
@@ -131,6 +132,7 @@ class StageOutput:
         """Part `n` of this rank, written atomically; `counts` are summed into the manifest."""
         path = self.sdir / layout.part_name(self.rank, n)
         write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}")
+        self.written[path.name] = (table.num_rows, dict(counts or {}))
         fault_point(f"{self.folder}:part-{n}:done")
         return path
 
@@ -164,6 +166,7 @@ class StageOutput:
                 self.identity,
                 {**record, **(more or {})},
                 exclusive=dist.fanned_out(),
+                known=self.written,
             )
         dist.barrier()
         return result
