@@ -29,6 +29,7 @@ ROWS = {  # benchmark script -> the rows it must append
         "advantage group statistics",
         "advantage stage peak memory",
     ],
+    "bench_store.py": ["advantage on an object store"],  # needs the moto server (make s3)
     "bench_train.py": [
         "train tokens/s",
         "train MFU",
