@@ -164,7 +164,8 @@ def write_manifest(
     missing = [n for n in range(n_parts) if n not in by_n]
     if missing:
         raise StageError(f"{sdir}: parts {missing[:5]} are missing; re-run the stage to finish them")
-    parts, counts = [], _Counter()
+    parts: list[dict[str, Any]] = []
+    counts = _Counter()
     paths = [by_n[n] for n in range(n_parts)]
     known = known or {}
     read = dict(zip(unknown := [p for p in paths if p.name not in known], footers(unknown), strict=True))

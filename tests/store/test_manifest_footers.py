@@ -34,7 +34,11 @@ def test_rows_and_counts_of_known_and_read_parts(where: str, tmp_path: Path, req
     # 3 + 5 + 7 + 2 + 4 = 21 rows; odd parts 1 and 3: 2
     assert m["parts"] == expected_parts and m["rows"] == 21 and m["counts"] == {"rows_in": 21, "odd": 2}
     (sdir / layout.MANIFEST).unlink()
-    assert wrote.finish(len(sizes)) == {**m, "created": wrote.done()["created"], "timing": wrote.done()["timing"]}
+    assert wrote.finish(len(sizes)) == {
+        **m,
+        "created": wrote.done()["created"],
+        "timing": wrote.done()["timing"],
+    }
 
 
 def test_the_writer_reads_no_footer_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

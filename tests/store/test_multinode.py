@@ -7,7 +7,6 @@ the store through each node's cache), and give the rows and weights of one proce
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,16 +27,32 @@ from tests.store.test_fanout import machine
 REPO = Path(__file__).parents[2]
 # as tests/stages/test_train_dist.py: a small lr, so that float noise in near-zero gradient
 # elements (2 ranks sum them in another order) stays of order 1e-7 in the weights
-TRAIN = dict(lr=1e-4, tokens_per_step=96, max_tokens_per_batch=40, ppo_epochs=2, kl_loss_coef=0.1, checkpoint_every=2)
+TRAIN = dict(
+    lr=1e-4, tokens_per_step=96, max_tokens_per_batch=40, ppo_epochs=2, kl_loss_coef=0.1, checkpoint_every=2
+)
 
 
 def torchrun_nodes(nodes: list[tuple[Path, dict]], cmd: str, config: Path, it: int) -> None:
     """`cmd` of iteration `it` on two nodes: two torchrun launchers meeting at one c10d rendezvous."""
-    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", f"{cmd}-{it}"]
+    rdzv = [
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        f"{cmd}-{it}",
+    ]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", *rdzv]
     argv = [*launch, "-m", "rlhf_batch", cmd, str(config), "--iter", str(it), "--quiet"]
     procs = [
-        subprocess.Popen(argv, cwd=home, env={**env, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            argv,
+            cwd=home,
+            env={**env, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for home, env in nodes
     ]
     for p in procs:
@@ -83,7 +98,10 @@ def test_two_nodes_under_torchrun_share_an_s3_run_and_give_the_rows_of_one_proce
     torchrun_nodes(nodes, "score", remote, 0)
     subprocess.run(  # advantage: one CPU process, on node 0
         [sys.executable, "-m", "rlhf_batch", "advantage", str(remote), "--iter", "0", "--quiet"],
-        cwd=nodes[0][0], env={**nodes[0][1], "PYTHONPATH": str(REPO)}, check=True, capture_output=True,
+        cwd=nodes[0][0],
+        env={**nodes[0][1], "PYTHONPATH": str(REPO)},
+        check=True,
+        capture_output=True,
     )
     torchrun_nodes(nodes, "train", remote, 0)
     torchrun_nodes(nodes, "generate", remote, 1)
@@ -109,7 +127,12 @@ def test_two_nodes_under_torchrun_share_an_s3_run_and_give_the_rows_of_one_proce
             assert a[k] == pytest.approx(b[k], abs=1e-5), k
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     w_two, w_one = policy(cfg.run_dir, 0), policy(local_cfg.run_dir, 0)
-    assert max_diff(w_two, w_one) < 1e-5 < 1e-4 < max_diff(w_one, load(Path(tiny_model, "model.safetensors").read_bytes()))
+    assert (
+        max_diff(w_two, w_one)
+        < 1e-5
+        < 1e-4
+        < max_diff(w_one, load(Path(tiny_model, "model.safetensors").read_bytes()))
+    )
     # iteration 1 samples from the trained policy (weights equal to 1e-5: the same tokens)
     a, b = rows(cfg.run_dir, 1, "rollouts", ROLLOUTS), rows(local_cfg.run_dir, 1, "rollouts", ROLLOUTS)
     assert [r["response_ids"] for r in a] == [r["response_ids"] for r in b] and len(a) == 48
