@@ -4,7 +4,8 @@ A prompt is a text column (`prompt`) or a chat column (`messages`: a list of {ro
 rendered with the tokenizer's chat template and the generation prompt). A `prompt` column that
 holds messages (TRL's conversational form, verl's Parquet) is read as chat: the form comes from
 the column's type. Chat prompts are carried into the rollouts as `prompt_messages`.
-`prompt_id` comes from the id column, or is a hash of the rendered prompt. Every other column
+`prompt_id` comes from the id column (a dotted name reads a struct field: `extra_info.index`),
+or is a hash of the rendered prompt; a repeated prompt is its own prompt (prompt_ids.py). Every other column
 is carried along into the rollouts for reward functions (e.g. a ground-truth `answer`); a
 verl `reward_model` struct also gives its `ground_truth` field as a column of that name.
 """
@@ -18,8 +19,8 @@ from typing import Any
 import pyarrow as pa
 
 from rlhf_batch.config import Config, GenerateConfig
+from rlhf_batch.data.prompt_ids import check_distinct, given_ids, hashed_id, repeat_numbers
 from rlhf_batch.errors import StageError
-from rlhf_batch.store.ids import prompt_hash
 from rlhf_batch.store.schemas import ROLLOUTS
 
 
@@ -100,16 +101,26 @@ def _read_datasets_dir(p: Path) -> pa.Table:
 
 def load_prompts(cfg: GenerateConfig, tokenizer: Any, batch: int | None = None, seed: int = 0) -> Prompts:
     """The prompts of the file, or (`batch` given) those of batch `batch` of the run's prompt order
-    (iteration K's round 0 takes batch K unless top-up rounds took batches before it: topup.py)."""
+    (iteration K's round 0 takes batch K unless top-up rounds took batches before it: topup.py).
+    Prompt ids are decided over the whole file (prompt_ids.py); errors name file rows."""
     table = read_table(cfg.prompts)
     where = cfg.prompts
     if table.num_rows == 0:
         raise StageError(f"{where}: the prompt file is empty")
+    given = given_ids(table, cfg.id_column, where)
+    repeats = None if given is not None else repeat_numbers(prompt_values(table, cfg, where))
     taken: dict[str, Any] = {}
+    rows = list(range(table.num_rows))
     if batch is not None:
         table, taken = _take_batch(table, cfg, batch, seed, where)
-    texts, chat = _texts(table, cfg, tokenizer, where)
-    ids = _ids(table, texts, cfg.id_column, where)
+        rows = taken["rows"]
+    texts, chat = _texts(table, cfg, tokenizer, where, rows)
+    if given is not None:
+        ids = [given[r] for r in rows]
+    else:
+        assert repeats is not None
+        ids = [hashed_id(t, repeats[r]) for t, r in zip(texts, rows, strict=True)]
+    check_distinct(ids, rows, where)
     used = {cfg.prompt_column, cfg.messages_column, cfg.id_column}
     carried = with_ground_truth(table.drop_columns([c for c in table.column_names if c in used]))
     if chat and MESSAGES not in carried.column_names:
@@ -118,9 +129,17 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any, batch: int | None = None, 
         if ROLLOUTS.get_field_index(name) >= 0:
             raise StageError(f"{where}: column '{name}' clashes with a rollouts column; rename it")
     tokens = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
-    out = _limit(Prompts(ids, texts, tokens, carried), cfg, tokenizer, where)
+    out = _limit(Prompts(ids, texts, tokens, carried), cfg, tokenizer, where, rows)
     out.batch = taken
     return out
+
+
+def prompt_values(table: pa.Table, cfg: GenerateConfig, where: str) -> list[Any]:
+    """The raw prompt of every row (text, or the list of messages), before any rendering."""
+    column = chat_column(table, cfg) or (cfg.prompt_column if cfg.prompt_column in table.column_names else "")
+    if not column:
+        raise no_prompt_column(table, cfg, where)
+    return table.column(column).to_pylist()
 
 
 def _take_batch(
@@ -186,10 +205,13 @@ def with_ground_truth(table: pa.Table) -> pa.Table:
     return table.append_column("ground_truth", pc.struct_field(table.column("reward_model"), "ground_truth"))
 
 
-def _texts(table: pa.Table, cfg: GenerateConfig, tokenizer: Any, where: str) -> tuple[list[str], bool]:
+def _texts(
+    table: pa.Table, cfg: GenerateConfig, tokenizer: Any, where: str, rows: list[int]
+) -> tuple[list[str], bool]:
+    """The rendered prompts of `table`, whose rows are the file's rows `rows` (named in errors)."""
     chat = chat_column(table, cfg)
     if chat:
-        return _chat_texts(table, chat, tokenizer, where), True
+        return _chat_texts(table, chat, tokenizer, where, rows), True
     if cfg.prompt_column in table.column_names:
         col = table.column(cfg.prompt_column)
         if not pa.types.is_string(col.type) and not pa.types.is_large_string(col.type):
@@ -200,7 +222,7 @@ def _texts(table: pa.Table, cfg: GenerateConfig, tokenizer: Any, where: str) -> 
         texts = col.to_pylist()
         for i, t in enumerate(texts):
             if t is None or not t:
-                raise StageError(f"{where}: row {i}: column '{cfg.prompt_column}' is null or empty")
+                raise StageError(f"{where}: row {rows[i]}: column '{cfg.prompt_column}' is null or empty")
         return texts, False
     raise no_prompt_column(table, cfg, where)
 
@@ -212,34 +234,18 @@ def no_prompt_column(table: pa.Table, cfg: GenerateConfig, where: str) -> StageE
     )
 
 
-def _chat_texts(table: pa.Table, column: str, tokenizer: Any, where: str) -> list[str]:
+def _chat_texts(table: pa.Table, column: str, tokenizer: Any, where: str, rows: list[int]) -> list[str]:
     if not getattr(tokenizer, "chat_template", None):
         raise StageError(f"{where}: chat prompts ('{column}') need a tokenizer with a chat template")
     out = []
     for i, messages in enumerate(table.column(column).to_pylist()):
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise StageError(f"{where}: row {i}: '{column}' must be a list of {{role, content}}")
+            raise StageError(f"{where}: row {rows[i]}: '{column}' must be a list of {{role, content}}")
         out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     return out
 
 
-def _ids(table: pa.Table, texts: list[str], id_column: str, where: str) -> list[str]:
-    if id_column in table.column_names:
-        ids = [None if v is None else str(v) for v in table.column(id_column).to_pylist()]
-    else:
-        ids = [prompt_hash(t) for t in texts]
-    seen: dict[str, int] = {}
-    for i, pid in enumerate(ids):
-        if pid is None or pid == "":
-            raise StageError(f"{where}: row {i}: '{id_column}' is null or empty")
-        if pid in seen:
-            what = f"'{id_column}'" if id_column in table.column_names else "prompt text"
-            raise StageError(f"{where}: rows {seen[pid]} and {i} have the same {what} (prompt_id {pid})")
-        seen[pid] = i
-    return ids  # type: ignore[return-value]
-
-
-def _limit(p: Prompts, cfg: GenerateConfig, tokenizer: Any, where: str) -> Prompts:
+def _limit(p: Prompts, cfg: GenerateConfig, tokenizer: Any, where: str, rows: list[int]) -> Prompts:
     """Apply max_prompt_tokens: error (default), truncate_left (the text becomes that of the kept
     tokens, so `prompt` and `prompt_ids` agree), or skip (counted)."""
     limit, keep, truncated = cfg.max_prompt_tokens, [], 0
@@ -248,7 +254,7 @@ def _limit(p: Prompts, cfg: GenerateConfig, tokenizer: Any, where: str) -> Promp
             keep.append(i)
         elif cfg.overlong == "error":
             raise StageError(
-                f"{where}: row {i} (prompt_id {p.ids[i]}) has {len(toks)} tokens > generate.max_prompt_tokens "
+                f"{where}: row {rows[i]} (prompt_id {p.ids[i]}) has {len(toks)} tokens > generate.max_prompt_tokens "
                 f"= {limit}; raise it or set generate.overlong to 'truncate_left' or 'skip'"
             )
         elif cfg.overlong == "truncate_left":

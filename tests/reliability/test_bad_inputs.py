@@ -532,7 +532,7 @@ def prompts_duplicate_ids(ctx: Ctx):  # noqa: ANN201
     path = prompts(
         ctx, [{"id": "a", "prompt": "x*1="}, {"id": "b", "prompt": "y*1="}, {"id": "a", "prompt": "z*1="}]
     )
-    return _generate(ctx, generate={"prompts": path}), [path, "rows 0 and 2 have the same 'id'"]
+    return _generate(ctx, generate={"prompts": path}), [path, "rows 0 and 2 have the same id 'a'"]
 
 
 @case
