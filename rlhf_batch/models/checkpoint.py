@@ -24,7 +24,7 @@ from typing import Any
 
 from rlhf_batch.errors import StageError
 from rlhf_batch.models import optim_state
-from rlhf_batch.store import fs
+from rlhf_batch.store import fs, layout
 
 PREFIX = "step-"
 
@@ -101,10 +101,12 @@ def load_latest(
         state: dict[str, Any] = json.loads((path / "state.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise StageError(
-            f"{path}: unreadable checkpoint state ({e}); re-run with --force to start over"
+            f"{path}: unreadable checkpoint state ({e}); start over with {layout.redo_command(path, 'train')}"
         ) from None
     if state.get("key") != key:
-        raise StageError(f"{path}: checkpoint of another config or input; re-run with --force to start over")
+        raise StageError(
+            f"{path}: checkpoint of another config or input; start over with {layout.redo_command(path, 'train')}"
+        )
     if sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 

@@ -338,12 +338,12 @@ def _aligned_pool(
     return not bool((ids[1:] == ids[:-1]).any())  # equal hashes: a duplicate (or a collision)
 
 
-_PROBLEMS = {  # advantage_check.sql column -> what is wrong, which stage to re-run
-    "duplicate": ("rows share their rollout_id in rollouts or scores", "generate and score"),
+_PROBLEMS = {  # advantage_check.sql column -> what is wrong, the folders to redo
+    "duplicate": ("rows share their rollout_id in rollouts or scores", "rollouts scores"),
     "unmatched_rollout": ("rollouts have no score row", "score"),
     "unmatched_score": ("score rows match no rollout", "score"),
-    "prompt_mismatch": ("score rows have another prompt_id than their rollout", "score"),
-    "infinite": ("rewards are +/-inf", "score"),
+    "prompt_mismatch": ("score rows have another prompt_id than their rollout", "scores"),
+    "infinite": ("rewards are +/-inf", "scores"),
 }
 
 
@@ -355,7 +355,8 @@ def _check(con: Any, run_dir: str) -> None:
             it = row[f"{key}_iter"]
             raise StageError(
                 f"{layout.iter_dir(run_dir, it)}: {row[key]} {what} (e.g. rollout_id {row[f'{key}_id']!r}); "
-                f"re-run {fix} of iteration {it} with --force"
+                "redo it with "
+                + " then ".join(layout.redo_command(layout.folder(run_dir, it, f)) for f in fix.split())
             )
 
 

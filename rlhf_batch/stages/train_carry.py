@@ -54,7 +54,8 @@ def changes(cfg: Config, iteration: int, prev: dict[str, Any] | None, force: boo
         said = ", ".join(f"train.{k} {old!r} -> {new!r}" for k, (old, new) in diff.items())
         raise StageError(
             f"train iteration {iteration}: {said} since iteration {iteration - 1}, whose optimizer state "
-            f"this iteration continues; re-run with --force to go on from the carried AdamW state and step "
+            f"this iteration continues; `rlhf-batch train CONFIG --iter {iteration} --force` goes on from the "
+            f"carried AdamW state and step "
             f"{prev.get('global_step')} with the new settings"
         )
     return diff

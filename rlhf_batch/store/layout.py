@@ -49,6 +49,20 @@ def run_root(sdir: Path) -> Path | None:
     return None
 
 
+STAGE_OF = {"rollouts": "generate", "scores": "score", "advantages": "advantage", "train": "train", "eval": "eval"}
+
+
+def redo_command(sdir: Path, stage: str = "") -> str:
+    """The command that replaces the stage folder `sdir` (its stage command with --force; `run`
+    has no --force): for the messages that tell a user how to start a stage over."""
+    parts = Path(sdir).parts
+    it = next((int(p[5:]) for p in reversed(parts) if p.startswith("iter=")), 0)
+    top = next((int(p[6:]) for p in reversed(parts) if p.startswith("topup=")), 0)
+    stage = stage or STAGE_OF.get(Path(sdir).name, Path(sdir).name)
+    source = "FILE --config CONFIG" if stage == "import" else "CONFIG"
+    return f"`rlhf-batch {stage} {source} --iter {it}{f' --topup {top}' if top else ''} --force`"
+
+
 def folder(run_dir: str | Path, it: int, name: str, topup: int = 0) -> Path:
     """The output folder `name` (rollouts, scores, advantages, train, eval) of iteration `it`; of its
     top-up round `topup` when > 0 (rollouts and scores only)."""

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_batch.errors import SchemaError, StageError
+from rlhf_batch.store import layout
 from rlhf_batch.store.atomic import COUNTS_KEY, write_json_atomic, write_json_exclusive
 from rlhf_batch.store.fs import arrow_source, is_remote, run_path
 from rlhf_batch.store.layout import MANIFEST, STARTED, list_parts, part_number
@@ -94,7 +95,7 @@ def read_complete(sdir: Path, schema: pa.Schema, columns: list[str] | None = Non
         if t.num_rows != p["rows"]:
             raise SchemaError(
                 f"{sdir / p['file']}: has {t.num_rows} rows, its stage's {MANIFEST} lists {p['rows']}; "
-                "the file was changed after the stage completed: re-run the stage with --force"
+                f"the file was changed after the stage completed: redo it with {layout.redo_command(sdir)}"
             )
         tables.append(t)
     if not tables:

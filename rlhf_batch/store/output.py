@@ -81,7 +81,7 @@ class StageOutput:
         if m is not None and m.get("key") != self.key:
             raise StageError(
                 f"{self.sdir}: stage is complete with a different config or inputs "
-                f"({differences(m, self.identity)}); re-run it with --force to replace it"
+                f"({differences(m, self.identity)}); replace it with {layout.redo_command(self.sdir, self.command or '')}"
             )
         self.complete = m is not None
         return m
@@ -105,7 +105,8 @@ class StageOutput:
         if before is not None and before.get("key") != self.key and layout.list_parts(self.sdir):
             raise StageError(
                 f"{self.sdir}: a partial run with a different config or inputs is here "
-                f"({differences(before, self.identity)}); re-run with the same config, or with --force to start over"
+                f"({differences(before, self.identity)}); re-run with the same config and inputs, or start it over "
+                f"with {layout.redo_command(self.sdir, self.command or '')}"
             )
         if dist.leads():
             fs.makedirs(self.sdir)
