@@ -97,7 +97,7 @@ class ScoreConfig:
     reward_model_weight: float = knob(1.0, "score")
     score_clip: float = knob(0.0, "score")  # clip the score to [-c, c]; 0 disables
     kl_estimator: Literal["k1", "k2", "k3"] = knob("k1", "score")
-    kl_in_reward: bool = knob(True, "score")  # reward = score - kl_reward_coef * kl_sum
+    kl_in_reward: bool = knob(False, "score")  # on: reward = score - kl_reward_coef * kl_sum (TRL, verl: off)
     kl_controller: Literal["constant", "adaptive"] = knob("constant", "score")
     kl_reward_coef: float = knob(0.05, "score")  # beta (initial beta for the adaptive controller)
     kl_target: float = knob(6.0, "score")  # adaptive controller: target KL per sequence

@@ -52,7 +52,7 @@ def given_ids(table: pa.Table, id_column: str, where: str) -> list[str] | None:
         if id_column and id_column != DEFAULT_ID_COLUMN:
             raise StageError(
                 f"{where}: generate.id_column '{id_column}' is not a column "
-                f"(columns: {', '.join(table.column_names)}); set it to one, or to \"\" to use prompt hashes"
+                f'(columns: {", ".join(table.column_names)}); set it to one, or to "" to use prompt hashes'
             )
         return None
     ids = [None if v is None else str(v) for v in col.to_pylist()]
@@ -63,7 +63,7 @@ def given_ids(table: pa.Table, id_column: str, where: str) -> list[str] | None:
         if pid in seen:
             raise StageError(
                 f"{where}: rows {seen[pid]} and {i} have the same id '{pid}' in id column '{id_column}'; "
-                "ids must be distinct (fix the data, or set generate.id_column = \"\" to use prompt hashes)"
+                'ids must be distinct (fix the data, or set generate.id_column = "" to use prompt hashes)'
             )
         seen[pid] = i
     return ids  # type: ignore[return-value]

@@ -31,7 +31,7 @@ from typing import Any
 import pyarrow as pa
 
 from rlhf_batch.data.prompts import MESSAGES
-from rlhf_batch.errors import RewardError
+from rlhf_batch.errors import ConfigError, RewardError
 from rlhf_batch.rewards import RewardFunction, call_batched, call_reward_function, check_values
 
 
@@ -114,3 +114,51 @@ def _column(values: list[Any]) -> pa.Array:
         return pa.array([None if v is None else float(v) for v in values], pa.float64())
     text = [None if v is None else v if isinstance(v, str) else json.dumps(v, default=str) for v in values]
     return pa.array(text, pa.string())
+
+
+PASSED = {  # the keyword arguments each convention passes besides the data's columns
+    "": ("prompts", "responses", "prompt_ids", "response_ids"),
+    "trl": ("prompts", "completions", "completion_ids"),
+    "verl": ("solution_str",),
+}
+VERL_FIELDS = ("data_source", "ground_truth", "extra_info")  # from columns of these names
+
+
+def argument_problem(rf: RewardFunction, columns: Sequence[str]) -> str | None:
+    """Why calling `rf` on rows with the carried `columns` would fail or get None for an argument
+    it requires (one line naming the function, the argument and the columns), or None."""
+    import inspect
+
+    try:
+        params = inspect.signature(rf.fn).parameters
+    except (TypeError, ValueError):  # a builtin or C function: nothing to check
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    named = {n for n, p in params.items() if p.kind in kinds}
+    required = [n for n, p in params.items() if p.kind in kinds and p.default is inspect.Parameter.empty]
+    if rf.convention == "verl":
+        given = {*PASSED["verl"], *(f for f in VERL_FIELDS if f in columns)}
+        passed = {*PASSED["verl"], *VERL_FIELDS}
+    else:
+        given = passed = {*PASSED[rf.convention], *(c for c in columns if c != MESSAGES or not rf.convention)}
+    have = ", ".join(c for c in columns if c != MESSAGES) or "none"
+    if missing := [n for n in required if n not in given]:
+        what = "verl field" if rf.convention == "verl" else "argument"
+        return (
+            f"reward function {rf.path} needs {what} {', '.join(repr(m) for m in missing)}, which no column "
+            f"of the prompt data gives (columns: {have})"
+        )
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if not takes_kwargs and (extra := sorted(passed - named)):
+        return (
+            f"reward function {rf.path} does not take argument {', '.join(repr(e) for e in extra)}, which "
+            "score passes; add **kwargs to its parameters"
+        )
+    return None
+
+
+def check_arguments(fns: Sequence[RewardFunction], columns: Sequence[str], where: str) -> None:
+    """ConfigError at the first reward function with an argument_problem (before any scoring)."""
+    for rf in fns:
+        if (problem := argument_problem(rf, columns)) is not None:
+            raise ConfigError(f"{where}: {problem}")

@@ -9,7 +9,8 @@
 -- so they do not depend on thread scheduling: a resumed run rewrites parts bit-identical to an
 -- uninterrupted one. (3x faster than avg(reward ORDER BY reward) on 10M rows, same values.)
 -- `dropped` is the first filter that removes the group: 'small' (n < min_group_size), then
--- 'zero_variance' (max = min, when drop_zero_variance); NULL: kept.
+-- 'zero_variance' (when drop_zero_variance: the rewards are all equal, or the task scores are: the
+-- KL term of a KL-shaped reward alone never makes a group informative); NULL: kept.
 -- `n_current` (rows of $iter among the n) and `n_current_truncated` (of those, truncated) give
 -- the manifest's row counts per filter (advantage_counts.sql) without another pass over `pool`.
 CREATE OR REPLACE TEMP TABLE groups AS
@@ -21,6 +22,7 @@ WITH g AS (
         count(*) FILTER (WHERE iter = $iter AND truncated) AS n_current_truncated,
         min(reward) AS lo,
         max(reward) AS hi,
+        min(score) = max(score) AS same_score,
         list_sort(list(reward)) AS sorted_rewards
     FROM pool
     WHERE used
@@ -41,6 +43,6 @@ SELECT
     END AS std,
     CASE
         WHEN n < $min_group_size THEN 'small'
-        WHEN $drop_zero_variance AND lo = hi THEN 'zero_variance'
+        WHEN $drop_zero_variance AND (lo = hi OR coalesce(same_score, false)) THEN 'zero_variance'
     END AS dropped
 FROM g;

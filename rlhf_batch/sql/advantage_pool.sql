@@ -9,12 +9,14 @@
 -- is shorter, POSITIONAL JOIN pads it with nulls); `h`: a hash of (iter, rollout_id) for the
 -- duplicate check. Only when every row is aligned, no reward is +/-inf and no two h are equal
 -- is this pool used; otherwise advantage_pool_joined.sql rebuilds it by rollout_id and
--- advantage_check.sql names the problem. NaN rewards count as null (no reward).
+-- advantage_check.sql names the problem. NaN rewards count as null (no reward). `score` (the
+-- task score, before the KL term) is what the zero-variance filter judges (advantage_groups.sql).
 CREATE OR REPLACE TEMP MACRO aligned_pool(rollout_files, score_files, it, drop_truncated) AS TABLE
 SELECT
     it AS iter,
     r.prompt_id,
     s.reward,
+    s.score,
     coalesce(r.truncated, false) AS truncated,
     -- rows that enter the group statistics
     s.reward IS NOT NULL AND NOT (coalesce(r.truncated, false) AND drop_truncated) AS used,
@@ -25,6 +27,7 @@ FROM (
     FROM read_parquet(rollout_files, union_by_name = true)
 ) AS r
 POSITIONAL JOIN (
-    SELECT rollout_id, prompt_id, CASE WHEN isnan(reward) THEN NULL ELSE reward END AS reward
+    SELECT rollout_id, prompt_id, CASE WHEN isnan(reward) THEN NULL ELSE reward END AS reward,
+           CASE WHEN isnan(score) THEN NULL ELSE score END AS score
     FROM read_parquet(score_files, union_by_name = true)
 ) AS s;

@@ -11,7 +11,8 @@ WITH r AS (
     FROM read_parquet($rollout_files, hive_partitioning = true, hive_types = {'iter': INTEGER},
                       union_by_name = true)
 ), s AS (
-    SELECT iter, rollout_id, prompt_id, CASE WHEN isnan(reward) THEN NULL ELSE reward END AS reward
+    SELECT iter, rollout_id, prompt_id, CASE WHEN isnan(reward) THEN NULL ELSE reward END AS reward,
+           CASE WHEN isnan(score) THEN NULL ELSE score END AS score
     FROM read_parquet($score_files, hive_partitioning = true, hive_types = {'iter': INTEGER},
                       union_by_name = true)
 )
@@ -23,6 +24,7 @@ SELECT
     s.rollout_id IS NOT NULL AS in_scores,
     s.prompt_id IS DISTINCT FROM r.prompt_id AS prompt_mismatch,
     s.reward,
+    s.score,
     coalesce(r.truncated, false) AS truncated,
     -- rows that enter the group statistics
     s.reward IS NOT NULL AND NOT (coalesce(r.truncated, false) AND $drop_truncated) AS used

@@ -23,8 +23,9 @@ Semantics (config [advantage]):
   MCAdvantage); `eps` (default 1e-6) is added to the std. float64 throughout; a constant group
   (max == min, including a group of one) gets exactly 0.
 * Group filters, in this order, each group counted once: `min_group_size` (n < min, default 2:
-  `groups_dropped_small`), then `drop_zero_variance` (max == min, default on, DAPO's dynamic
-  sampling: `groups_dropped_zero_variance`). n counts the rewards used.
+  `groups_dropped_small`), then `drop_zero_variance` (default on, DAPO's dynamic sampling:
+  `groups_dropped_zero_variance`): the group's task scores (`score`, before any KL term) are all
+  equal, or its rewards are; the KL term of a KL-shaped reward alone never keeps a group. n counts the rewards used.
 * Output order: bucket b = len(input_ids) // bucket_tokens; buckets in a seeded shuffled order
   (md5 of '{seed}:{iter}:bucket:{b}'), rows inside a bucket in a seeded hash order (md5 of
   '{seed}:{iter}:row:{rollout_id}'). Part n (part-00000-NNNNN.parquet) holds rows
@@ -384,7 +385,7 @@ def _why(c: dict[str, int], cfg: Config) -> str:
         )
     if c["groups_dropped_zero_variance"]:
         why.append(
-            f"{c['groups_dropped_zero_variance']} of {c['groups_total']} groups with zero reward variance "
+            f"{c['groups_dropped_zero_variance']} of {c['groups_total']} groups whose task scores (or rewards) are all equal "
             "(set advantage.drop_zero_variance=false to keep them with advantage 0)"
         )
     return "; ".join(why) or "no group has a scored rollout"

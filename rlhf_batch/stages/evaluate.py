@@ -36,6 +36,7 @@ from rlhf_batch.engines import make_engine
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.models.policy import start_policy
 from rlhf_batch.rewards import load_reward_functions, weighted_sum
+from rlhf_batch.rewards.conventions import check_arguments
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.generate import generate_part
 from rlhf_batch.stages.score import reward_values
@@ -111,6 +112,7 @@ class Eval(Stage):
 
         self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
         self.prompts = load_prompts(self.sampling, self.tok)
+        check_arguments(self.fns, self.prompts.carried.column_names, self.sampling.prompts)
         for name in self.prompts.carried.column_names:
             if name in EVAL.names or name in {rf.column for rf in self.fns}:
                 raise StageError(

@@ -17,7 +17,8 @@ No KL, no reference: when KL is used neither in the reward (``kl_in_reward`` off
 reward functions alone cost no model forward (the reference's config and tokenizer are still
 read to check the rollouts' token ids). train's ``kl_to_ref`` metric is then 0.
 
-Reference == policy: when a rollout's ``policy`` column names the reference model's directory,
+Reference == policy: when a rollout's ``policy`` column names the reference model's directory
+(or a policy train carried forward unchanged from it: score_checks.origin),
 its reference log-probs ARE its behaviour log-probs (same weights, same log-prob definition), so
 they are copied instead of recomputed: ``kl`` is exactly 0 and no reference forward runs. Any
 other rollout gets a full forward pass of the reference; a copy of the policy under another
@@ -57,12 +58,12 @@ from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.models.forward import batched_logprobs
 from rlhf_batch.models.load import load_model
 from rlhf_batch.rewards import RM_COLUMN, RewardFunction, clip, load_reward_functions, weighted_sum
-from rlhf_batch.rewards.conventions import evaluate
+from rlhf_batch.rewards.conventions import check_arguments, evaluate
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
-from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_dir
+from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_model
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.manifests import manifest, read_complete
 from rlhf_batch.store.modeldir import model_fingerprint
@@ -110,9 +111,11 @@ class Score(Stage):
 
     def open(self, todo: list[int]) -> None:
         self.rollouts = read_complete(self.rdir, ROLLOUTS)
+        carried = [c for c in self.rollouts.column_names if c not in ROLLOUTS.names]
+        check_arguments(self.fns, carried, str(self.rdir))  # before any rollout is scored
         policies = pc.unique(self.rollouts["policy"].drop_null()).to_pylist()
         self.scorer = Scorer(self.cfg, policies, self.fns, self.kl_coef)
-        if self.scorer.kl and not all(same_dir(p, self.cfg.ref) for p in policies):
+        if self.scorer.kl and not all(same_model(p, self.cfg.ref) for p in policies):
             self.scorer.ref_model  # noqa: B018 - loaded in start-up, not in the first part's time
 
     def progress_total(self, todo: list[int]) -> int:
@@ -294,7 +297,7 @@ class Scorer:
         offsets = np.concatenate([[0], np.cumsum(r_len)])  # [B + 1]
         ref = beh.copy()  # [N]
         policies = t["policy"].to_pylist()
-        is_ref = {p: same_dir(p, self.cfg.ref) for p in set(policies)}
+        is_ref = {p: same_model(p, self.cfg.ref) for p in set(policies)}
         need = [i for i, p in enumerate(policies) if r_len[i] and not is_ref[p]]
         skip = set(range(len(prompt_ids))) - set(need)
         progress(sum(len(prompt_ids[i]) + int(r_len[i]) for i in skip))

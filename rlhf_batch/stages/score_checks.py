@@ -18,6 +18,37 @@ from rlhf_batch.store.fs import run_path
 from rlhf_batch.store.modeldir import check_model_dir, same_dir
 from rlhf_batch.store.schemas import ROLLOUTS
 
+CARRIED = "carried_from.json"  # in a policy dir train copied unchanged: {"from", "fingerprint"}
+
+
+def without_path(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fingerprint.items() if k != "path"}
+
+
+def origin(path: str) -> str:
+    """The model a policy directory holds the weights of: following the records of policies
+    carried forward unchanged (train_empty) back to the first, while each source still has the
+    fingerprint recorded when it was copied."""
+    from rlhf_batch.store.layout import run_root
+    from rlhf_batch.store.modeldir import model_fingerprint
+
+    p = Path(path)
+    while (p / CARRIED).is_file():
+        rec = json.loads((p / CARRIED).read_text())
+        src = str(rec["from"]).replace("{run_dir}", str(run_root(p)))
+        try:
+            if without_path(model_fingerprint(src, "policy")) != rec["fingerprint"]:
+                break
+        except ModelError:
+            break
+        p = Path(src)
+    return str(p)
+
+
+def same_model(policy: str | None, ref: str | None) -> bool:
+    """The policy's weights are the reference's: the same directory, or carried forward from it."""
+    return bool(policy) and bool(ref) and same_dir(origin(str(policy)), ref)
+
 
 def check_rollouts(t: pa.Table, where: str, vocab_size: int) -> None:
     """SchemaError naming the rollout: nulls, empty prompts, log-prob/response length mismatch,

@@ -3,12 +3,14 @@
 When the advantage stage leaves no row (every group filtered out, whatever the settings), its
 manifest has 0 rows and says why (`no_trainable_rows`). Train then does not fail the run: it
 copies the starting policy unchanged to `iter=K/policy` (the next iteration starts from the same
-weights), carries the optimizer state of iteration K-1 unchanged to `iter=K/train/optimizer`
+weights; `carried_from.json` there names the source, so score knows a policy carried forward
+from the reference model is the reference: KL exactly 0), carries the optimizer state of iteration K-1 unchanged to `iter=K/train/optimizer`
 (same global step), writes an empty metrics.parquet and prints one warning line saying why.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -41,10 +43,29 @@ def carry_forward(
     )
     if prev is not None:
         _copy_dir(prev[0], layout.optimizer_dir(cfg.run_dir, iteration))
-    _copy_dir(run_path(start), layout.policy_dir(cfg.run_dir, iteration))
+    _copy_policy(run_path(start), layout.policy_dir(cfg.run_dir, iteration))
     sdir = layout.folder(cfg.run_dir, iteration, layout.TRAIN)
     atomic.write_parquet_atomic(sdir / layout.METRICS_FILE, METRICS.empty_table(), METRICS)
     return carried
+
+
+def _copy_policy(src: Path, dst: Path) -> None:
+    """The policy copied unchanged, with a record of its source (score_checks.origin): a policy
+    carried forward from the reference is the reference, and gets KL exactly 0."""
+    from rlhf_batch.stages.score_checks import CARRIED, without_path
+    from rlhf_batch.store.modeldir import model_fingerprint
+    from rlhf_batch.store.output import portable
+
+    record = {
+        "from": portable(str(src), layout.run_root(dst)),
+        "fingerprint": without_path(model_fingerprint(str(src), "policy")),
+    }
+
+    def write(tmp: Path) -> None:
+        shutil.copytree(local_dir(src), tmp, dirs_exist_ok=True)
+        (tmp / CARRIED).write_text(json.dumps(record, indent=1))
+
+    atomic.write_dir_atomic(dst, write)
 
 
 def _copy_dir(src: Path, dst: Path) -> None:

@@ -49,7 +49,13 @@ def run_root(sdir: Path) -> Path | None:
     return None
 
 
-STAGE_OF = {"rollouts": "generate", "scores": "score", "advantages": "advantage", "train": "train", "eval": "eval"}
+STAGE_OF = {
+    "rollouts": "generate",
+    "scores": "score",
+    "advantages": "advantage",
+    "train": "train",
+    "eval": "eval",
+}
 
 
 def redo_command(sdir: Path, stage: str = "") -> str:

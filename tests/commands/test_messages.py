@@ -19,7 +19,9 @@ def test_a_refused_stage_in_run_names_the_stage_command_with_force(make_config, 
     data = Path(cfg.generate.prompts)
     edited = data.parent / "edited.jsonl"
     edited.write_text(data.read_text() + data.read_text().splitlines()[0].replace("demo-000000", "x") + "\n")
-    res = rlhf("run", path, "--iterations", "1", "--in-process", "--quiet", "--set", f"generate.prompts={edited}")
+    res = rlhf(
+        "run", path, "--iterations", "1", "--in-process", "--quiet", "--set", f"generate.prompts={edited}"
+    )
     assert res.returncode == 1
     (line,) = res.stderr.strip().splitlines()
     assert "replace it with `rlhf-batch generate CONFIG --iter 0 --force`" in line, line

@@ -51,7 +51,9 @@ def test_a_nested_id_column_names_a_struct_field(make_config, tmp_path: Path) ->
         }
     )
     pq.write_table(table, tmp_path / "verl.parquet")
-    _, cfg = make_config(generate={"prompts": str(tmp_path / "verl.parquet"), "id_column": "extra_info.index"})
+    _, cfg = make_config(
+        generate={"prompts": str(tmp_path / "verl.parquet"), "id_column": "extra_info.index"}
+    )
     generate.run(cfg, 0, quiet=True)
     t = rollouts(cfg)
     assert t.column("prompt_id").to_pylist() == ["7"] * 4 + ["9"] * 4
@@ -61,14 +63,22 @@ def test_a_nested_id_column_names_a_struct_field(make_config, tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("rows", "id_column", "needle"),
     [
-        ([{"prompt": "x", "uid": 1}], "uuid", "generate.id_column 'uuid' is not a column (columns: prompt, uid)"),
+        (
+            [{"prompt": "x", "uid": 1}],
+            "uuid",
+            "generate.id_column 'uuid' is not a column (columns: prompt, uid)",
+        ),
         ([{"prompt": "x"}], "extra_info.index", "generate.id_column 'extra_info.index' is not a column"),
         (
             [{"prompt": "x", "uid": "a"}, {"prompt": "y", "uid": "b"}, {"prompt": "z", "uid": "a"}],
             "uid",
             "rows 0 and 2 have the same id 'a' in id column 'uid'",
         ),
-        ([{"prompt": "x", "uid": "a"}, {"prompt": "y", "uid": None}], "uid", "row 1: id column 'uid' is null"),
+        (
+            [{"prompt": "x", "uid": "a"}, {"prompt": "y", "uid": None}],
+            "uid",
+            "row 1: id column 'uid' is null",
+        ),
     ],
 )
 def test_a_missing_or_repeating_id_column_is_an_error_naming_file_rows(
