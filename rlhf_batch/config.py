@@ -15,6 +15,7 @@ current directory.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 import math
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from rlhf_batch.errors import ConfigError
+from rlhf_batch.errors import ConfigError, UserError
 
 
 def knob(default: Any, *decides: str) -> Any:
@@ -39,9 +40,21 @@ def knob(default: Any, *decides: str) -> Any:
     return field(default=default, metadata=meta)
 
 
+# while check_config runs: every problem is recorded here and loading goes on (`validate`)
+_PROBLEMS: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("config_problems", default=None)
+
+
+def _fail(message: str) -> None:
+    """A config problem: raised, or recorded when check_config collects every problem."""
+    found = _PROBLEMS.get()
+    if found is None:
+        raise ConfigError(message)
+    found.append(message)
+
+
 def _need(ok: bool, key: str, what: str) -> None:
     if not ok:
-        raise ConfigError(f"'{key}' {what}")
+        _fail(f"'{key}' {what}")
 
 
 @dataclass
@@ -384,7 +397,8 @@ def load_config(
         _apply_override(raw, item)
     cfg = _build(Config, raw, where, "")
     if not cfg.run_dir.strip():  # "" would write iter=0000 into the current directory
-        raise ConfigError(f"{where}: 'run_dir' must not be empty")
+        _fail(f"{where}: 'run_dir' must not be empty")
+        cfg.run_dir = "runs/default"
     if cfg.threads == 0:
         cfg.threads = (
             len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -394,11 +408,32 @@ def load_config(
         _resolve_hub_ids(cfg)
     cfg.score.reward_paths = [str(base / Path(d).expanduser()) for d in cfg.score.reward_paths]
     cfg.__dict__["source_dir"] = str(base)  # not a field: where the file is changes no result
+    found = _PROBLEMS.get()
+    start = len(found) if found is not None else 0
     try:
         cfg.validate()
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
+    if found is not None:
+        found[start:] = [f"{where}: {m}" for m in found[start:]]
     return cfg
+
+
+def check_config(
+    path: str | Path | None, overrides: list[str] | None = None
+) -> tuple[Config | None, list[str]]:
+    """load_config that records every problem instead of stopping at the first (keys left at
+    their defaults): the config (None when it cannot be read at all) and the problems."""
+    token = _PROBLEMS.set([])
+    try:
+        try:
+            cfg: Config | None = load_config(path, overrides)
+        except UserError as e:  # one that stops the loading: no file, not TOML, a model not found
+            cfg = None
+            _PROBLEMS.get().append(str(e))  # type: ignore[union-attr]
+        return cfg, list(_PROBLEMS.get() or [])
+    finally:
+        _PROBLEMS.reset(token)
 
 
 def reward_search_path(cfg: Config) -> list[str]:
@@ -442,20 +477,26 @@ def _build(cls: type, raw: dict[str, Any], where: str, prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     for key in raw:
         if f"{prefix}{key}" in RENAMED:
-            raise ConfigError(f"{where}: '{prefix}{key}' was renamed to '{RENAMED[prefix + key]}'")
-        if key not in names:
+            _fail(f"{where}: '{prefix}{key}' was renamed to '{RENAMED[prefix + key]}'")
+        elif key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""
-            raise ConfigError(f"{where}: unknown key '{prefix}{key}'{hint}")
+            _fail(f"{where}: unknown key '{prefix}{key}'{hint}")
     kwargs = {}
     for key, value in raw.items():
-        typ = hints[key]
+        typ = hints.get(key) if key in names else None
+        if typ is None:
+            continue  # recorded above
         if dataclasses.is_dataclass(typ):
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}: '{prefix}{key}' must be a table [{key}]")
+                _fail(f"{where}: '{prefix}{key}' must be a table [{key}]")
+                continue
             kwargs[key] = _build(typ, value, where, f"{prefix}{key}.")  # type: ignore[arg-type]
         else:
-            kwargs[key] = _coerce(value, typ, where, f"{prefix}{key}")
+            try:
+                kwargs[key] = _coerce(value, typ, where, f"{prefix}{key}")
+            except ConfigError as e:
+                _fail(str(e))
     return cls(**kwargs)
 
 
@@ -498,7 +539,12 @@ def _resolve_hub_ids(cfg: Config) -> None:
     for key in MODEL_KEYS:
         value = getattr(cfg, key)
         if value and not Path(value).is_absolute() and _hub(key, value):
-            setattr(cfg, key, resolve_hub_model(value, key))
+            try:
+                setattr(cfg, key, resolve_hub_model(value, key))
+            except UserError as e:  # a model not in the cache: recorded while checking
+                if (found := _PROBLEMS.get()) is None:
+                    raise
+                found.append(str(e))
 
 
 def _resolve_paths(cfg: Config, base: Path) -> None:

@@ -240,12 +240,22 @@ def import_(
 
 @app.command()
 def validate(config: ConfigArg, set_: SetOpt = None) -> None:
-    """Check a config file: keys, types and values; model dirs and configs, the prompt file and its
-    columns, reward function imports."""
-    from rlhf_batch.commands.runs import validate as check
+    """Check a config file and report every problem (exit 1 if any): keys, types and values; model
+    dirs; the generate and eval prompt files, their id column and repeats; reward function imports
+    and arguments against the prompt columns; LoRA's init_adapter and target_modules."""
+    from rlhf_batch.commands.checks import validate as check
+    from rlhf_batch.config import check_config
 
-    for line in check(_config(config, set_)):
+    if os.environ.get("RLHF_BATCH_DEBUG"):
+        _config(config, set_)  # the first config problem raised where it is found, with its traceback
+    cfg, problems = check_config(config, set_)
+    ok, more = check(cfg) if cfg is not None else ([], [])
+    for line in ok:
         typer.echo(f"  {line}: ok")
+    for line in problems + more:  # one line each
+        typer.echo(f"error: {line}", err=True)
+    if problems or more:
+        raise typer.Exit(1)
     typer.echo(f"{config}: ok")
 
 

@@ -1,4 +1,4 @@
-"""Which run a read command (`status`, `sql`, `report`) looks at, and `validate`'s checks.
+"""Which run a read command (`status`, `sql`, `report`) looks at (`validate`'s checks: checks.py).
 
 A read command takes the config file (positionally or with ``--config``) or the run directory
 (positionally or with ``--run-dir``); without either, the current directory. The directory must
@@ -9,9 +9,8 @@ at the wrong place fails instead of printing an empty status.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from rlhf_batch.errors import ConfigError, UserError
+from rlhf_batch.errors import UserError
 from rlhf_batch.store.fs import is_remote, run_path
 
 
@@ -40,61 +39,3 @@ def run_dir_of(target: str | None = None, run_dir: str | None = None, config: Pa
             f"{root}: holds no run (no iter=* folder){where}; give the config file or the run directory"
         )
     return root
-
-
-def validate(cfg: Any) -> list[str]:
-    """Check what a run needs before it starts: model directories (or cached hub ids) with a
-    config transformers can load, the prompt file and the columns the config names, the reward
-    functions' imports. Returns what was checked; the first problem is a one-line error."""
-    from rlhf_batch.config import reward_search_path
-    from rlhf_batch.rewards import load_reward_functions
-
-    checked: list[str] = []
-    models = [
-        ("policy_model", cfg.policy_model),
-        ("ref_model", cfg.ref_model),
-        ("reward_model", cfg.reward_model),
-    ]
-    for what, path in models:
-        if what == "policy_model" and cfg.demo and not Path(path).exists():
-            continue  # the demo builds it
-        if what == "policy_model" or path:
-            _check_model(path, what)
-            checked.append(f"{what} {path}")
-    if not (cfg.demo and not Path(cfg.generate.prompts).exists()):
-        checked.append(_check_prompts(cfg))
-    for d in cfg.score.reward_paths:
-        if not Path(d).is_dir():
-            raise ConfigError(f"score.reward_paths: {d}: directory not found")
-    fns = load_reward_functions(
-        cfg.score.reward_functions, cfg.score.reward_weights, (), reward_search_path(cfg)
-    )
-    checked += [f"reward function {rf.path}" for rf in fns]
-    return checked
-
-
-def _check_model(path: str, what: str) -> None:
-    from rlhf_batch.errors import ModelError
-    from rlhf_batch.store.modeldir import check_model_dir
-
-    p = check_model_dir(path, what)
-    from transformers import AutoConfig
-
-    try:
-        AutoConfig.from_pretrained(p, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelError(f"{what}: {p}/config.json does not load ({str(e).splitlines()[0]})") from None
-
-
-def _check_prompts(cfg: Any) -> str:
-    from rlhf_batch.data.prompts import chat_column, no_prompt_column, read_table
-    from rlhf_batch.errors import StageError
-
-    g = cfg.generate
-    table = read_table(g.prompts)
-    if table.num_rows == 0:
-        raise StageError(f"{g.prompts}: the prompt file is empty")
-    column = chat_column(table, g) or (g.prompt_column if g.prompt_column in table.column_names else "")
-    if not column:
-        raise no_prompt_column(table, g, g.prompts)
-    return f"prompts {g.prompts} ({table.num_rows} rows, column '{column}')"

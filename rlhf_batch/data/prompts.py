@@ -121,10 +121,7 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any, batch: int | None = None, 
         assert repeats is not None
         ids = [hashed_id(t, repeats[r]) for t, r in zip(texts, rows, strict=True)]
     check_distinct(ids, rows, where)
-    used = {cfg.prompt_column, cfg.messages_column, cfg.id_column}
-    carried = with_ground_truth(table.drop_columns([c for c in table.column_names if c in used]))
-    if chat and MESSAGES not in carried.column_names:
-        carried = carried.append_column(MESSAGES, table.column(chat_column(table, cfg)))
+    carried = carried_table(table, cfg)
     for name in carried.column_names:
         if ROLLOUTS.get_field_index(name) >= 0:
             raise StageError(f"{where}: column '{name}' clashes with a rollouts column; rename it")
@@ -132,6 +129,16 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any, batch: int | None = None, 
     out = _limit(Prompts(ids, texts, tokens, carried), cfg, tokenizer, where, rows)
     out.batch = taken
     return out
+
+
+def carried_table(table: pa.Table, cfg: GenerateConfig) -> pa.Table:
+    """The columns carried into the rollouts (what reward functions see): every column but the
+    prompt and id columns, verl's `ground_truth`, and chat prompts' messages as `prompt_messages`."""
+    used = {cfg.prompt_column, cfg.messages_column, cfg.id_column}
+    carried = with_ground_truth(table.drop_columns([c for c in table.column_names if c in used]))
+    if (chat := chat_column(table, cfg)) and MESSAGES not in carried.column_names:
+        carried = carried.append_column(MESSAGES, table.column(chat))
+    return carried
 
 
 def prompt_values(table: pa.Table, cfg: GenerateConfig, where: str) -> list[Any]:

@@ -5,6 +5,7 @@ Every failure is a one-line error naming the rollout or the model directory."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np

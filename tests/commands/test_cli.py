@@ -115,18 +115,19 @@ def test_validate_and_one_line_errors(tmp_path: Path, tiny_model: Path, demo_pro
     res = cli("validate", str(good))
     assert res.returncode == 0 and res.stdout.splitlines() == [
         f"  policy_model {tiny_model}: ok",
-        f"  prompts {demo_prompts} (12 rows, column 'prompt'): ok",
-        "  reward function rlhf_batch.rewards.demo:letter_count: ok",
+        f"  generate.prompts {demo_prompts} (12 rows, ids from 'id'): ok",
+        "  score reward function rlhf_batch.rewards.demo:letter_count: ok",
         f"{good}: ok",
     ]
     bad = tmp_path / "bad.toml"
     bad.write_text("[generate]\ntemprature = 0.5\n")
     res = cli("validate", str(bad))
     assert res.returncode == 1
-    assert (
-        res.stderr.strip()
-        == f"error: {bad}: unknown key 'generate.temprature' (did you mean 'generate.temperature'?)"
-    )
+    assert res.stderr.strip().splitlines() == [  # every problem, one line each
+        f"error: {bad}: unknown key 'generate.temprature' (did you mean 'generate.temperature'?)",
+        "error: policy_model: no model directory configured",
+        "error: generate.prompts: no prompt file configured",
+    ]
     assert "Traceback" not in res.stderr
     res = cli("--debug", "validate", str(bad))
     assert res.returncode != 0 and "Traceback" in res.stderr
@@ -151,3 +152,53 @@ def test_usage_errors_are_one_line_without_traceback() -> None:
         lines = res.stderr.strip().splitlines()
         assert res.returncode == 2, (args, res.stderr)
         assert len(lines) == 1 and lines[0].startswith(f"error: {expected}"), (args, res.stderr)
+
+
+def needs_solution(*, prompts, responses, solution, **_):  # noqa: ANN001, ANN201
+    return [0.0] * len(responses)
+
+
+def test_validate_reports_every_problem_in_one_run(tmp_path: Path, tiny_model: Path) -> None:
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "a", "uid": "x"}\n{"prompt": "b", "uid": "x"}\n{"prompt": "a", "uid": "y"}\n')
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'policy_model = "{tiny_model}"\niterations = 0\n'
+        f'[generate]\nprompts = "{data}"\nid_column = "uid"\ntemprature = 0.5\n'
+        '[score]\nreward_functions = ["tests.cli.test_cli:needs_solution", "no_such_module:f"]\n'
+        f'[eval]\nprompts = "{tmp_path / "held_out.jsonl"}"\n'
+        f'[lora]\nenabled = true\ninit_adapter = "{tmp_path / "no_adapter"}"\ntarget_modules = ["q_proj", "qkv"]\n'
+    )
+    res = cli("validate", str(config))
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    expected = [
+        "unknown key 'generate.temprature'",
+        "'iterations' must be >= 1",
+        "rows 0 and 1 have the same id 'x' in id column 'uid'",
+        "held_out.jsonl: prompt file not found",
+        "cannot import 'no_such_module'",
+        "lora.init_adapter: ",
+    ]
+    assert len(lines) == len(expected), lines
+    for line, needle in zip(lines, expected, strict=True):
+        assert line.startswith("error: ") and needle in line, (line, needle)
+    data.write_text('{"prompt": "a", "uid": "x"}\n{"prompt": "a", "uid": "y"}\n')  # ids fixed
+    (tmp_path / "held_out.jsonl").write_text('{"prompt": "c", "uid": "h"}\n')
+    config.write_text(
+        f'policy_model = "{tiny_model}"\n[generate]\nprompts = "{data}"\nid_column = "uid"\n'
+        '[score]\nreward_functions = ["tests.cli.test_cli:needs_solution"]\n'
+        f'[eval]\nprompts = "{tmp_path / "held_out.jsonl"}"\n'
+        '[lora]\nenabled = true\ntarget_modules = ["q_proj", "qkv"]\n'
+    )
+    lines = cli("validate", str(config)).stderr.strip().splitlines()
+    assert len(lines) == 3, lines
+    assert (
+        "score.reward_functions: reward function tests.cli.test_cli:needs_solution needs argument 'solution'"
+        in lines[0]
+    )
+    assert "columns: none" in lines[0]
+    assert (
+        "eval.reward_functions: reward function tests.cli.test_cli:needs_solution needs argument" in lines[1]
+    )
+    assert "lora.target_modules: 'qkv' not in" in lines[2] and "q_proj" in lines[2]

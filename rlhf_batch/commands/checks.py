@@ -1,0 +1,155 @@
+"""`validate`: what a run needs, checked before it starts, every problem reported in one run.
+
+Checked: the config's keys, types and values (config.check_config); the model directories (or
+cached hub ids) with a config transformers can load; the prompt files of `generate.prompts` and
+`eval.prompts` (readable, not empty, a prompt column, the id column and its ids: prompt_ids.py);
+the reward functions (imports, column names that do not clash, each function's arguments
+against the columns of the prompts it scores: rewards.conventions.argument_problem); LoRA's
+`init_adapter` and `target_modules` against the policy's modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlhf_batch.errors import ConfigError, ModelError, StageError, UserError
+
+
+def validate(cfg: Any) -> tuple[list[str], list[str]]:
+    """(what was checked and is fine, the problems found): every check runs, whatever fails."""
+    ok: list[str] = []
+    problems: list[str] = []
+
+    def check(fn: Callable[[], str | list[str] | None]) -> None:
+        try:
+            done = fn()
+        except UserError as e:
+            problems.extend(getattr(e, "problems", [str(e)]))
+            return
+        ok.extend([done] if isinstance(done, str) else done or [])
+
+    for what in ("policy_model", "ref_model", "reward_model"):
+        path = getattr(cfg, what)
+        if what == "policy_model" and cfg.demo and not Path(path).exists():
+            continue  # the demo builds it
+        if what == "policy_model" or path:
+            check(lambda w=what, p=path: _check_model(p, w))
+    columns: dict[str, list[str] | None] = {"generate": None, "eval": None}
+    if not (cfg.demo and not Path(cfg.generate.prompts).exists()):
+        check(lambda: _check_prompts(cfg.generate, "generate.prompts", columns, "generate"))
+    if cfg.eval.prompts:
+        check(lambda: _check_prompts(_eval_sampling(cfg), "eval.prompts", columns, "eval"))
+    for d in cfg.score.reward_paths:
+        if not Path(d).is_dir():
+            problems.append(f"score.reward_paths: {d}: directory not found")
+    check(lambda: _check_rewards(cfg, "score", columns["generate"]))
+    if cfg.eval.prompts:  # eval's functions (default: score's) against the eval prompts' columns
+        check(lambda: _check_rewards(cfg, "eval", columns["eval"]))
+    if cfg.lora.enabled:
+        check(lambda: _check_lora(cfg))
+    return ok, list(dict.fromkeys(problems))  # eval's functions may be score's: each problem once
+
+
+def _check_model(path: str, what: str) -> str:
+    from rlhf_batch.store.modeldir import check_model_dir
+
+    p = check_model_dir(path, what)
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(p, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"{what}: {p}/config.json does not load ({str(e).splitlines()[0]})") from None
+    return f"{what} {path}"
+
+
+def _eval_sampling(cfg: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(cfg.generate, prompts=cfg.eval.prompts)
+
+
+def _check_prompts(g: Any, key: str, columns: dict[str, list[str] | None], stage: str) -> str:
+    """The prompt file `g.prompts`: readable, not empty, a prompt column, good ids. Records the
+    columns reward functions will see in `columns[stage]`."""
+    from rlhf_batch.data.prompt_ids import given_ids, repeat_numbers
+    from rlhf_batch.data.prompts import carried_table, prompt_values, read_table
+
+    if not g.prompts:
+        raise ConfigError(f"{key}: no prompt file configured")
+    table = read_table(g.prompts)
+    if table.num_rows == 0:
+        raise StageError(f"{g.prompts}: the prompt file is empty")
+    values = prompt_values(table, g, g.prompts)
+    ids = given_ids(table, g.id_column, g.prompts)
+    columns[stage] = carried_table(table, g).column_names
+    if ids is not None:
+        how = f"ids from '{g.id_column}'"
+    else:
+        repeats = sum(1 for r in repeat_numbers(values) if r)
+        how = "ids hashed from the prompts" + (
+            f", {repeats} repeated prompts (each its own prompt)" if repeats else ""
+        )
+    return f"{key} {g.prompts} ({table.num_rows} rows, {how})"
+
+
+def _check_rewards(cfg: Any, stage: str, columns: list[str] | None) -> list[str]:
+    """Every function imports, no two write one column, each one's arguments have columns."""
+    from rlhf_batch.config import reward_search_path
+    from rlhf_batch.rewards import load_reward_functions
+    from rlhf_batch.rewards.conventions import argument_problem
+
+    table = cfg.eval if stage == "eval" and cfg.eval.reward_functions else cfg.score
+    problems, fns = [], []
+    for path in table.reward_functions:
+        try:
+            fns += load_reward_functions([path], (), (), reward_search_path(cfg))
+        except UserError as e:
+            problems.append(str(e))
+    if not problems:
+        load_reward_functions(table.reward_functions, table.reward_weights, (), reward_search_path(cfg))
+    for rf in fns:
+        if columns is not None and (problem := argument_problem(rf, columns)):
+            problems.append(f"{stage}.reward_functions: {problem}")
+    if problems:
+        raise _Many(problems)
+    return [f"{stage} reward function {rf.path}" for rf in fns]
+
+
+class _Many(ConfigError):
+    """Several problems of one check (one line each)."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__(problems[0])
+        self.problems = problems
+
+
+def _check_lora(cfg: Any) -> str:
+    from rlhf_batch.models.lora import ADAPTER_WEIGHTS
+
+    lc = cfg.lora
+    if lc.init_adapter and not (Path(lc.init_adapter) / ADAPTER_WEIGHTS).is_file():
+        raise ConfigError(
+            f"lora.init_adapter: {lc.init_adapter} has no {ADAPTER_WEIGHTS} (a peft LoRA adapter dir)"
+        )
+    if lc.target_modules != ["all-linear"]:
+        names = _module_names(cfg.policy_model, cfg.trust_remote_code)
+        if unknown := [t for t in lc.target_modules if t not in names]:
+            raise ConfigError(
+                f"lora.target_modules: {', '.join(map(repr, unknown))} not in {cfg.policy_model} "
+                f"(its modules: {', '.join(sorted(names))})"
+            )
+    return f"lora r={lc.r} on {', '.join(lc.target_modules)}"
+
+
+def _module_names(path: str, trust_remote_code: bool) -> set[str]:
+    """The last name of every module of the model, built on the meta device (no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return {name.rpartition(".")[2] for name, _ in model.named_modules() if name}
