@@ -8,7 +8,8 @@ A reward function is called once per batch of rollouts with keyword lists (TRL-l
 where ``columns`` are the prompt dataset's columns carried along in the rollouts table (every
 column not in ``schemas.ROLLOUTS``, e.g. ``answer``), each a list; functions should accept
 ``**kwargs``. ``None`` means "cannot score this rollout". Its values go to the column
-``reward_<function name>``. The weighted sum of all values is ``reward_raw``; a row where any
+``reward_<function name>`` (``"package.module:function as NAME"``: ``reward_NAME``; two
+functions of one name: ``reward_<module>_<function>``, see load_reward_functions). The weighted sum of all values is ``reward_raw``; a row where any
 value is ``None`` has no ``reward_raw``. Light module: no torch import.
 
 A prefix selects another calling convention (see `rlhf_batch.rewards.conventions`):
@@ -38,22 +39,47 @@ CONVENTIONS = ("trl", "verl")  # prefixes of "trl:package.module:function"
 
 @dataclass(frozen=True)
 class RewardFunction:
-    path: str  # "package.module:function", optionally prefixed "trl:" or "verl:"
+    path: str  # "package.module:function", optionally prefixed "trl:" or "verl:", suffixed " as NAME"
     fn: Callable[..., Any]
     weight: float
     convention: str = ""  # "" (keyword lists, see above), "trl" or "verl"
+    alias: str = ""  # the name its column takes (" as NAME", or the naming rule of load_reward_functions)
 
     @property
     def name(self) -> str:
-        return self.path.rpartition(":")[2].rpartition(".")[2]
+        return self.alias or given_name(self.path)
 
     @property
     def column(self) -> str:
         return f"reward_{self.name}"
 
 
+def strip_alias(path: str) -> tuple[str, str]:
+    """``"verl:pkg.mod:compute_score as gsm8k"`` -> ("verl:pkg.mod:compute_score", "gsm8k")."""
+    head, sep, alias = path.rpartition(" as ")
+    if not sep:
+        return path.strip(), ""
+    if not alias.strip().isidentifier():
+        raise ConfigError(f"score.reward_functions: {path!r}: the name after 'as' must be an identifier")
+    return head.strip(), alias.strip()
+
+
+def given_name(path: str) -> str:
+    """The alias of ``"pkg.mod:fn as NAME"``, else the function's name."""
+    bare, alias = strip_alias(path)
+    return alias or bare.rpartition(":")[2].rpartition(".")[2]
+
+
+def qualified_name(path: str) -> str:
+    """The column name of a function whose name another function has: its module's last part
+    and its name (``verl:pkg.gsm8k:compute_score`` -> ``gsm8k_compute_score``)."""
+    module, _, attr = split_convention(strip_alias(path)[0])[1].partition(":")
+    return f"{module.rpartition('.')[2]}_{attr.rpartition('.')[2]}"
+
+
 def split_convention(path: str) -> tuple[str, str]:
     """``"trl:pkg.mod:fn"`` -> ("trl", "pkg.mod:fn"); a path without a prefix -> ("", path)."""
+    path = strip_alias(path)[0]
     prefix, sep, rest = path.partition(":")
     if sep and rest.count(":") == 1:
         if prefix not in CONVENTIONS:
@@ -103,21 +129,26 @@ def load_reward_functions(
     search: Sequence[str] = (),
 ) -> list[RewardFunction]:
     """Import every function (with `search` dirs at the end of sys.path); weights default to
-    1.0. Two functions whose columns would have the same name (or a name in `reserved`) are a
-    ConfigError."""
+    1.0. A function's column is ``reward_<name>``: its alias (``"pkg.mod:fn as NAME"``), else its
+    function name, else, when another function has that name too, ``<module>_<function>`` (two
+    verl ``compute_score`` from ``gsm8k`` and ``math`` modules: ``reward_gsm8k_compute_score``,
+    ``reward_math_compute_score``). Columns that still have one name (or a name in `reserved`)
+    are a ConfigError."""
     add_search_path(search)
     weights = list(weights) or [1.0] * len(paths)
     if len(weights) != len(paths):
         raise ConfigError(f"score.reward_weights: {len(weights)} weights for {len(paths)} reward_functions")
+    names = [given_name(p) for p in paths]
     out: list[RewardFunction] = []
-    for path, weight in zip(paths, weights, strict=True):
-        rf = RewardFunction(path, import_function(path), float(weight), split_convention(path)[0])
+    for path, weight, name in zip(paths, weights, names, strict=True):
+        alias = strip_alias(path)[1] or (qualified_name(path) if names.count(name) > 1 else "")
+        rf = RewardFunction(path, import_function(path), float(weight), split_convention(path)[0], alias)
         clash = [o.path for o in out if o.column == rf.column]
         if clash or rf.column in reserved or rf.column == RM_COLUMN:
             other = f"{clash[0]!r}" if clash else "a column of the scores table"
             raise ConfigError(
                 f"score.reward_functions: {path!r} would write column {rf.column!r}, as does {other}; "
-                "give the function another name"
+                "name its column with 'MODULE:FUNCTION as NAME'"
             )
         out.append(rf)
     return out

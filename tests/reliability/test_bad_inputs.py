@@ -803,7 +803,7 @@ def reward_function_unknown_convention(ctx: Ctx):  # noqa: ANN201
 def verl_result_without_score(ctx: Ctx):  # noqa: ANN201
     name = ctx.module(
         "rw_verl",
-        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n    return {'acc': 1.0}\n",
+        "def compute_score(data_source=None, solution_str='', ground_truth=None, extra_info=None):\n    return {'acc': 1.0}\n",
     )
     args = _score(ctx, score={"reward_functions": [f"verl:{name}:compute_score"]})
     return args, [

@@ -95,11 +95,24 @@ def test_bad_paths_are_config_errors_naming_the_path(paths: list[str], message: 
         load_reward_functions(paths)
 
 
-def test_two_functions_with_the_same_name_or_a_reserved_column_clash() -> None:
+def test_two_functions_with_the_same_name_take_their_module_names_or_an_alias() -> None:
+    fns = load_reward_functions(["rlhf_batch.rewards.demo:letter_count", f"{HERE}:letter_count"])
+    assert [f.column for f in fns] == ["reward_demo_letter_count", "reward_test_loading_letter_count"]
+    fns = load_reward_functions(["rlhf_batch.rewards.demo:letter_count as letters", f"{HERE}:letter_count"])
+    assert [f.column for f in fns] == ["reward_letters", "reward_letter_count"]
+    assert fns[0].fn is load_reward_functions(["rlhf_batch.rewards.demo:letter_count"])[0].fn
+    with pytest.raises(ConfigError, match="the name after 'as' must be an identifier"):
+        load_reward_functions(["rlhf_batch.rewards.demo:letter_count as two words"])
+
+
+def test_columns_that_still_clash_or_are_reserved_are_errors() -> None:
     with pytest.raises(
-        ConfigError, match="would write column 'reward_letter_count', as does 'rlhf_batch.rewards"
+        ConfigError,
+        match="would write column 'reward_demo_letter_count', as does 'rlhf_batch.rewards.*'MODULE:FUNCTION as NAME'",
     ):
-        load_reward_functions(["rlhf_batch.rewards.demo:letter_count", f"{HERE}:letter_count"])
+        load_reward_functions(
+            ["rlhf_batch.rewards.demo:letter_count", "rlhf_batch.rewards.demo:letter_count"]
+        )
     with pytest.raises(ConfigError, match="would write column 'reward_raw', as does a column of the scores"):
         load_reward_functions([f"{HERE}:raw"], reserved=["reward_raw", "score"])
 

@@ -197,3 +197,17 @@ def test_reward_module_beside_the_config_imports_in_every_mode(make_config, tmp_
     proc = subprocess.run(cmd, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert manifests.manifest(layout.folder(tmp_path / "run2", 0, "scores")) is not None
+
+
+def test_two_verl_compute_score_functions_combine_unchanged(make_config) -> None:
+    fns = [f"verl:{HERE}:compute_score", "verl:rlhf_batch.rewards.math:compute_score"]
+    cfg, _ = generated(make_config, "verl_math.parquet", fns[0])
+    cfg.score.reward_functions = fns
+    score.run(cfg, 0, quiet=True)
+    s = read(cfg, "scores", SCORES)
+    ours, math = (
+        s["reward_test_ecosystem_compute_score"].to_pylist(),
+        s["reward_math_compute_score"].to_pylist(),
+    )
+    assert s["reward_raw"].to_pylist() == [a + b for a, b in zip(ours, math, strict=True)]
+    assert "reward_test_ecosystem_compute_score_acc" in s.column_names  # verl's extra keys follow the name
