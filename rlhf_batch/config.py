@@ -59,7 +59,9 @@ def _need(ok: bool, key: str, what: str) -> None:
 
 @dataclass
 class GenerateConfig:
-    prompts: str = knob("", "generate")  # HF datasets dir (save_to_disk), .jsonl or .parquet
+    # a file (.jsonl, .json, .parquet), a datasets dir, a dir of shards, a glob, a hub dataset id
+    # (org/name[:split], from the HF cache), or a list of those (prompt_files.py)
+    prompts: str | list[str] = knob("", "generate")
     prompt_column: str = knob("prompt", "generate")  # plain-text prompts
     messages_column: str = knob("messages", "generate")  # chat prompts: list of {role, content}
     id_column: str = knob("id", "generate")  # used as prompt_id when present, else a hash of the prompt
@@ -231,7 +233,7 @@ def missing_trackers(report_to: list[Tracker]) -> str | None:
 class EvalConfig:
     """Held-out evaluation (stage `eval`): n samples per prompt from iteration K's starting policy."""
 
-    prompts: str = knob("", "eval")  # held-out prompts (any format generate reads); empty: no eval
+    prompts: str | list[str] = knob("", "eval")  # held-out prompts (any form generate reads); empty: no eval
     n: int = knob(4, "eval")  # samples per prompt
     k: list[int] = knob([1], "eval")  # pass@k for each k (1 <= k <= n)
     correct_threshold: float = knob(1.0, "eval")  # a sample is correct when its reward >= this
@@ -454,15 +456,8 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     except tomllib.TOMLDecodeError:
         value = text  # a bare string: --set run_dir=/tmp/run1
     key = key.strip()
-    if (
-        key in PATH_KEYS
-        and isinstance(value, str)
-        and value
-        and "{run_dir}" not in value
-        and "://" not in value  # a URI (s3://, gs://, file://) is taken as it is
-        and not _hub(key, value)
-    ):
-        value = str(Path(value).expanduser().absolute())  # command-line paths are relative to the cwd
+    if key in PATH_KEYS:  # command-line paths are relative to the cwd
+        value = [_absolute(key, v) for v in value] if isinstance(value, list) else _absolute(key, value)
     *tables, last = key.split(".")
     node = raw
     for t in tables:
@@ -470,6 +465,12 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(f"--set {item!r}: {t} is not a table")
     node[last] = value
+
+
+def _absolute(key: str, value: Any) -> Any:
+    if not isinstance(value, str) or not value or "{run_dir}" in value or "://" in value or _hub(key, value):
+        return value  # a URI (s3://, gs://, file://) is taken as it is
+    return str(Path(value).expanduser().absolute())
 
 
 def _build(cls: type, raw: dict[str, Any], where: str, prefix: str) -> Any:
@@ -512,8 +513,14 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{where}: '{key}' must be a list, got {value!r}")
         return [_coerce(v, inner, where, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"{where}: '{key}' has an unsupported type")  # not used by Config
+    if origin in (typing.Union, types.UnionType):  # str | list[str]: the first that fits
+        for arm in typing.get_args(typ):
+            try:
+                return _coerce(value, arm, where, key)
+            except ConfigError:
+                pass
+        names = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(typ))
+        raise ConfigError(f"{where}: '{key}' must be {names}, got {value!r}")
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is float and isinstance(value, float) and not math.isfinite(value):
@@ -526,10 +533,22 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
 MODEL_KEYS = ("policy_model", "ref_model", "reward_model")
 
 
-def _hub(key: str, value: str) -> bool:
+PROMPT_KEYS = ("generate.prompts", "eval.prompts")
+
+
+def _hub(key: str, value: str, base: Path | None = None) -> bool:
+    """A model or dataset hub id, not a local path (relative to `base`, else the cwd)."""
+    if key in PROMPT_KEYS:
+        from rlhf_batch.data.prompt_files import is_hub_dataset
+
+        return is_hub_dataset(value, base)
     from rlhf_batch.runtime.hub import is_hub_id
 
-    return key in MODEL_KEYS and is_hub_id(value)
+    return (
+        key in MODEL_KEYS
+        and is_hub_id(value)
+        and not ((base or Path.cwd()) / value.partition("/")[0]).is_dir()
+    )
 
 
 def _resolve_hub_ids(cfg: Config) -> None:
@@ -548,10 +567,10 @@ def _resolve_hub_ids(cfg: Config) -> None:
 
 
 def _resolve_paths(cfg: Config, base: Path) -> None:
-    hub_ids = {v for k in MODEL_KEYS if _hub(k, v := getattr(cfg, k))}
+    hub_ids = {v for k in MODEL_KEYS if _hub(k, v := getattr(cfg, k), base)}
 
-    def fix(s: str) -> str:
-        if not s or (s in hub_ids and not (base / s).exists()):
+    def fix(s: str, key: str = "") -> str:
+        if not s or (s in hub_ids and not (base / s).exists()) or (key in PROMPT_KEYS and _hub(key, s, base)):
             return s
         s = s.replace("{run_dir}", cfg.run_dir)
         if "://" in s:  # a URI (s3://, gs://, file://) is taken as it is (store/fs.py)
@@ -563,4 +582,5 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
     for key in PATH_KEYS[1:]:
         *tables, last = key.split(".")
         node = getattr(cfg, tables[0]) if tables else cfg
-        setattr(node, last, fix(getattr(node, last)))
+        value = getattr(node, last)
+        setattr(node, last, [fix(v, key) for v in value] if isinstance(value, list) else fix(value, key))

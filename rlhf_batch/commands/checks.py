@@ -37,7 +37,7 @@ def validate(cfg: Any) -> tuple[list[str], list[str]]:
         if what == "policy_model" or path:
             check(lambda w=what, p=path: _check_model(p, w))
     columns: dict[str, list[str] | None] = {"generate": None, "eval": None}
-    if not (cfg.demo and not Path(cfg.generate.prompts).exists()):
+    if not (cfg.demo and isinstance(cfg.generate.prompts, str) and not Path(cfg.generate.prompts).exists()):
         check(lambda: _check_prompts(cfg.generate, "generate.prompts", columns, "generate"))
     if cfg.eval.prompts:
         check(lambda: _check_prompts(_eval_sampling(cfg), "eval.prompts", columns, "eval"))
@@ -74,16 +74,17 @@ def _eval_sampling(cfg: Any) -> Any:
 def _check_prompts(g: Any, key: str, columns: dict[str, list[str] | None], stage: str) -> str:
     """The prompt file `g.prompts`: readable, not empty, a prompt column, good ids. Records the
     columns reward functions will see in `columns[stage]`."""
+    from rlhf_batch.data.prompt_files import describe
     from rlhf_batch.data.prompt_ids import given_ids, repeat_numbers
-    from rlhf_batch.data.prompts import carried_table, prompt_values, read_table
+    from rlhf_batch.data.prompts import carried_table, check_path, prompt_values, read_table
 
-    if not g.prompts:
-        raise ConfigError(f"{key}: no prompt file configured")
+    where = describe(g.prompts)
+    check_path(g.prompts, key)
     table = read_table(g.prompts)
     if table.num_rows == 0:
-        raise StageError(f"{g.prompts}: the prompt file is empty")
-    values = prompt_values(table, g, g.prompts)
-    ids = given_ids(table, g.id_column, g.prompts)
+        raise StageError(f"{where}: the prompt file is empty")
+    values = prompt_values(table, g, where)
+    ids = given_ids(table, g.id_column, where)
     columns[stage] = carried_table(table, g).column_names
     if ids is not None:
         how = f"ids from '{g.id_column}'"
@@ -92,7 +93,7 @@ def _check_prompts(g: Any, key: str, columns: dict[str, list[str] | None], stage
         how = "ids hashed from the prompts" + (
             f", {repeats} repeated prompts (each its own prompt)" if repeats else ""
         )
-    return f"{key} {g.prompts} ({table.num_rows} rows, {how})"
+    return f"{key} {where} ({table.num_rows} rows, {how})"
 
 
 def _check_rewards(cfg: Any, stage: str, columns: list[str] | None) -> list[str]:

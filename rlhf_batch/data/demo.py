@@ -42,5 +42,6 @@ def ensure_demo_assets(cfg: Config) -> None:
 
     if cfg.policy_model and not Path(cfg.policy_model, "config.json").exists():
         init_model(cfg.policy_model, seed=cfg.seed)
-    if cfg.generate.prompts and not Path(cfg.generate.prompts).exists():
-        write_prompts(cfg.generate.prompts, 256, seed=cfg.seed)
+    prompts = cfg.generate.prompts
+    if prompts and isinstance(prompts, str) and not Path(prompts).exists():
+        write_prompts(prompts, 256, seed=cfg.seed)

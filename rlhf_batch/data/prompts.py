@@ -1,4 +1,4 @@
-"""Prompt sets: a Hugging Face `datasets` directory, JSONL, a JSON array or Parquet, read into Arrow.
+"""Prompt sets (files, lists, globs, shard directories, hub datasets: prompt_files.py) as prompts.
 
 A prompt is a text column (`prompt`) or a chat column (`messages`: a list of {role, content},
 rendered with the tokenizer's chat template and the generation prompt). A `prompt` column that
@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from rlhf_batch.config import Config, GenerateConfig
+from rlhf_batch.data.prompt_files import describe, read_prompt_table, sources
 from rlhf_batch.data.prompt_ids import check_distinct, given_ids, hashed_id, repeat_numbers
 from rlhf_batch.errors import StageError
 from rlhf_batch.store.schemas import ROLLOUTS
@@ -34,69 +35,14 @@ class Prompts:
     batch: dict[str, Any] = field(default_factory=dict)  # the batch index, epoch and positions taken
 
 
-def check_path(path: str) -> Path:
-    """The configured prompt file, which must exist."""
-    if not path:
-        raise StageError("generate.prompts: no prompt file configured")
-    p = Path(path)
-    if not p.exists():
-        raise StageError(f"{p}: prompt file not found")
-    return p
+def check_path(spec: Any, key: str = "generate.prompts") -> list[Path]:
+    """The sources of the configured prompt set, which must exist (prompt_files.sources)."""
+    return sources(spec, key)
 
 
-def read_table(path: str) -> pa.Table:
-    """The prompt file as an Arrow table; errors name the file."""
-    p = check_path(path)
-    try:
-        if p.is_dir():
-            return _read_datasets_dir(p)
-        if p.suffix == ".json" and _starts_with(p, b"["):
-            return _read_json_array(p)
-        if p.suffix in (".jsonl", ".json"):
-            import pyarrow.json as pj
-
-            return pj.read_json(p) if p.stat().st_size else pa.table({})
-        if p.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return pq.read_table(p)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
-    raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl, .json or .parquet)")
-
-
-def _starts_with(p: Path, token: bytes) -> bool:
-    with open(p, "rb") as f:
-        return f.read(4096).lstrip().startswith(token)
-
-
-def _read_json_array(p: Path) -> pa.Table:
-    """A .json file holding one JSON array of objects."""
-    import json
-
-    try:
-        rows = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StageError(f"{p}: not valid JSON ({e})") from None
-    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
-    if bad is not None:
-        raise StageError(f"{p}: item {bad} of the JSON array is not an object")
-    try:
-        return pa.Table.from_pylist(rows)
-    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
-
-
-def _read_datasets_dir(p: Path) -> pa.Table:
-    from datasets import Dataset, DatasetDict, load_from_disk
-
-    ds = load_from_disk(str(p))
-    if isinstance(ds, DatasetDict):
-        if "train" not in ds:
-            raise StageError(f"{p}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
-        ds = ds["train"]
-    assert isinstance(ds, Dataset)
-    return ds.flatten_indices().data.table
+def read_table(spec: Any) -> pa.Table:
+    """The prompt set as one Arrow table (prompt_files.py); errors name the file."""
+    return read_prompt_table(spec)
 
 
 def load_prompts(cfg: GenerateConfig, tokenizer: Any, batch: int | None = None, seed: int = 0) -> Prompts:
@@ -104,7 +50,7 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any, batch: int | None = None, 
     (iteration K's round 0 takes batch K unless top-up rounds took batches before it: topup.py).
     Prompt ids are decided over the whole file (prompt_ids.py); errors name file rows."""
     table = read_table(cfg.prompts)
-    where = cfg.prompts
+    where = describe(cfg.prompts)
     if table.num_rows == 0:
         raise StageError(f"{where}: the prompt file is empty")
     given = given_ids(table, cfg.id_column, where)
@@ -179,7 +125,7 @@ def run_iterations(cfg: Config) -> int:
     try:
         return cfg.epochs * iterations_per_epoch(n, cfg.generate.prompts_per_iteration)
     except ValueError as e:
-        raise StageError(f"{cfg.generate.prompts}: generate.prompts_per_iteration: {e}") from None
+        raise StageError(f"{describe(cfg.generate.prompts)}: generate.prompts_per_iteration: {e}") from None
 
 
 MESSAGES = "prompt_messages"  # the rollouts column that carries chat prompts' messages

@@ -31,7 +31,9 @@ import pyarrow as pa
 
 from rlhf_batch.config import Config, GenerateConfig, reward_search_path
 from rlhf_batch.core.eval_metrics import aggregate, aggregate_by_source, group_samples
-from rlhf_batch.data.prompts import check_path, load_prompts
+from rlhf_batch.data.prompt_files import describe
+from rlhf_batch.data.prompt_files import fingerprint as prompt_fingerprint
+from rlhf_batch.data.prompts import load_prompts
 from rlhf_batch.engines import make_engine
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.models.policy import start_policy
@@ -42,7 +44,6 @@ from rlhf_batch.stages.generate import generate_part
 from rlhf_batch.stages.score import reward_values
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.ids import row_seed
-from rlhf_batch.store.manifests import file_fingerprint
 from rlhf_batch.store.schemas import EVAL, with_extra
 
 SOURCE_COLUMN = "data_source"
@@ -102,7 +103,7 @@ class Eval(Stage):
             raise ConfigError("eval: no reward function; set eval.reward_functions or score.reward_functions")
         self.policy = start_policy(self.cfg, self.iteration)
         return {
-            "prompts": file_fingerprint(check_path(self.cfg.eval.prompts)),
+            "prompts": prompt_fingerprint(self.cfg.eval.prompts),
             "policy": model_fingerprint(self.policy, "policy"),
             "iteration": self.iteration,
         }
@@ -112,12 +113,12 @@ class Eval(Stage):
 
         self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
         self.prompts = load_prompts(self.sampling, self.tok)
-        check_arguments(self.fns, self.prompts.carried.column_names, self.sampling.prompts)
         for name in self.prompts.carried.column_names:
             if name in EVAL.names or name in {rf.column for rf in self.fns}:
                 raise StageError(
                     f"{self.sampling.prompts}: column '{name}' clashes with an eval column; rename it"
                 )
+        check_arguments(self.fns, self.prompts.carried.column_names, describe(self.sampling.prompts))
         return math.ceil(len(self.prompts.ids) / self.sampling.prompts_per_part)
 
     def progress_total(self, todo: list[int]) -> int:

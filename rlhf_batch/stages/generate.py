@@ -31,7 +31,8 @@ import pyarrow as pa
 
 from rlhf_batch.config import Config
 from rlhf_batch.data import topup
-from rlhf_batch.data.prompts import Prompts, check_path, load_prompts
+from rlhf_batch.data.prompt_files import fingerprint as prompt_fingerprint
+from rlhf_batch.data.prompts import Prompts, load_prompts
 from rlhf_batch.engines import engine_version, make_engine
 from rlhf_batch.engines.base import Engine, special_ids
 from rlhf_batch.errors import StageError
@@ -40,7 +41,6 @@ from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.store import layout
 from rlhf_batch.store.ids import rollout_id, row_seed
-from rlhf_batch.store.manifests import file_fingerprint
 from rlhf_batch.store.schemas import ROLLOUTS, with_extra
 
 
@@ -57,7 +57,7 @@ class Generate(Stage):
         self.policy = start_policy(self.cfg, self.iteration)
         self.batch = topup.batch_index(self.cfg, self.iteration, self.topup)
         return {
-            "prompts": file_fingerprint(check_path(self.cfg.generate.prompts)),
+            "prompts": prompt_fingerprint(self.cfg.generate.prompts),
             "policy": model_fingerprint(self.policy, "policy"),
             "iteration": self.iteration,
             **({"topup": self.topup} if self.topup else {}),
