@@ -54,9 +54,13 @@ def resolve_hub_model(spec: str, what: str) -> str:
         )
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         rev = f" --revision {revision}" if revision else ""
+        why = (
+            "HF_HUB_OFFLINE is set; fetch it with `hf download {0}` (same HF_HOME) or unset HF_HUB_OFFLINE"
+            if offline
+            else "the Hub cannot be reached; fetch it with `hf download {0}` where it can (same HF_HOME)"
+        ).format(f"{repo}{rev}")
         raise ModelError(
-            f"{what}: {spec!r} is not a local directory and not in the Hugging Face cache ({cache}), and "
-            f"HF_HUB_OFFLINE is set; fetch it with `hf download {repo}{rev}` (same HF_HOME) or unset HF_HUB_OFFLINE"
+            f"{what}: {spec!r} is not a local directory and not in the Hugging Face cache ({cache}), and {why}"
         ) from None
     except Exception as e:  # noqa: BLE001 - network, authentication, unknown repository
         raise ModelError(

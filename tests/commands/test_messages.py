@@ -26,3 +26,35 @@ def test_a_refused_stage_in_run_names_the_stage_command_with_force(make_config, 
     (line,) = res.stderr.strip().splitlines()
     assert "replace it with `rlhf-batch generate CONFIG --iter 0 --force`" in line, line
     assert "re-run it with --force" not in line
+
+
+def test_the_hub_message_claims_hf_hub_offline_only_when_it_is_set(tmp_path: Path, demo_prompts: Path) -> None:
+    import os
+
+    config = tmp_path / "c.toml"
+    config.write_text(f'policy_model = "nobody/no-such-model"\n[generate]\nprompts = "{demo_prompts}"\n')
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT="http://127.0.0.1:9")  # nothing listens there
+    res = subprocess.run(
+        [sys.executable, "-m", "rlhf_batch", "validate", str(config)], capture_output=True, text=True, env=env
+    )
+    assert res.returncode == 1
+    assert "the Hub cannot be reached" in res.stderr and "hf download nobody/no-such-model" in res.stderr
+    assert "HF_HUB_OFFLINE is set" not in res.stderr
+    res = subprocess.run(
+        [sys.executable, "-m", "rlhf_batch", "validate", str(config)],
+        capture_output=True,
+        text=True,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+    )
+    assert "HF_HUB_OFFLINE is set" in res.stderr
+
+
+def test_a_mistyped_local_model_path_is_not_sent_to_the_hub(tmp_path: Path, tiny_model: Path) -> None:
+    (tmp_path / "models").mkdir()
+    config = tmp_path / "c.toml"
+    config.write_text('policy_model = "models/tinyy"\n')
+    res = rlhf("validate", config)
+    assert res.returncode == 1
+    assert f"policy_model: model directory not found: {tmp_path / 'models' / 'tinyy'}" in res.stderr
+    assert "hf download" not in res.stderr
