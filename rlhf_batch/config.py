@@ -236,7 +236,10 @@ class EvalConfig:
     prompts: str | list[str] = knob("", "eval")  # held-out prompts (any form generate reads); empty: no eval
     n: int = knob(4, "eval")  # samples per prompt
     k: list[int] = knob([1], "eval")  # pass@k for each k (1 <= k <= n)
-    correct_threshold: float = knob(1.0, "eval")  # a sample is correct when its reward >= this
+    correct_threshold: float = knob(1.0, "eval")  # a sample is correct when its judge's value >= this
+    # the reward function that judges correctness (its column name without reward_, or its path);
+    # "": the first of the eval reward functions
+    correct_function: str = knob("", "eval")
     temperature: float = knob(1.0, "eval")
     top_p: float = knob(1.0, "eval")
     top_k: int = knob(0, "eval")  # 0: no top-k filtering

@@ -4,8 +4,8 @@ Pure math: no I/O, no models, plain Python floats. The input is one ``PromptSamp
 prompt (its data source, the reward of each of its ``n`` samples, optionally each sample's
 extracted answer); the output is one dict of metrics per data source.
 
-Per prompt, with rewards ``r_1..r_n`` and ``c`` = number of *correct* samples (``r_i >=
-threshold``; the default threshold 1.0 fits 0/1 rule rewards):
+Per prompt, with rewards ``r_1..r_n`` and ``c`` = number of *correct* samples (the caller's
+judgement when given, else ``r_i >= threshold``; the default threshold 1.0 fits 0/1 rule rewards):
 
 * ``mean@n`` = ``sum(r_i) / n``                  (the average reward of one sample)
 * ``best@n`` = ``max(r_i)``                       (the reward of the best of the n samples)
@@ -40,6 +40,7 @@ class PromptSamples:
     data_source: str
     rewards: tuple[float, ...]
     answers: tuple[str | None, ...] | None = None
+    correct: tuple[bool, ...] | None = None  # given: each sample's correctness; else reward >= threshold
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -86,7 +87,7 @@ def prompt_metrics(samples: PromptSamples, ks: Sequence[int], threshold: float =
     bad = [r for r in rewards if not math.isfinite(r)]
     if bad:
         raise ValueError(f"prompt {samples.prompt_id!r} has a non-finite reward {bad[0]}")
-    correct = [r >= threshold for r in rewards]
+    correct = list(samples.correct) if samples.correct is not None else [r >= threshold for r in rewards]
     out = {f"mean@{n}": mean_at_n(rewards), f"best@{n}": best_at_n(rewards)}
     for k in ks:
         out[f"pass@{k}"] = pass_at_k(n, sum(correct), k)
@@ -127,22 +128,45 @@ def group_samples(
     data_sources: Sequence[str],
     rewards: Sequence[float],
     answers: Sequence[str | None] | None = None,
+    correct: Sequence[bool] | None = None,
 ) -> list[PromptSamples]:
     """Group flat per-sample columns (one row per response, as in a Parquet table) by prompt,
-    in order of first appearance. A prompt whose rows disagree on the data source is refused."""
+    in order of first appearance. A prompt whose rows disagree on the data source is refused.
+    `correct` (optional): each sample's correctness, judged by the caller."""
     n = len(prompt_ids)
-    if len(data_sources) != n or len(rewards) != n or (answers is not None and len(answers) != n):
-        raise ValueError("prompt_ids, data_sources, rewards (and answers) must have the same length")
+    if (
+        len(data_sources) != n
+        or len(rewards) != n
+        or any(x is not None and len(x) != n for x in (answers, correct))
+    ):
+        raise ValueError("prompt_ids, data_sources, rewards (and answers, correct) must have the same length")
     source: dict[str, str] = {}
     rew: dict[str, list[float]] = {}
     ans: dict[str, list[str | None]] = {}
+    ok: dict[str, list[bool]] = {}
     for i, pid in enumerate(prompt_ids):
         if source.setdefault(pid, data_sources[i]) != data_sources[i]:
             raise ValueError(f"prompt {pid!r} has two data sources: {source[pid]!r} and {data_sources[i]!r}")
         rew.setdefault(pid, []).append(float(rewards[i]))
         if answers is not None:
             ans.setdefault(pid, []).append(answers[i])
+        if correct is not None:
+            ok.setdefault(pid, []).append(bool(correct[i]))
     return [
-        PromptSamples(pid, source[pid], tuple(rew[pid]), tuple(ans[pid]) if answers is not None else None)
+        PromptSamples(
+            pid,
+            source[pid],
+            tuple(rew[pid]),
+            tuple(ans[pid]) if answers is not None else None,
+            tuple(ok[pid]) if correct is not None else None,
+        )
         for pid in rew
     ]
+
+
+def with_overall(manifest: dict) -> dict[str, dict[str, float]]:
+    """An eval manifest's metrics per data source and, under ``overall``, over every prompt."""
+    out = dict(manifest.get("metrics") or {})
+    if manifest.get("overall"):
+        out["overall"] = manifest["overall"]
+    return out

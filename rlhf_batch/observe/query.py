@@ -75,7 +75,10 @@ EVAL_METRICS_VIEW = """
 SELECT iter, data_source, metric, (m->>metric)::DOUBLE AS value
 FROM (SELECT iter, data_source, m, unnest(json_keys(m)) AS metric
       FROM (SELECT iter, data_source, json->'metrics'->data_source AS m
-            FROM (SELECT iter, json, unnest(json_keys(json->'metrics')) AS data_source FROM {source})))
+            FROM (SELECT iter, json, unnest(json_keys(json->'metrics')) AS data_source FROM {source})
+            UNION ALL
+            SELECT iter, 'overall' AS data_source, json->'overall' AS m
+            FROM {source} WHERE (json->'overall') IS NOT NULL AND json_keys(json->'overall') <> []))
 """
 FORMATS = ("table", "csv", "json", "parquet")
 SUFFIXES = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}

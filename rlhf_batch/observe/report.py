@@ -15,6 +15,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from rlhf_batch.core.eval_metrics import with_overall
 from rlhf_batch.errors import StageError
 from rlhf_batch.observe.health import THRESHOLDS
 from rlhf_batch.store import atomic, fs, layout, manifests
@@ -60,7 +61,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
             steps.append(m.append_column("iter", pa.array([it] * m.num_rows, pa.int32())))
         ev = manifests.manifest(layout.folder(run_dir, it, layout.EVAL))
         if ev is not None:
-            row["eval"] = ev.get("metrics", {})
+            row["eval"] = with_overall(ev)
         if time := _stage_times(run_dir, it):
             row["time"] = time
         per_iter.append(row)

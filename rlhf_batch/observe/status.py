@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rlhf_batch.core.eval_metrics import with_overall
 from rlhf_batch.observe.query import connect, existing_run, one_line
 from rlhf_batch.sql import sql_text
 
@@ -130,7 +131,7 @@ def eval_details(m: dict[str, Any]) -> list[str]:
 
     return [
         f"{source}: " + " ".join(f"{k} {_fmt(values[k])}" for k in sorted(values, key=key) if k != "prompts")
-        for source, values in m.get("metrics", {}).items()
+        for source, values in with_overall(m).items()
     ]
 
 

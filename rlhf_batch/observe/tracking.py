@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -174,6 +175,12 @@ def headline(sdir: Path, manifest: dict[str, Any]) -> dict[str, float]:
     elif stage == "scores" and files:
         t = _concat([manifests.read_table(f, columns=["score", "reward", "kl_sum"]) for f in files])
         out.update({f"{c}_mean": pc.mean(t[c]).as_py() for c in ("score", "reward", "kl_sum")})
+    elif stage == "eval":  # per data source and overall: eval/<source>/pass_at_1 (MLflow has no '@')
+        from rlhf_batch.core.eval_metrics import with_overall
+
+        for source, values in with_overall(manifest).items():
+            name = re.sub(r"[^\w./ -]", "_", source)
+            out.update({f"{name}/{k.replace('@', '_at_')}": v for k, v in values.items()})
     elif stage == "train" and (sdir / METRICS_FILE).exists():
         loss = manifests.read_table(sdir / METRICS_FILE, columns=["loss"])["loss"]
         if len(loss):

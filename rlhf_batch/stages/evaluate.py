@@ -6,8 +6,9 @@ prompt/messages/id columns and max_prompt_tokens) are drawn with generate's engi
 score's reward-calling code (`eval.reward_functions`, default `score.reward_functions` and their
 weights). No KL, no clipping, no reward model: `reward` is the weighted sum of the functions.
 
-A sample is *correct* when `reward >= eval.correct_threshold` (default 1.0: a 0/1 verifiable
-reward is correct when it is 1). Rows are the rollouts columns plus `reward_<fn>` per function,
+A sample is *correct* when the value of one reward function, `eval.correct_function` (default:
+the first), is >= `eval.correct_threshold` (default 1.0: a 0/1 verifiable reward is correct when
+it is 1); the other functions (a length penalty) change mean@n and best@n, not correctness. Rows are the rollouts columns plus `reward_<fn>` per function,
 `reward` and `correct`. Rows draw their random numbers from a seed stream of eval's own
 (`row_seed(seed, "eval")` in place of `seed`), so a held-out prompt that is also a training
 prompt does not repeat generate's samples. The manifest's `metrics` holds, per data source (the prompt set's
@@ -37,7 +38,7 @@ from rlhf_batch.data.prompts import load_prompts
 from rlhf_batch.engines import make_engine
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.models.policy import start_policy
-from rlhf_batch.rewards import load_reward_functions, weighted_sum
+from rlhf_batch.rewards import RewardFunction, load_reward_functions, strip_alias, weighted_sum
 from rlhf_batch.rewards.conventions import check_arguments
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.generate import generate_part
@@ -101,6 +102,7 @@ class Eval(Stage):
         )
         if not self.fns:
             raise ConfigError("eval: no reward function; set eval.reward_functions or score.reward_functions")
+        self.judge = judge_of(self.fns, self.cfg.eval.correct_function)
         self.policy = start_policy(self.cfg, self.iteration)
         return {
             "prompts": prompt_fingerprint(self.cfg.eval.prompts),
@@ -136,7 +138,7 @@ class Eval(Stage):
         )
         reward = weighted_sum(values, {rf.column: rf.weight for rf in self.fns}, len(rid))
         threshold = self.cfg.eval.correct_threshold
-        correct = [None if r is None else r >= threshold for r in reward]
+        correct = [None if v is None else v >= threshold for v in values[self.judge.column]]
         for column, vals in values.items():
             t = t.append_column(pa.field(column, pa.float64()), pa.array(vals, pa.float64()))
         for column, arr in extra.items():  # verl's dict results: their other keys
@@ -156,8 +158,22 @@ class Eval(Stage):
         return {
             "prompt_counts": self.prompts.counts,
             "policy": self.policy,
+            "correct_function": self.judge.path,
             **eval_metrics(self.sdir, self.plan(), self.cfg.eval.k, self.cfg.eval.correct_threshold),
         }
+
+
+def judge_of(fns: list[RewardFunction], name: str) -> RewardFunction:
+    """The reward function that judges correctness: `eval.correct_function` (its name, column or
+    path), by default the first."""
+    if not name:
+        return fns[0]
+    for rf in fns:
+        if name in (rf.name, rf.column, rf.path, strip_alias(rf.path)[0]):
+            return rf
+    raise ConfigError(
+        f"eval.correct_function: {name!r} is none of the eval reward functions ({', '.join(rf.name for rf in fns)})"
+    )
 
 
 def eval_metrics(sdir: Any, n_parts: int, ks: list[int], threshold: float) -> dict[str, Any]:
@@ -168,14 +184,17 @@ def eval_metrics(sdir: Any, n_parts: int, ks: list[int], threshold: float) -> di
         first.setdefault(layout.part_number(p), p)
     tables = [manifests.read_table(first[n]) for n in range(n_parts) if n in first]
     t = pa.concat_tables(tables, promote_options="permissive") if tables else EVAL.empty_table()
-    pids, rewards = t["prompt_id"].to_pylist(), t["reward"].to_pylist()
+    pids, rewards, correct = (t[c].to_pylist() for c in ("prompt_id", "reward", "correct"))
     sources = t[SOURCE_COLUMN].to_pylist() if SOURCE_COLUMN in t.column_names else [ALL] * len(pids)
     sources = [ALL if s is None else str(s) for s in sources]
     unscored = {p for p, r in zip(pids, rewards, strict=True) if r is None}
     keep = [i for i, p in enumerate(pids) if p not in unscored]
     try:
         groups = group_samples(
-            [pids[i] for i in keep], [sources[i] for i in keep], [rewards[i] for i in keep]
+            [pids[i] for i in keep],
+            [sources[i] for i in keep],
+            [rewards[i] for i in keep],
+            correct=[bool(correct[i]) for i in keep],
         )
         return {
             "metrics": aggregate_by_source(groups, ks, threshold),
