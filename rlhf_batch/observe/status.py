@@ -42,12 +42,14 @@ def print_status(run_dir: str | Path) -> None:
 
 def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
     """(label, stage folder, top-up round) of the rows `status` shows for iteration `it`: each
-    stage, eval only where it ran, and after scores each top-up round's rollouts and scores."""
+    stage, eval only where it ran, and after scores each top-up round's rollouts and scores. The
+    iteration after the last (it holds only eval, of the last trained policy) shows eval alone."""
     idir = root / f"iter={it:04d}"
     rounds = sorted(int(p.name[6:]) for p in idir.glob("topup=*") if p.is_dir() and p.name[6:].isdigit())
+    trained = bool(rounds) or any((idir / s).exists() for s in STATUS_STAGES if s != "eval")
     out = []
     for stage in STATUS_STAGES:
-        if stage != "eval" or (idir / stage).exists():
+        if (stage != "eval" and trained) or (idir / stage).exists():
             out.append((stage, stage, 0))
         if stage == "scores":
             out += [(f"topup={r:02d}/{s}", s, r) for r in rounds for s in ("rollouts", "scores")]

@@ -363,6 +363,18 @@ def test_status_on_a_partial_run(run: Path) -> None:
     assert [s["1", st] for st in ("scores", "advantages", "train")] == ["missing -"] * 3
 
 
+def test_status_shows_only_eval_for_the_iteration_after_the_last(run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "iter=0001")
+    executor.claim(layout.folder(copy, 1, "eval"), "eval", {}, {}).finish(0)  # eval of iteration 0's policy
+    s = status_lines(copy)
+    assert [k for k in s if k[0] == "1"] == [("1", "eval")]  # no "missing" rollouts, scores, ... after the last
+    assert s["1", "eval"].startswith("complete")
+
+
 def test_status_of_an_empty_and_a_missing_run_dir(tmp_path: Path) -> None:
     res = runner.invoke(app, ["status", "--run-dir", str(tmp_path)])  # a directory holding no run
     assert res.exit_code == 1 and f"{tmp_path}: holds no run (no iter=* folder)" in str(res.exception)
