@@ -399,11 +399,17 @@ def run_cli() -> None:
     try:
         # without standalone mode, typer returns (not raises) the code of an Exit, e.g. 130 for Ctrl-C
         code = app(standalone_mode=False, prog_name="rlhf-batch")
+        if code == 130:
+            raise typer.Abort()
         if isinstance(code, int) and code:
             sys.exit(code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except typer.Abort:
+    except typer.Abort:  # Ctrl-C: one line (a stage process under `run` leaves it to `run`)
+        if not os.environ.get("RLHF_BATCH_RUN_LOCKED"):
+            print(
+                "interrupted: completed parts are kept; run the same command again to go on", file=sys.stderr
+            )
         sys.exit(130)
     except typer.TyperException as e:  # a missing argument, an unknown option or command, a bad value
         ctx = getattr(e, "ctx", None)

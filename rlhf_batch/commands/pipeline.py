@@ -50,9 +50,15 @@ def run_pipeline(
             ensure_demo_assets(cfg)  # the prompt set sizes the run
         cfg.iterations = run_iterations(cfg)  # `epochs`, when set, sizes the run
 
+        seen = {"done": 0, "ran": 0}  # complete stages before the first that runs: a resumed run
+
         def run_stage(stage: Any) -> None:
             if is_done(stage):
+                seen["done"] += 0 if seen["ran"] else 1
                 return
+            if seen["done"] and not seen["ran"]:
+                _say(f"resuming {cfg.run_dir}: {seen['done']} stages already complete are skipped", quiet)
+            seen["ran"] += 1
             rnd = f" (top-up round {stage.topup})" if stage.topup else ""
             _say(f"iteration {stage.iteration}: {stage.name}{rnd}", quiet)
             python = cfg.generate.python if stage.name == "generate" else ""  # e.g. vLLM's own venv

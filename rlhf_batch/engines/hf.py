@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from rlhf_batch.config import Config
@@ -10,6 +9,7 @@ from rlhf_batch.data.prompts import Prompts
 from rlhf_batch.engines.base import check_lengths, stop_ids
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
+from rlhf_batch.runtime.progress import Rate
 
 
 class HFEngine:
@@ -43,9 +43,10 @@ class HFEngine:
         g = self.g
         order = sorted(range(len(prompts)), key=lambda r: (-len(prompts[r]), r))
         results: list[Any] = [None] * len(prompts)
+        self.rate = getattr(self, "rate", None) or Rate()  # over every part of this stage run
+        self.rate.begin()
         for start in range(0, len(order), g.batch_size):
             batch = order[start : start + g.batch_size]
-            t0 = time.perf_counter()
             out = sample(
                 self.model,
                 [prompts[r] for r in batch],
@@ -61,5 +62,5 @@ class HFEngine:
             for r, res in zip(batch, out, strict=True):
                 results[r] = res
             bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{sum(len(o[0]) for o in out) / (time.perf_counter() - t0):.0f}")
+            bar.set_postfix(tok_s=f"{self.rate.add(sum(len(o[0]) for o in out)):.0f}")
         return results

@@ -87,18 +87,24 @@ class LineProgress:
         self.file = file or sys.stderr
         self.interval = _interval() if interval is None else interval
         self.start = self.last = time.monotonic()
+        self.first: tuple[float, float] | None = None  # (time, n) of the first update: ETA's start
         self.postfix = ""
         self.closed = False
 
     def __enter__(self) -> LineProgress:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is None:
+            self.close()
+        else:  # interrupted or failed: no "done" line, the error says what happened
+            self.closed = True
 
     def update(self, n: float = 1) -> None:
         self.n += n
         now = time.monotonic()
+        if self.first is None:
+            self.first = (now, self.n)
         if now - self.last >= self.interval:
             self.last = now
             self._write(self.line(now))
@@ -114,6 +120,14 @@ class LineProgress:
         elapsed = now - self.start
         return (self.n - self.initial) / elapsed if elapsed > 0 else 0.0
 
+    def eta(self, now: float) -> float | None:
+        """Seconds left at the rate since the first update: the first unit's one-time costs
+        (warm-up, the longest prompts decoded first) do not inflate it. None until measured."""
+        if self.first is None or now <= self.first[0] or self.n <= self.first[1]:
+            return None
+        rate = (self.n - self.first[1]) / (now - self.first[0])
+        return max(0.0, self.total - self.n) / rate if self.total else None
+
     def line(self, now: float) -> str:
         """`desc: done/total unit (pct), rate unit/s, ETA h:mm:ss[, postfix]`."""
         rate = self.rate(now)
@@ -123,8 +137,8 @@ class LineProgress:
             else f"{self.desc}: {self.done()}"
         ]
         parts.append(f"{_num(rate)} {self.unit}/s")
-        if self.total and rate > 0:
-            parts.append(f"ETA {_clock(max(0.0, self.total - self.n) / rate)}")
+        if self.total and (eta := self.eta(now)) is not None:
+            parts.append(f"ETA {_clock(eta)}")
         if self.postfix:
             parts.append(self.postfix)
         return ", ".join(parts)
@@ -148,3 +162,25 @@ class LineProgress:
     def _write(self, text: str) -> None:
         if not self.disable:
             print(text, file=self.file, flush=True)
+
+
+class Rate:
+    """A rate shown beside a bar (`tok_s`): every unit so far over the time since the first `add`
+    began, so one short step or batch does not swing it."""
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.n = 0.0
+
+    def begin(self) -> None:
+        if self.start is None:
+            self.start = time.perf_counter()
+
+    def add(self, n: float) -> Rate:
+        self.begin()
+        self.n += n
+        return self
+
+    def __format__(self, spec: str) -> str:
+        elapsed = time.perf_counter() - (self.start or time.perf_counter())
+        return format(self.n / elapsed if elapsed > 0 else 0.0, spec or ".0f")

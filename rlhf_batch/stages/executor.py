@@ -24,6 +24,7 @@ from rlhf_batch.observe import tracking
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.runtime.timing import StageClock
+from rlhf_batch.store import layout
 from rlhf_batch.store.atomic import set_durable
 from rlhf_batch.store.manifests import (
     manifest,
@@ -60,6 +61,7 @@ def execute(
         out.begin(force)
         n_parts = stage.plan()
         todo = out.todo(n_parts, stage.single_writer)
+        _say_resumed(stage, out, n_parts, quiet)
         if todo:
             stage.open(todo)
         if clock.work_start is None:  # unless the stage marked it (earlier)
@@ -93,6 +95,20 @@ def is_done(stage: Stage) -> bool:
         return False
     _tidy(stage, out)
     return True
+
+
+def _say_resumed(stage: Stage, out: StageOutput, n_parts: int, quiet: bool) -> None:
+    """One line when parts of an interrupted run are on disk and only the others are redone."""
+    on_disk = len({layout.part_number(p) for p in layout.list_parts(out.sdir)} & set(range(n_parts)))
+    if on_disk and on_disk < n_parts and out.rank == 0 and not quiet:
+        import sys
+
+        rnd = f" top-up round {stage.topup}" if stage.topup else ""
+        print(
+            f"{stage.name} iteration {stage.iteration}{rnd}: resuming, {on_disk} of {n_parts} parts already on disk",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _tidy(stage: Stage, out: StageOutput) -> None:

@@ -42,6 +42,7 @@ from rlhf_batch.models import checkpoint, lora
 from rlhf_batch.models.policy import start_policy
 from rlhf_batch.observe import tracking
 from rlhf_batch.runtime import dist, faults
+from rlhf_batch.runtime.progress import Rate
 from rlhf_batch.stages import train_carry
 from rlhf_batch.stages.base import Stage
 from rlhf_batch.stages.executor import execute
@@ -206,12 +207,14 @@ def _train(
     live = tracking.open_run(cfg, iteration)  # live trackers (report_to): one log per optimizer step
     out.clock.work_begins()  # the model, optimizer state and checkpoint are loaded
     seq_lens = data.seq_lens  # [N]
+    rate = Rate()  # the bar's tok_s: response tokens over the time since the first step began
+    rate.begin()
     for step in steps[first:]:
         rows.append(trainer.step(step))
         mine = [i for mb, weight in step.for_rank(trainer.rank, trainer.world) if weight for i in mb]
         out.clock.add(int(seq_lens[mine].sum()))  # prompt + response tokens this rank trained on
         live.log_step(rows[-1])
-        _show(bar, rows[-1])
+        _show(bar, rows[-1], rate.add(rows[-1]["tokens"]))
         done = step.index + 1
         if tc.checkpoint_every and done % tc.checkpoint_every == 0 and done < len(steps):
             _checkpoint(trainer, ckpt_dir, done, {"key": out.key, "epoch": step.epoch, "metrics": rows})
@@ -232,7 +235,7 @@ def _active_rows(tc: TrainConfig, data: TrainRows) -> np.ndarray | None:
     return data.adv != 0
 
 
-def _show(bar: Any, row: dict[str, Any]) -> None:
+def _show(bar: Any, row: dict[str, Any], rate: Rate) -> None:
     def fmt(key: str, spec: str) -> str:  # a step that ran no row has no token means
         return "-" if row[key] is None else format(row[key], spec)
 
@@ -241,7 +244,7 @@ def _show(bar: Any, row: dict[str, Any]) -> None:
         loss=fmt("loss", ".4g"),
         clip=fmt("clip_fraction", ".3f"),
         kl=fmt("kl_approx", ".2e"),
-        tok_s=fmt("tokens_per_s", ".0f"),
+        tok_s=f"{rate:.0f}",
     )
 
 

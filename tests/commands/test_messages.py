@@ -28,7 +28,9 @@ def test_a_refused_stage_in_run_names_the_stage_command_with_force(make_config, 
     assert "re-run it with --force" not in line
 
 
-def test_the_hub_message_claims_hf_hub_offline_only_when_it_is_set(tmp_path: Path, demo_prompts: Path) -> None:
+def test_the_hub_message_claims_hf_hub_offline_only_when_it_is_set(
+    tmp_path: Path, demo_prompts: Path
+) -> None:
     import os
 
     config = tmp_path / "c.toml"
@@ -58,3 +60,37 @@ def test_a_mistyped_local_model_path_is_not_sent_to_the_hub(tmp_path: Path, tiny
     assert res.returncode == 1
     assert f"policy_model: model directory not found: {tmp_path / 'models' / 'tinyy'}" in res.stderr
     assert "hf download" not in res.stderr
+
+
+def test_ctrl_c_prints_one_line_and_a_resume_says_it_resumed(make_config) -> None:
+    import os
+    import signal
+    import time
+
+    from rlhf_batch.store import layout
+
+    path, cfg = make_config(iterations=1, generate={"prompts_per_part": 1, "max_new_tokens": 24})
+    env = {**os.environ, "RLHF_BATCH_PROGRESS_SECONDS": "0"}
+    parts = layout.folder(cfg.run_dir, 0, "rollouts")
+    for mode in ([], ["--in-process"]):
+        before = len(layout.list_parts(parts)) if parts.is_dir() else 0
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlhf_batch", "run", str(path), *mode],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 300  # interrupted while it writes: after a part of its own
+        while not (parts.is_dir() and len(layout.list_parts(parts)) > before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the terminal's whole process group
+        err = proc.communicate(timeout=300)[1]
+        assert proc.returncode == 130, err
+        last = [line for line in err.splitlines() if line.strip()][-1]
+        assert last == "interrupted: completed parts are kept; run the same command again to go on", err
+        assert err.count("interrupted") == 1 and "Traceback" not in err and ": done " not in err, err
+        assert "resuming" in err or mode == []  # the second run resumed the first's parts
+    res = rlhf("run", path, "--in-process")
+    assert res.returncode == 0, res.stderr
+    assert "generate iteration 0: resuming," in res.stderr and "parts already on disk" in res.stderr

@@ -33,8 +33,8 @@ def test_a_terminal_gets_a_tqdm_bar_and_a_log_gets_lines() -> None:
 
 def test_line_shows_done_total_rate_and_eta() -> None:
     bar = LineProgress(total=100, desc="score", unit="tok", file=io.StringIO(), interval=10)
-    bar.start, bar.n = 0.0, 25
-    # 25 tokens in 5 s: 5 tok/s; 75 left at 5 tok/s: 15 s
+    bar.start, bar.first, bar.n = 0.0, (0.0, 0.0), 25
+    # 25 tokens in 5 s: 5 tok/s; 75 left at 5 tok/s (since the first update, here the start): 15 s
     assert bar.line(5.0) == "score: 25/100 tok (25%), 5 tok/s, ETA 0:00:15"
     bar.set_postfix(loss="0.5")
     bar.n = 2500.0
@@ -108,3 +108,22 @@ def test_line_progress_takes_a_total_and_start_set_after_creation(capsys) -> Non
         bar.update(1)
     bar.close()
     assert "train: done 10/10 step" in capsys.readouterr().err
+
+
+def test_eta_is_measured_from_the_first_update_and_tok_s_over_all_the_time() -> None:
+    import time
+
+    from rlhf_batch.runtime.progress import LineProgress, Rate
+
+    bar = LineProgress(total=10, desc="generate", unit="rollout", interval=1e9)
+    assert bar.eta(time.monotonic()) is None  # nothing measured yet: no ETA
+    # the first update came at t = 100 with n = 1 (that unit paid the warm-up); at t = 102, n = 3:
+    # rate (3 - 1) / (102 - 100) = 1 unit/s, 10 - 3 = 7 left -> 7 s (not (10 - 3) / (3 / elapsed))
+    bar.first, bar.n = (100.0, 1.0), 3.0
+    assert bar.eta(102.0) == 7.0
+    rate = Rate()
+    rate.start = time.perf_counter() - 2.0  # 2 s ago
+    rate.n = (
+        100.0  # two steps of 6 and 94 tokens: shown as one rate, 100 / 2 = 50 (a little less: time ran on)
+    )
+    assert 45 <= float(f"{rate:.3f}") <= 50
