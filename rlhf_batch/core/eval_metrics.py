@@ -164,9 +164,10 @@ def group_samples(
     ]
 
 
-def with_overall(manifest: dict) -> dict[str, dict[str, float]]:
-    """An eval manifest's metrics per data source and, under ``overall``, over every prompt."""
+def with_overall(manifest: dict, dedupe: bool = False) -> dict[str, dict[str, float]]:
+    """An eval manifest's metrics per data source and, under ``overall``, over every prompt
+    (`dedupe`: not when the only source is ``all``, whose numbers are the overall ones)."""
     out = dict(manifest.get("metrics") or {})
-    if manifest.get("overall"):
+    if manifest.get("overall") and not (dedupe and set(out) == {"all"}):
         out["overall"] = manifest["overall"]
     return out

@@ -61,7 +61,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
             steps.append(m.append_column("iter", pa.array([it] * m.num_rows, pa.int32())))
         ev = manifests.manifest(layout.folder(run_dir, it, layout.EVAL))
         if ev is not None:
-            row["eval"] = with_overall(ev)
+            row["eval"] = with_overall(ev, dedupe=True)
         if time := _stage_times(run_dir, it):
             row["time"] = time
         per_iter.append(row)
@@ -174,18 +174,36 @@ def _plots(data: dict[str, Any], out: Path) -> list[str]:
             ax.plot(rx, ry, marker=".", linestyle="--", label="reward (after KL)")
             ax.legend()
         ax.set(title=title, xlabel="iteration")
+        whole_ticks(ax, x)
         save(fig, name)
     steps = data["steps"]
     if steps is not None and steps.num_rows:
-        fig, axes = plt.subplots(1, 4, figsize=(14, 3.2))
+        fig, axes = plt.subplots(2, 4, figsize=(14, 6.2))
         x = list(range(steps.num_rows))
-        for ax, key in zip(axes, ["clip_fraction", "entropy", "ess", "kl_approx"], strict=True):
+        for ax, key in zip(axes.flat, TRAIN_PANELS, strict=False):
             ax.plot(x, [float("nan") if v is None else v for v in steps[key].to_pylist()])  # null: no row ran
             ax.set(title=key, xlabel="train step (all iterations)")
             if key in THRESHOLDS:  # the health threshold (health.py)
                 ax.axhline(THRESHOLDS[key], color="red", linestyle=":", linewidth=1)
+            ax.ticklabel_format(axis="y", useOffset=False)  # ESS near 1: 0.9999, not "+1" and 1e-5 ticks
+            whole_ticks(ax, x)
+        for ax in list(axes.flat)[len(TRAIN_PANELS) :]:
+            ax.set_visible(False)
         save(fig, "train.png")
     return names
+
+
+TRAIN_PANELS = ("loss", "grad_norm", "lr", "clip_fraction", "entropy", "ess", "kl_approx")
+
+
+def whole_ticks(ax: Any, xs: list[int]) -> None:
+    """Iterations and steps are whole numbers: no 0.5 ticks on their axis (a few x values: each
+    one is a tick; more: whole-number ticks chosen by matplotlib)."""
+    from matplotlib.ticker import FixedLocator, MaxNLocator
+
+    values = sorted(set(xs))
+    few = 0 < len(values) <= 12
+    ax.xaxis.set_major_locator(FixedLocator(values) if few else MaxNLocator(integer=True))
 
 
 def _examples(run_dir: Path, it: int, n: int) -> list[dict[str, Any]]:
@@ -214,10 +232,19 @@ def _eval_plot(data: dict[str, Any], out: Path) -> list[str]:
     for ax, source in zip(axes[0], sources, strict=True):
         pts = [(r["iter"], r["eval"][source]) for r in rows if source in r["eval"]]
         keys = sorted({k for _, m in pts for k in m if k.startswith(("mean@", "pass@"))}, key=_metric_order)
-        for key in keys:
+        for i, key in enumerate(keys):  # lines that coincide stay visible: hollow, shrinking markers
             xy = [(it, m[key]) for it, m in pts if key in m]
-            ax.plot([p[0] for p in xy], [p[1] for p in xy], marker="o", label=key)
+            ax.plot(
+                [p[0] for p in xy],
+                [p[1] for p in xy],
+                marker="osD^v<>"[i % 7],
+                markersize=max(3.0, 10.0 - 2.0 * i),
+                markerfacecolor="none" if i else None,
+                linestyle=("-", "--", ":", "-.")[i % 4],
+                label=key,
+            )
         ax.set(title=f"held-out: {source}", xlabel="iteration (policy it starts from)")
+        whole_ticks(ax, [it for it, _ in pts])
         ax.legend(fontsize="small")
     fig.tight_layout()
     atomic.write_file_atomic(out / "eval.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
@@ -261,9 +288,9 @@ def _time_plot(data: dict[str, Any], out: Path) -> list[str]:
             legend.append(Patch(color=color, label=stage))
     legend.append(Patch(facecolor="white", edgecolor="grey", hatch="//", label="start-up"))
     ax.set(title="time per stage: start-up (hatched) and work", xlabel="iteration", ylabel="seconds")
-    if len(x) <= 20:
-        ax.set_xticks(x)
+    whole_ticks(ax, x)
     ax.set_xlim(min(x) - 0.6, max(x) + 0.6)
+    ax.set_ylim(0, max(bottom) * 1.08 or 1.0)  # the tallest stack with room above it
     ax.legend(handles=legend, fontsize="small", loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
     atomic.write_file_atomic(out / "time.png", lambda tmp: fig.savefig(tmp, dpi=90, format="png"))

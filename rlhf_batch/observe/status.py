@@ -133,7 +133,7 @@ def eval_details(m: dict[str, Any]) -> list[str]:
 
     return [
         f"{source}: " + " ".join(f"{k} {_fmt(values[k])}" for k in sorted(values, key=key) if k != "prompts")
-        for source, values in with_overall(m).items()
+        for source, values in with_overall(m, dedupe=True).items()
     ]
 
 

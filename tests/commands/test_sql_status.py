@@ -394,3 +394,35 @@ def test_every_sql_example_of_the_docs_runs(run: Path) -> None:
         assert res.exit_code == 0, f"{q}\n{res.output}"
         # the fixture's iteration 0 has rows for each: a header line, then at least one row
         assert len(res.stdout.strip().splitlines()) >= 2, f"{q}\n{res.output}"
+
+
+def test_report_figures_integer_ticks_train_panels_and_no_offset(
+    run: Path, tmp_path: Path, monkeypatch
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from rlhf_batch.observe.report import write_report
+
+    saved: dict[str, Figure] = {}
+    real = Figure.savefig
+
+    def keep(self: Figure, fname: object, *a: object, **k: object) -> None:
+        saved[Path(str(fname)).name] = self
+        real(self, fname, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    write_report(run, tmp_path / "report")
+    titles = [ax.get_title() for ax in saved["train.png"].axes if ax.get_visible()]
+    assert titles[:3] == ["loss", "grad_norm", "lr"] and "ess" in titles
+    for name, fig in saved.items():
+        for ax in fig.axes:
+            if not ax.get_visible():
+                continue
+            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+            if ax.get_xlabel().startswith(("iteration", "train step")):
+                assert all(float(t).is_integer() for t in ticks), (name, ticks)
+            if name == "train.png":
+                assert ax.yaxis.get_major_formatter().get_useOffset() is False, ax.get_title()
