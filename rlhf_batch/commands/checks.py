@@ -10,6 +10,7 @@ against the columns of the prompts it scores: rewards.conventions.argument_probl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ def validate(cfg: Any) -> tuple[list[str], list[str]]:
         if what == "policy_model" and cfg.demo and not Path(path).exists():
             continue  # the demo builds it
         if what == "policy_model" or path:
-            check(lambda w=what, p=path: _check_model(p, w))
+            check(functools.partial(_check_model, path, what))
     columns: dict[str, list[str] | None] = {"generate": None, "eval": None}
     if not (cfg.demo and isinstance(cfg.generate.prompts, str) and not Path(cfg.generate.prompts).exists()):
         check(lambda: _check_prompts(cfg.generate, "generate.prompts", columns, "generate"))

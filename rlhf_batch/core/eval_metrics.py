@@ -30,6 +30,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,7 @@ def group_samples(
     ]
 
 
-def with_overall(manifest: dict, dedupe: bool = False) -> dict[str, dict[str, float]]:
+def with_overall(manifest: dict[str, Any], dedupe: bool = False) -> dict[str, dict[str, float]]:
     """An eval manifest's metrics per data source and, under ``overall``, over every prompt
     (`dedupe`: not when the only source is ``all``, whose numbers are the overall ones)."""
     out = dict(manifest.get("metrics") or {})

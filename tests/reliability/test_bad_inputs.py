@@ -618,7 +618,11 @@ def nan_behaviour_logprob(ctx: Ctx):  # noqa: ANN201
 def inf_reward(ctx: Ctx):  # noqa: ANN201
     args = _advantage(ctx)
     ctx.edit("scores", lambda t: set_row(t, "reward", 5, float("inf")))
-    return args, [f"rollout_id '{ctx.rid('scores', 5)}'", "rewards are +/-inf", "redo it with `rlhf-batch score CONFIG --iter 0 --force`"]
+    return args, [
+        f"rollout_id '{ctx.rid('scores', 5)}'",
+        "rewards are +/-inf",
+        "redo it with `rlhf-batch score CONFIG --iter 0 --force`",
+    ]
 
 
 @case
@@ -676,7 +680,11 @@ def advantages_row_duplicated(ctx: Ctx):  # noqa: ANN201
 def scores_missing_rows(ctx: Ctx):  # noqa: ANN201
     args = _advantage(ctx)
     ctx.edit("scores", lambda t: t.slice(0, t.num_rows - 3))
-    return args, ["rollouts have no score row", "rollout_id '0000-demo-", "redo it with `rlhf-batch score CONFIG --iter 0 --force`"]
+    return args, [
+        "rollouts have no score row",
+        "rollout_id '0000-demo-",
+        "redo it with `rlhf-batch score CONFIG --iter 0 --force`",
+    ]
 
 
 @case

@@ -430,7 +430,8 @@ def test_duplicate_and_mismatched_ids_are_named(make_config: Any, lm: Any) -> No
     write_stage(cfg.run_dir, 0, "scores", dup[1], SCORES, parts=1)
     # 2 rollouts x 2 score rows of 0000-a-1 joined on rollout_id: 4 rows
     with pytest.raises(
-        StageError, match=r"4 rows share their rollout_id .*'0000-a-1'.*redo it with `rlhf-batch generate CONFIG --iter 0 --force` then `rlhf-batch score CONFIG --iter 0 --force`"
+        StageError,
+        match=r"4 rows share their rollout_id .*'0000-a-1'.*redo it with `rlhf-batch generate CONFIG --iter 0 --force` then `rlhf-batch score CONFIG --iter 0 --force`",
     ):
         advantage.run(cfg, 0, quiet=True)
     # the score row of 0000-a-2 says prompt "b"

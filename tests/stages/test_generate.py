@@ -169,7 +169,10 @@ def test_overlong_prompts_error_skip_or_truncate(make_config, tmp_path: Path) ->
         ('{"text": "x"}\n', "no 'prompt' or 'messages' column (columns: text)"),
         ('{"prompt": "x"}\n{"prompt": null}\n', "row 1: column 'prompt' is null or empty"),
         ('{"prompt": 3}\n', "column 'prompt' must hold strings"),
-        ('{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n', "rows 0 and 1 have the same id 'a' in id column 'id'"),
+        (
+            '{"prompt": "x", "id": "a"}\n{"prompt": "y", "id": "a"}\n',
+            "rows 0 and 1 have the same id 'a' in id column 'id'",
+        ),
         ('{"prompt": "x", "response": "y"}\n', "column 'response' clashes with a rollouts column"),
         ('{"prompt": "x"\n', "cannot read prompts"),
     ],

@@ -35,7 +35,6 @@ HERE = "tests.stages.test_score"
 FAIL_ON: set[tuple[str, str]] = set()  # (prompt, response) pairs `flaky_reward` raises on
 
 
-
 @pytest.fixture
 def make_config(make_config):  # noqa: ANN001, ANN201
     """These tests exercise KL in the reward: on unless a test says otherwise (the default is off)."""
@@ -45,6 +44,7 @@ def make_config(make_config):  # noqa: ANN001, ANN201
         return make_config(extra, name, score=score, **top)
 
     return make
+
 
 def length_reward(*, responses: list[str], **_: object) -> list[float]:
     return [float(len(r)) for r in responses]

@@ -181,7 +181,10 @@ def test_run_goes_on_through_iterations_with_no_trainable_row(make_config, tiny_
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2, err  # one line per iteration, saying why
     assert warnings[1].startswith("warning: iteration 1: no trainable row (every training row was filtered")
-    assert "groups whose task scores (or rewards) are all equal" in warnings[1] and "policy is carried forward" in warnings[1]
+    assert (
+        "groups whose task scores (or rewards) are all equal" in warnings[1]
+        and "policy is carried forward" in warnings[1]
+    )
     for it in (0, 1):
         m = manifests.manifest(layout.folder(cfg.run_dir, it, "train"))
         assert (m["rows"], m["counts"]["steps"]) == (0, 0)
