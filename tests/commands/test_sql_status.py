@@ -369,7 +369,7 @@ def test_status_shows_only_eval_for_the_iteration_after_the_last(run: Path, tmp_
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     shutil.rmtree(copy / "iter=0001")
-    executor.claim(layout.folder(copy, 1, "eval"), "eval", {}, {}).finish(0)  # eval of iteration 0's policy
+    output.claim(layout.folder(copy, 1, "eval"), "eval", {}, {}).finish(0)  # eval of iteration 0's policy
     s = status_lines(copy)
     assert [k for k in s if k[0] == "1"] == [
         ("1", "eval")
