@@ -542,7 +542,7 @@ PROMPT_KEYS = ("generate.prompts", "eval.prompts")
 def _hub(key: str, value: str, base: Path | None = None) -> bool:
     """A model or dataset hub id, not a local path (relative to `base`, else the cwd)."""
     if key in PROMPT_KEYS:
-        from rlhf_batch.data.prompt_files import is_hub_dataset
+        from rlhf_batch.runtime.hub import is_hub_dataset
 
         return is_hub_dataset(value, base)
     from rlhf_batch.runtime.hub import is_hub_id

@@ -19,28 +19,20 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import re
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 from rlhf_batch.errors import StageError
+from rlhf_batch.runtime.hub import is_hub_dataset
 
 SUFFIXES = (".parquet", ".jsonl", ".json")
-HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?(:[\w.-]+)?$")  # org/name[@rev][:split]
 
 
 def describe(spec: Any) -> str:
     """The prompt set as messages name it."""
     return spec if isinstance(spec, str) else ", ".join(map(str, spec))
-
-
-def is_hub_dataset(spec: str, base: Path | None = None) -> bool:
-    """`org/name[@revision][:split]` that is no local path (relative to `base`, else the cwd)."""
-    root = base or Path.cwd()
-    org = spec.partition("/")[0]
-    return bool(HUB_DATASET.match(spec)) and not (root / spec).exists() and not (root / org).is_dir()
 
 
 def sources(spec: Any, key: str = "generate.prompts") -> list[Path]:

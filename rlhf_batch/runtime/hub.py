@@ -76,3 +76,13 @@ def hub_revision(path: str | Path) -> dict[str, str] | None:
     if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
         return {"id": parts[-3][len("models--") :].replace("--", "/"), "revision": parts[-1]}
     return None
+
+
+HUB_DATASET = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?(:[\w.-]+)?$")  # org/name[@rev][:split]
+
+
+def is_hub_dataset(spec: str, base: Path | None = None) -> bool:
+    """`org/name[@revision][:split]` that is no local path (relative to `base`, else the cwd)."""
+    root = base or Path.cwd()
+    org = spec.partition("/")[0]
+    return bool(HUB_DATASET.match(spec)) and not (root / spec).exists() and not (root / org).is_dir()
