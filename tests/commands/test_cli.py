@@ -165,7 +165,7 @@ def test_validate_reports_every_problem_in_one_run(tmp_path: Path, tiny_model: P
     config.write_text(
         f'policy_model = "{tiny_model}"\niterations = 0\n'
         f'[generate]\nprompts = "{data}"\nid_column = "uid"\ntemprature = 0.5\n'
-        '[score]\nreward_functions = ["tests.cli.test_cli:needs_solution", "no_such_module:f"]\n'
+        '[score]\nreward_functions = ["tests.commands.test_cli:needs_solution", "no_such_module:f"]\n'
         f'[eval]\nprompts = "{tmp_path / "held_out.jsonl"}"\n'
         f'[lora]\nenabled = true\ninit_adapter = "{tmp_path / "no_adapter"}"\ntarget_modules = ["q_proj", "qkv"]\n'
     )
@@ -187,18 +187,19 @@ def test_validate_reports_every_problem_in_one_run(tmp_path: Path, tiny_model: P
     (tmp_path / "held_out.jsonl").write_text('{"prompt": "c", "uid": "h"}\n')
     config.write_text(
         f'policy_model = "{tiny_model}"\n[generate]\nprompts = "{data}"\nid_column = "uid"\n'
-        '[score]\nreward_functions = ["tests.cli.test_cli:needs_solution"]\n'
+        '[score]\nreward_functions = ["tests.commands.test_cli:needs_solution"]\n'
         f'[eval]\nprompts = "{tmp_path / "held_out.jsonl"}"\n'
         '[lora]\nenabled = true\ntarget_modules = ["q_proj", "qkv"]\n'
     )
     lines = cli("validate", str(config)).stderr.strip().splitlines()
     assert len(lines) == 3, lines
     assert (
-        "score.reward_functions: reward function tests.cli.test_cli:needs_solution needs argument 'solution'"
+        "score.reward_functions: reward function tests.commands.test_cli:needs_solution needs argument 'solution'"
         in lines[0]
     )
     assert "columns: none" in lines[0]
     assert (
-        "eval.reward_functions: reward function tests.cli.test_cli:needs_solution needs argument" in lines[1]
+        "eval.reward_functions: reward function tests.commands.test_cli:needs_solution needs argument"
+        in lines[1]
     )
     assert "lora.target_modules: 'qkv' not in" in lines[2] and "q_proj" in lines[2]

@@ -81,12 +81,12 @@ def test_report_on_a_complete_run(make_config, tmp_path: Path) -> None:
 
     from rlhf_batch.commands.pipeline import run_pipeline
 
-    score = {"reward_functions": ["tests.commands.test_pipeline:spread"]}
+    score = {"reward_functions": ["tests.commands.test_pipeline:spread"], "kl_in_reward": True}  # kl.png
     # no `threads`: in-process it would set torch's thread count for the rest of the pytest process
     path, cfg = make_config(iterations=2, in_process=True, train={"lr": 1e-2}, score=score)
     run_pipeline(path, [], quiet=True)
     page = write_report(cfg.run_dir, tmp_path / "out")
-    sizes = {"train.png": (1260, 288)}  # 14 x 3.2 in at 90 dpi; the others 5 x 3.2 in
+    sizes = {"train.png": (1260, 558)}  # 14 x 6.2 in at 90 dpi (2 rows of panels); the others 5 x 3.2 in
     for name in ("reward.png", "kl.png", "length.png", "filtered.png", "train.png"):
         data = (tmp_path / "out" / name).read_bytes()
         # PNG signature, IHDR width x height, and the IEND chunk last (not truncated); a figure

@@ -406,11 +406,13 @@ def test_report_figures_integer_ticks_train_panels_and_no_offset(
 
     from rlhf_batch.observe.report import write_report
 
-    saved: dict[str, Figure] = {}
+    saved: dict[str, Figure] = {}  # by the name of the PNG the report writes (through a temporary)
     real = Figure.savefig
 
     def keep(self: Figure, fname: object, *a: object, **k: object) -> None:
-        saved[Path(str(fname)).name] = self
+        names = ("reward", "kl", "length", "filtered", "train", "eval", "time")
+        name = next(n for n in names if f".{n}.png" in str(fname) or str(fname).endswith(f"/{n}.png"))
+        saved[f"{name}.png"] = self
         real(self, fname, *a, **k)
 
     monkeypatch.setattr(Figure, "savefig", keep)

@@ -41,6 +41,7 @@ def test_every_model_stage_runs_in_bfloat16(make_config, tiny_model: Path, tmp_p
     path, cfg = make_config(
         dtype="bfloat16",
         ref_model=str(ref),
+        score={"reward_functions": ["rlhf_batch.rewards.demo:letter_count"], "kl_in_reward": True},
         generate={"temperature": TEMPERATURE},
         advantage={"drop_zero_variance": False},
         train={"lr": 1e-3, "autocast_bf16": True},

@@ -256,6 +256,7 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
     import re
 
     from rlhf_batch.commands.pipeline import run_pipeline
+    from rlhf_batch.core.eval_metrics import with_overall
     from rlhf_batch.observe.query import connect
     from rlhf_batch.observe.report import write_report
     from rlhf_batch.observe.status import print_status
@@ -272,7 +273,7 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
     run_pipeline(path, [], quiet=True)
     summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
     assert [line.split()[1:3] for line in summary] == [
-        [str(it), s] for it in (0, 2, 3) for s in ("left:", "right:")
+        [str(it), s] for it in (0, 2, 3) for s in ("left:", "right:", "overall:")
     ]
     done = [it for it in range(5) if manifests.manifest(layout.folder(cfg.run_dir, it, "eval"))]
     assert done == [0, 2, 3]
@@ -305,12 +306,12 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
     from_manifests = sorted(
         (it, source, metric, float(v))
         for it in (0, 2, 3)
-        for source, values in manifests.manifest(layout.folder(cfg.run_dir, it, "eval"))["metrics"].items()
+        for source, values in with_overall(manifests.manifest(layout.folder(cfg.run_dir, it, "eval"))).items()
         for metric, v in values.items()
     )
     assert (
-        long == from_manifests and len(long) == 3 * 2 * 5
-    )  # iterations x sources x (mean, best, pass@1, pass@2, prompts)
+        long == from_manifests and len(long) == 3 * 3 * 5
+    )  # iterations x (2 sources + overall) x (mean, best, pass@1, pass@2, prompts)
 
     capsys.readouterr()
     print_status(cfg.run_dir)
@@ -323,7 +324,9 @@ def test_run_evaluates_baseline_every_and_after_the_last_then_status_sql_report(
 
     page = write_report(cfg.run_dir, tmp_path / "out").read_bytes().decode()
     png = (tmp_path / "out" / "eval.png").read_bytes()
-    assert png[:4] == b"\x89PNG" and int.from_bytes(png[16:20], "big") == 900  # two panels, 10 x 3.2 in
+    assert (
+        png[:4] == b"\x89PNG" and int.from_bytes(png[16:20], "big") == 1350
+    )  # 2 sources + overall, 15 x 3.2 in
     assert '<img src="eval.png"' in page
     section = page.split("Held-out completions by iteration")[1]
     rows = re.findall(r"<tr><td>(\d+)</td><td>([^<]*)</td><td>([^<]*)</td><td>([^<]*)</td>", section)

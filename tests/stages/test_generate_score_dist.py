@@ -44,7 +44,12 @@ def test_two_ranks_write_the_rows_of_one_rank(make_config, tiny_model: Path, tmp
     ref = shutil.copytree(tiny_model, tmp_path / "ref")
     # 12 prompts x G=4: 3 rollouts parts (5 prompts each) and 5 scores parts (10 rows each),
     # so both ranks write parts, and not the same number of them
-    keys = dict(ref_model=str(ref), score={"rows_per_part": 10})
+    score = {
+        "rows_per_part": 10,
+        "kl_in_reward": True,
+        "reward_functions": ["rlhf_batch.rewards.demo:letter_count"],
+    }
+    keys = dict(ref_model=str(ref), score=score)
     path, two = make_config(run_dir=str(tmp_path / "two"), **keys)
     _, one = make_config(run_dir=str(tmp_path / "one"), name="one.toml", **keys)
 

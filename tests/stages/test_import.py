@@ -76,7 +76,9 @@ def test_import_tokenises_appends_eos_and_carries_columns(make_config, tmp_path:
 
 
 def test_imported_rollouts_score_with_zero_kl_and_carried_columns(make_config, tmp_path: Path) -> None:
-    _, cfg = make_config()
+    _, cfg = make_config(
+        score={"reward_functions": ["rlhf_batch.rewards.demo:letter_count"], "kl_in_reward": True}
+    )
     import_rollouts(cfg, write_jsonl(tmp_path / "ext.jsonl", ROWS), 0, quiet=True)
     m = score.run(cfg, 0, quiet=True)
     got = manifests.read_complete(layout.folder(cfg.run_dir, 0, "scores"), SCORES).to_pylist()

@@ -39,7 +39,8 @@ def test_lora_reference_is_the_base_with_the_adapter_disabled(
     loaded: list[str] = []
     real = score_module.load_model
     monkeypatch.setattr(score_module, "load_model", lambda p, *a, **k: loaded.append(p) or real(p, *a, **k))
-    path, cfg = make_config(iterations=2, in_process=True, threads=1, train=TRAIN, lora=LORA)
+    score = {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"], "kl_in_reward": True}
+    path, cfg = make_config(iterations=2, in_process=True, threads=1, train=TRAIN, lora=LORA, score=score)
     run_pipeline(path, [], quiet=True)
 
     # iteration 0 samples from the base, which is the reference: KL exactly 0, no reference forward

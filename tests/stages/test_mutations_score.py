@@ -21,7 +21,9 @@ def test_reference_logprobs_use_the_generate_temperature(
     # the same weights under another path: score runs a forward pass of the reference
     ref_dir = shutil.copytree(tiny_model, tmp_path / "ref_copy")
     path, cfg = make_config(
-        generate={"temperature": T, "prompts": str(small_prompts(tmp_path))}, ref_model=str(ref_dir)
+        generate={"temperature": T, "prompts": str(small_prompts(tmp_path))},
+        ref_model=str(ref_dir),
+        score={"reward_functions": ["rlhf_batch.rewards.demo:letter_count"], "kl_in_reward": True},
     )
     stage(path, "generate")
     stage(path, "score")
