@@ -39,7 +39,7 @@ def write_config(path: Path, tiny_model: Path, prompts: Path, **top: object) -> 
             "max_new_tokens": 6,
             "prompts_per_part": 5,
         },
-        "score": {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"]},
+        "score": {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"], "kl_in_reward": True},
         "train": {"lr": 1e-3, "tokens_per_step": 256},
         **top,
     }

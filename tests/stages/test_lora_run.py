@@ -98,6 +98,7 @@ def test_keep_policies_removes_old_policies_and_no_resume_needs_them(
     from rlhf_batch.stages import generate
 
     keep = {"keep_policies": 1, "keep_every": 2, "threads": 1, "train": TRAIN, "lora": LORA}
+    keep["advantage"] = {"drop_zero_variance": False}  # every iteration trains (a group of equal scores too)
     path, cfg = make_config(iterations=4, name="ref.toml", run_dir=str(tmp_path / "ref"), **keep)
     done = _run(path)
     assert done.returncode == 0, done.stderr
