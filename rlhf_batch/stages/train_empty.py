@@ -21,15 +21,23 @@ from rlhf_batch.store.fs import local_dir, run_path
 
 
 def carry_forward(
-    cfg: Any, iteration: int, start: str, adv_dir: Path, prev: tuple[Path, dict[str, Any]] | None
+    cfg: Any,
+    iteration: int,
+    start: str,
+    adv_dir: Path,
+    prev: tuple[Path, dict[str, Any]] | None,
+    sdir: Path,
+    policy: Path,
 ) -> dict[str, Any]:
-    """Rank 0 writes; returns the manifest's `optimizer` entry (the global step is unchanged)."""
+    """Rank 0 writes into the train folder `sdir` and the policy dir `policy`; returns the
+    manifest's `optimizer` entry (the global step is unchanged)."""
 
     from rlhf_batch.store.schemas import METRICS
 
     step = int(prev[1]["global_step"]) if prev else 0
     total = prev[1].get("total_steps") if prev else None
-    carried = record(step, step, total, iteration - 1 if prev else None)
+    fresh = cfg.train.fresh_optimizer and iteration > 0
+    carried = record(step, step, total, iteration - 1 if prev else None, fresh)
     if dist.rank_world()[0] != 0:
         return carried
     why = (manifests.manifest(adv_dir) or {}).get("no_trainable_rows") or "the advantages table has 0 rows"
@@ -40,12 +48,27 @@ def carry_forward(
         flush=True,
     )
     if prev is not None:
-        _copy_dir(prev[0], layout.optimizer_dir(cfg.run_dir, iteration))
-    _copy_dir(run_path(start), layout.policy_dir(cfg.run_dir, iteration))
-    sdir = layout.folder(cfg.run_dir, iteration, layout.TRAIN)
+        _copy_dir(prev[0], sdir / layout.OPTIMIZER_DIR)
+    _copy_dir(run_path(start), policy, digest=True, base_copy=cfg.lora.enabled and not _has_adapter(start))
     atomic.write_parquet_atomic(sdir / layout.METRICS_FILE, METRICS.empty_table(), METRICS)
     return carried
 
 
-def _copy_dir(src: Path, dst: Path) -> None:
-    atomic.write_dir_atomic(dst, lambda tmp: shutil.copytree(local_dir(src), tmp, dirs_exist_ok=True))
+def _has_adapter(start: str) -> bool:
+    return (run_path(start) / layout.ADAPTER_DIR).is_dir()
+
+
+def _copy_dir(src: Path, dst: Path, digest: bool = False, base_copy: bool = False) -> None:
+    """A copy of `src` at `dst`; `digest`: a policy, with its weights' content hash (modeldir.py);
+    `base_copy`: the LoRA base with no adapter yet, marked so the next train starts a fresh one."""
+    from rlhf_batch.models.lora import BASE_COPY
+    from rlhf_batch.store.modeldir import WEIGHTS_DIGEST, write_weights_digest
+
+    def copy(tmp: Path) -> None:
+        shutil.copytree(local_dir(src), tmp, dirs_exist_ok=True)
+        if digest and not (tmp / WEIGHTS_DIGEST).is_file():
+            write_weights_digest(tmp)
+        if base_copy:
+            (tmp / BASE_COPY).write_text('{"adapter": null}\n')
+
+    atomic.write_dir_atomic(dst, copy)

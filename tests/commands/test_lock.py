@@ -60,3 +60,36 @@ def test_a_stage_command_is_refused_while_another_command_holds_the_run(make_con
         [sys.executable, "-m", "rlhf_batch", "generate", str(path), "--quiet"], capture_output=True, text=True
     )
     assert res.returncode == 0, res.stderr
+
+
+def test_import_is_refused_while_another_command_holds_the_run(make_config, tmp_path: Path) -> None:
+    """`import --force` under a running `run` replaced its generated rollouts: import takes the
+    run lock like every command that writes a run."""
+    path, cfg = make_config()
+    run_dir = Path(cfg.run_dir)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a*2=", "response": "aa"}\n')
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "rlhf_batch",
+        "import",
+        str(rows),
+        "--config",
+        str(path),
+        "--force",
+        "--quiet",
+    ]
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert res.returncode == 1
+    assert f"holds the lock (pid {holder.pid} on " in res.stderr
+    assert not (run_dir / "iter=0000").exists()  # nothing written under the holder
+    res = subprocess.run(cmd, capture_output=True, text=True)  # the lock free again: it imports
+    assert res.returncode == 0, res.stderr
+    assert (run_dir / "iter=0000" / "rollouts" / "_manifest.json").is_file()

@@ -13,7 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +23,6 @@ import pyarrow.parquet as pq
 import pytest
 import tomli_w
 
-from rlhf_batch.runtime import faults
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES
 from tests.reliability.harness import Assets, snapshot
@@ -1002,16 +1001,7 @@ def eval_iteration_without_policy(ctx: Ctx):  # noqa: ANN201
 
 
 # ---------------------------------------------------------------- the checks
-@pytest.fixture
-def ctx(tmp_path: Path, assets: Assets, reference: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ctx]:
-    import torch
-
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("RLHF_BATCH_DEBUG", raising=False)
-    monkeypatch.delenv(faults.FAULT_ENV, raising=False)
-    threads = torch.get_num_threads()  # the commands set the config's threads = 1 in this process
-    yield Ctx(tmp_path, assets, reference, monkeypatch)
-    torch.set_num_threads(threads)
+# the `ctx` fixture (a Ctx per case) is in conftest.py, shared with test_bad_inputs_state.py
 
 
 def cli(

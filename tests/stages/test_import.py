@@ -190,7 +190,17 @@ def test_given_response_ids_without_logprobs_get_the_policys(make_config, tmp_pa
         ({"response_ids": [1, 99999]}, r"response_ids holds 99999, outside the policy's vocabulary \[0, "),
         ({"response_ids": [-1]}, "response_ids holds -1"),
         ({"response_ids": [1, 2], "behavior_logprobs": [-1.0]}, "has 1 values for 2 response_ids"),
-        ({"response_ids": [1], "behavior_logprobs": [0.5]}, "holds 0.5; log-probs are finite and <= 0"),
+        (
+            {"response_ids": [1], "behavior_logprobs": [0.5]},
+            "holds 0.5; log-probs are finite float32 values <= 0",
+        ),
+        # below float32's range: it would be stored as -inf
+        ({"response_ids": [1], "behavior_logprobs": [-1e300]}, "holds -1e[+]300"),
+        ({"response_ids": [1, None, 2]}, "column 'response_ids' holds a null value in row 1"),
+        (
+            {"response_ids": [1, 2], "behavior_logprobs": [-1.0, None]},
+            "'behavior_logprobs' holds a null value in row 1",
+        ),
         ({"response_ids": [1], "behavior_logprobs": [float("-inf")]}, "holds -inf"),
         ({"behavior_logprobs": [-1.0]}, "'behavior_logprobs' needs the 'response_ids'"),
         (
