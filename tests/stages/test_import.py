@@ -252,12 +252,13 @@ def test_cli_import(make_config, tmp_path: Path) -> None:
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert manifests.manifest(layout.folder(str(other), 0, "rollouts"))["rows"] == 5
-    assert sorted(p.name for p in Path(cfg.run_dir).iterdir()) == ["iter=0000"]  # untouched besides
+    # untouched besides (import takes the run lock, as every command that writes a run)
+    assert sorted(p.name for p in Path(cfg.run_dir).iterdir()) == [".run.lock", "iter=0000"]
     bare = tmp_path / "bare-run"  # no config file: the defaults plus --set
     args = ["import", str(path), "--run-dir", str(bare), "--quiet"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 1 and "policy_model: no model directory configured" in str(res.exception)
-    assert not bare.exists()
+    assert not bare.exists() or [p.name for p in bare.iterdir()] == [".run.lock"]  # nothing written
     res = CliRunner().invoke(app, [*args, "--set", f"policy_model={cfg.policy_model}"])
     assert res.exit_code == 0, res.output
     assert manifests.read_complete(layout.folder(str(bare), 0, "rollouts"), ROLLOUTS).num_rows == 5
