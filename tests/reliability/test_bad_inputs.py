@@ -1033,6 +1033,18 @@ def test_bad_input_is_refused_with_one_clear_line(
     name: str, ctx: Ctx, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     args, named = CASES[name](ctx)
+    print(f"{name}: {assert_refused(ctx, capfd, monkeypatch, args, named)}")
+
+
+def assert_refused(
+    ctx: Ctx,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    named: list[str],
+) -> str:
+    """`rlhf-batch ARGS` exits 1 with one line naming `named`, no traceback, no existing file
+    changed and no new output; the line."""
     before = snapshot(ctx.tmp)
     code, err = cli(capfd, monkeypatch, args)
     assert code == 1, err
@@ -1041,10 +1053,10 @@ def test_bad_input_is_refused_with_one_clear_line(
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for text in named:
         assert text in lines[0], f"{text!r} not in {lines[0]!r}"
-    print(f"{name}: {lines[0]}")
     after = snapshot(ctx.tmp)
     assert {k: after.get(k) for k in before} == before, "an existing file changed"
     assert outputs(set(after) - set(before)) == []
+    return lines[0]
 
 
 def test_the_catalogue_covers_at_least_30_cases() -> None:

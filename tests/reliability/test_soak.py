@@ -26,15 +26,18 @@ def test_random_kills_never_change_the_result(assets: Assets, reference: Path, t
         run_dir = tmp_path / f"run{dirs}"
         extra = ["--set", "in_process=false"] if dirs % 3 == 2 else []
         dirs += 1
-        for _ in range(100):
-            # ~3 s of imports, then ~10 s of work (~30 s in the subprocess mode): the kills land in every stage, and during start-up
-            if kill_after(command(assets, run_dir, *extra), rng.uniform(1.0, 12.0)) == 0:
-                break
-            kills += 1
-        else:
-            pytest.fail(f"{run_dir}: 100 kills and still not complete")
+        # ~3 s of imports, then ~10 s of work (~30 s in the subprocess mode): the kills land in every stage, and during start-up
+        kills += kill_until_complete(command(assets, run_dir, *extra), rng, 12.0)
         assert_same_as_reference(run_dir, reference)
     print(f"soak: {kills} SIGKILLs at random moments over {dirs} run directories, all equal to the reference")
+
+
+def kill_until_complete(cmd: list[str], rng: random.Random, latest: float) -> int:
+    """Run `cmd`, SIGKILLed after 1..`latest` s, until it completes; the kills that landed."""
+    for kills in range(100):
+        if kill_after(cmd, rng.uniform(1.0, latest)) == 0:
+            return kills
+    pytest.fail(f"{cmd}: 100 kills and still not complete")
 
 
 def _features(assets: Assets) -> list[str]:
@@ -91,12 +94,7 @@ def test_random_kills_with_topup_lora_retention_and_eval_on(assets: Assets, tmp_
         run_dir = tmp_path / f"run{dirs}"
         extra = [*_features(assets), *(["--set", "in_process=false"] if dirs % 3 == 2 else [])]
         dirs += 1
-        for _ in range(100):
-            if kill_after(command(assets, run_dir, *extra), rng.uniform(1.0, 20.0)) == 0:
-                break
-            kills += 1
-        else:
-            pytest.fail(f"{run_dir}: 100 kills and still not complete")
+        kills += kill_until_complete(command(assets, run_dir, *extra), rng, 20.0)
         assert_same_as_reference(run_dir, ref)
         _same_extras(run_dir, ref)
     print(
