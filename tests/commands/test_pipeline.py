@@ -216,7 +216,7 @@ def test_run_with_eval_on_the_demo_config_builds_the_demo_first(tmp_path: Path) 
     """Eval of iteration 0 runs before generate: it builds the demo model and prompts too."""
     from rlhf_batch.commands.pipeline import run_pipeline
 
-    demo = Path(__file__).resolve().parents[1] / "pipelines" / "demo.toml"
+    demo = Path(__file__).resolve().parents[2] / "pipelines" / "demo.toml"
     run_dir = tmp_path / "demo"
     sets = [
         f"run_dir={run_dir}",
