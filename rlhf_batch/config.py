@@ -109,6 +109,9 @@ class ScoreConfig:
     reward_functions: list[str] = knob([], "score")  # "package.module:function"
     reward_weights: list[float] = knob([], "score")  # default: 1.0 each
     reward_paths: list[str] = knob([])  # where reward modules are imported from (changes no result)
+    # seconds a reward function may take on one batch (a part) before the stage fails naming it and
+    # the rollouts; 0: no limit. Also eval's. Changes no result (a run that times out has none)
+    reward_timeout: float = knob(600.0)
     reward_model_weight: float = knob(1.0, "score")
     score_clip: float = knob(0.0, "score")  # clip the score to [-c, c]; 0 disables
     kl_estimator: Literal["k1", "k2", "k3"] = knob("k1", "score")
@@ -122,6 +125,7 @@ class ScoreConfig:
     rows_per_part: int = knob(2048, "score", "import")
 
     def validate(self) -> None:
+        _need(self.reward_timeout >= 0, "score.reward_timeout", "must be >= 0 (0: no limit)")
         _need(
             not self.reward_weights or len(self.reward_weights) == len(self.reward_functions),
             "score.reward_weights",
@@ -174,6 +178,9 @@ class TrainConfig:
     # the schedule's length in optimizer steps over the whole run; 0: iterations x the steps of the
     # first iteration that trains (recorded with the optimizer state and kept from then on)
     total_steps: int = knob(0, "train")
+    # true: train starts AdamW and the schedule afresh instead of continuing the previous iteration's
+    # optimizer state (which is an error to lose otherwise); recorded in the train manifest
+    fresh_optimizer: bool = knob(False)
     max_grad_norm: float = knob(1.0, "train")
     tokens_per_step: int = knob(65536, "train")  # real tokens per optimizer step (global)
     sequences_per_step: int = knob(0, "train")  # rollouts per optimizer step (global); 0: tokens_per_step

@@ -30,7 +30,8 @@ ForceOpt = Annotated[
     bool,
     typer.Option(
         "--force",
-        help="Delete this stage's output (complete, or partial from another config) and redo it.",
+        help="Redo this stage's output (complete, or partial from another config); the old output "
+        "is replaced only once the new one is complete.",
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
@@ -90,10 +91,12 @@ def _stage(
 ) -> None:
     from rlhf_batch.runtime import dist
     from rlhf_batch.runtime.device import setup_process
+    from rlhf_batch.runtime.procgroup import watch_group
     from rlhf_batch.stages.executor import execute
     from rlhf_batch.stages.registry import get
     from rlhf_batch.store.lock import stage_lock
 
+    watch_group()  # started by `run`: helpers (vLLM's EngineCore) die with this process
     cfg = _config(config, overrides)
     setup_process(cfg.threads)
     if topup < 0:
@@ -232,10 +235,13 @@ def import_(
     """Turn externally produced (prompt, response) rows into iter=K/rollouts with behaviour log-probs."""
     from rlhf_batch.stages.executor import execute
     from rlhf_batch.stages.importer import Import
+    from rlhf_batch.store.lock import stage_lock
 
     overrides = [*(set_ or []), *([f"run_dir={run_dir}"] if run_dir is not None else [])]
-    stage = Import(_config(config, overrides), iteration, file)
-    execute(stage, force=force, quiet=quiet, since=timing.process_start())
+    cfg = _config(config, overrides)
+    with stage_lock(cfg.run_dir):  # never under a running `run` or another command
+        stage = Import(cfg, iteration, file)
+        execute(stage, force=force, quiet=quiet, since=timing.process_start())
 
 
 @app.command()

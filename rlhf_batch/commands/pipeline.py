@@ -25,7 +25,7 @@ from typing import Any
 from rlhf_batch.config import Config, load_config
 from rlhf_batch.errors import StageError, UserError
 from rlhf_batch.stages.executor import execute
-from rlhf_batch.store import layout, manifests
+from rlhf_batch.store import layout, manifests, staging
 from rlhf_batch.store.fs import run_path
 from rlhf_batch.store.lock import LOCK_ENV, RunLock, lock_id
 
@@ -40,6 +40,7 @@ def run_pipeline(
 
     cfg = load_config(config_path, overrides)
     with RunLock(run_path(cfg.run_dir)), _env(LOCK_ENV, lock_id(cfg.run_dir)):
+        staging.recover(cfg.run_dir)  # swaps of --force that a kill interrupted
         if cfg.in_process:
             from rlhf_batch.runtime.device import setup_process
 
@@ -49,6 +50,9 @@ def run_pipeline(
 
             ensure_demo_assets(cfg)  # the prompt set sizes the run
         cfg.iterations = run_iterations(cfg)  # `epochs`, when set, sizes the run
+        from rlhf_batch.models.lora import check_targets
+
+        check_targets(cfg)  # before any stage: a misspelt module fails now, not at train
 
         seen = {"done": 0, "ran": 0}  # complete stages before the first that runs: a resumed run
 
@@ -161,12 +165,21 @@ def _run_child(
     cmd = [python or sys.executable, "-P", "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
     cmd += ["--topup", str(topup)] if topup else []
     cmd += [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
-    code = subprocess.run(cmd, preexec_fn=_die_with(os.getpid())).returncode
+    code = subprocess.run(cmd, preexec_fn=_die_with(os.getpid()), env=_group_env()).returncode
     if code != 0:
         raise StageError(
             f"{stage} of iteration {it} failed (exit {code}); fix the cause and run again, "
             "completed work is kept"
         )
+
+
+def _group_env() -> dict[str, str] | None:
+    """The stage process's environment: GROUP_ENV says it leads a group of its own (Linux)."""
+    from rlhf_batch.runtime.procgroup import GROUP_ENV
+
+    if not sys.platform.startswith("linux"):
+        return None
+    return {**os.environ, GROUP_ENV: "self"}
 
 
 @contextlib.contextmanager
@@ -193,6 +206,7 @@ def _die_with(parent: int) -> Callable[[], None] | None:
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls
 
     def child() -> None:
+        os.setpgid(0, 0)  # a group of its own: its helpers die with it (procgroup.py)
         prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
         if os.getppid() != parent:  # `run` died before the prctl took effect
             os._exit(1)

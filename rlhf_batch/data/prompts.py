@@ -194,6 +194,11 @@ def _chat_texts(table: pa.Table, column: str, tokenizer: Any, where: str, rows: 
     for i, messages in enumerate(table.column(column).to_pylist()):
         if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise StageError(f"{where}: row {rows[i]}: '{column}' must be a list of {{role, content}}")
+        for j, m in enumerate(messages):
+            if m["content"] is None:  # rendered as an empty turn otherwise
+                raise StageError(
+                    f"{where}: row {rows[i]}: message {j} of '{column}' ({m['role']}) has null content"
+                )
         out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
     return out
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 SOURCE = "init_adapter.json"  # in RUN_DIR/init_policy: which adapter it was made from
+BASE_COPY = "lora_base_copy.json"  # in a policy dir: the base carried forward (no adapter yet)
 
 
 def peft_config(cfg: Config) -> Any:
@@ -50,7 +51,7 @@ def train_base(cfg: Config, start: str) -> tuple[str, Path | None]:
     fresh adapter)."""
     if not cfg.lora.enabled:
         return start, None
-    if same_dir(start, cfg.policy_model):
+    if same_dir(start, cfg.policy_model) or (run_path(start) / BASE_COPY).is_file():
         return cfg.policy_model, None
     adapter = run_path(start) / layout.ADAPTER_DIR
     if not (adapter / ADAPTER_WEIGHTS).is_file():
@@ -87,14 +88,43 @@ def check_adapter(cfg: Config, adapter: Path) -> None:
             raise ConfigError(f"lora.{ours}: is {want}, but the adapter {adapter} has {theirs} = {got}")
 
 
+def check_targets(cfg: Config) -> None:
+    """Each name in lora.target_modules matches a module of the base model, checked on an empty
+    (meta-device) model built from its config.json: a misspelt name fails before any stage runs."""
+    lc = cfg.lora
+    base = Path(cfg.policy_model)
+    if not lc.enabled or lc.target_modules == ["all-linear"] or not (base / "config.json").is_file():
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = AutoConfig.from_pretrained(base, trust_remote_code=cfg.trust_remote_code, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(conf, trust_remote_code=cfg.trust_remote_code)
+    names = [n for n, _ in model.named_modules()]
+    for t in lc.target_modules:
+        if not any(n == t or n.endswith("." + t) for n in names):
+            linear = sorted(
+                {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            )
+            raise ConfigError(
+                f"lora.target_modules: {t!r} names no module of {base} (its linear layers: {', '.join(linear)})"
+            )
+
+
 def load_adapter(peft_model: Any, adapter: Path) -> None:
     """Load adapter weights (safetensors only) into `peft_model`; every LoRA weight of the model
-    must be in the file and nothing else."""
+    must be in the file, with its shape, and nothing else."""
     from peft import set_peft_model_state_dict
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    weights = load_file(str(adapter / ADAPTER_WEIGHTS))
-    result = set_peft_model_state_dict(peft_model, weights)
+    try:
+        weights = load_file(str(adapter / ADAPTER_WEIGHTS))
+        result = set_peft_model_state_dict(peft_model, weights)
+    except (OSError, SafetensorError, RuntimeError) as e:  # size mismatch: an adapter of another model
+        first = (str(e).strip().splitlines() or [type(e).__name__])[-1].strip()
+        raise ConfigError(f"{adapter}: the adapter does not fit this model ({first})") from None
     unexpected = list(result.unexpected_keys)  # type: ignore[attr-defined]  # typed as a bare namedtuple
     ours = [n for n, _ in peft_model.named_parameters() if ".lora_" in n]
     if unexpected or len(weights) != len(ours):
@@ -110,7 +140,8 @@ def save_adapter(model: Any, out: Path) -> Any:
     peft = sys.modules.get("peft")  # not imported: not a LoRA model (spares the import)
     if peft is None or not isinstance(model, peft.PeftModel):
         return model
-    model.save_pretrained(str(out / layout.ADAPTER_DIR), safe_serialization=True)
+    # the adapter only: with embed_tokens targeted peft would add the (frozen) base embeddings
+    model.save_pretrained(str(out / layout.ADAPTER_DIR), safe_serialization=True, save_embedding_layers=False)
     return model.merge_and_unload()
 
 
@@ -145,7 +176,10 @@ def initial_policy(cfg: Config) -> str:
     )
 
     def write(tmp: Path) -> None:
-        merged = save_adapter(wrap(cfg, model, src), tmp)
+        try:
+            merged = save_adapter(wrap(cfg, model, src), tmp)
+        except ConfigError as e:  # an adapter of another model: name the key
+            raise ConfigError(f"lora.init_adapter: {e}") from None
         merged.to(saved_dtype(base)).save_pretrained(tmp)
         load_tokenizer(base, cfg.trust_remote_code).save_pretrained(tmp)
         (tmp / SOURCE).write_text(json.dumps(source))

@@ -69,6 +69,29 @@ def read_meta(out: Path) -> dict[str, Any] | None:
         raise StageError(f"{path}: unreadable optimizer state ({e})") from None
 
 
+def check(out: Path, meta: dict[str, Any]) -> None:
+    """One-line errors, before anything is written, for a state that cannot be loaded: a missing or
+    unreadable TENSORS file, a `global_step` or `total_steps` that is not a whole number."""
+    from safetensors import SafetensorError, safe_open
+
+    for key in ("global_step", "total_steps"):
+        value = meta.get(key)
+        if key not in meta or (value is None and key == "total_steps"):  # no length: an old state
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise StageError(f"{out / META}: '{key}' must be a whole number >= 0, got {value!r}")
+    path = out / TENSORS
+    try:
+        with safe_open(str(path), framework="pt"):  # the header: covers a truncated file
+            pass
+    except (OSError, SafetensorError) as e:
+        raise StageError(f"{path}: unreadable optimizer state ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
 def load(out: Path, names: list[str], by_name: bool) -> dict[str, Any]:
     """The state dict saved in `out`, keyed by index into `names` (by_name False: for
     `Optimizer.load_state_dict`) or by name (for FSDP's `set_optimizer_state_dict`)."""
@@ -105,4 +128,18 @@ def restore(out: Path, model: Any, optimizer: Any, sharded: bool) -> None:
         full = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, optimizer, load(out, names, by_name=True), options=full)
     else:
-        optimizer.load_state_dict(load(out, names, by_name=False))
+        state = load(out, names, by_name=False)
+        _check_shapes(out, state, [p for g in optimizer.param_groups for p in g["params"]], names)
+        optimizer.load_state_dict(state)
+
+
+def _check_shapes(out: Path, state: dict[str, Any], params: list[Any], names: list[str]) -> None:
+    """Every moment tensor has the shape of the optimizer's parameter it belongs to (a scalar,
+    AdamW's step, any)."""
+    for i, per_param in state["state"].items():
+        for k, v in per_param.items():
+            if i < len(params) and getattr(v, "ndim", 0) and tuple(v.shape) != tuple(params[i].shape):
+                raise StageError(
+                    f"{out / TENSORS}: '{_name(i, names)}/{k}' has shape {list(v.shape)}, its parameter "
+                    f"{list(params[i].shape)}: optimizer state of another model"
+                )

@@ -22,9 +22,10 @@ after the standard library and the installed packages, so no file there shadows 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math as _math  # not `math`: the submodule rlhf_batch.rewards.math would replace it
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from numbers import Real
 from typing import Any
@@ -54,13 +55,13 @@ class RewardFunction:
         return f"reward_{self.name}"
 
 
-def strip_alias(path: str) -> tuple[str, str]:
+def strip_alias(path: str, key: str = "score.reward_functions") -> tuple[str, str]:
     """``"verl:pkg.mod:compute_score as gsm8k"`` -> ("verl:pkg.mod:compute_score", "gsm8k")."""
     head, sep, alias = path.rpartition(" as ")
     if not sep:
         return path.strip(), ""
     if not alias.strip().isidentifier():
-        raise ConfigError(f"score.reward_functions: {path!r}: the name after 'as' must be an identifier")
+        raise ConfigError(f"{key}: {path!r}: the name after 'as' must be an identifier")
     return head.strip(), alias.strip()
 
 
@@ -77,14 +78,15 @@ def qualified_name(path: str) -> str:
     return f"{module.rpartition('.')[2]}_{attr.rpartition('.')[2]}"
 
 
-def split_convention(path: str) -> tuple[str, str]:
-    """``"trl:pkg.mod:fn"`` -> ("trl", "pkg.mod:fn"); a path without a prefix -> ("", path)."""
-    path = strip_alias(path)[0]
+def split_convention(path: str, key: str = "score.reward_functions") -> tuple[str, str]:
+    """``"trl:pkg.mod:fn"`` -> ("trl", "pkg.mod:fn"); a path without a prefix -> ("", path).
+    Errors name the config `key` that lists the path."""
+    path = strip_alias(path, key)[0]
     prefix, sep, rest = path.partition(":")
     if sep and rest.count(":") == 1:
         if prefix not in CONVENTIONS:
             raise ConfigError(
-                f"score.reward_functions: {path!r}: unknown calling convention {prefix!r} "
+                f"{key}: {path!r}: unknown calling convention {prefix!r} "
                 f"(use {', '.join(c + ':' for c in CONVENTIONS)} or none)"
             )
         return prefix, rest
@@ -101,23 +103,21 @@ def add_search_path(dirs: Sequence[str]) -> None:
             sys.path.append(d)
 
 
-def import_function(path: str) -> Callable[..., Any]:
-    """``"package.module:function"`` -> the function; ConfigError naming the path otherwise."""
-    module_name, sep, attr = split_convention(path)[1].partition(":")
+def import_function(path: str, key: str = "score.reward_functions") -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function; ConfigError naming `key` and the path otherwise."""
+    module_name, sep, attr = split_convention(path, key)[1].partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"score.reward_functions: {path!r} is not of the form 'package.module:function'")
+        raise ConfigError(f"{key}: {path!r} is not of the form 'package.module:function'")
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's to fix
-        raise ConfigError(
-            f"score.reward_functions: cannot import {module_name!r} for {path!r} ({e})"
-        ) from None
+        raise ConfigError(f"{key}: cannot import {module_name!r} for {path!r} ({e})") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"score.reward_functions: {module_name!r} has no attribute {attr!r} ({path!r})")
+            raise ConfigError(f"{key}: {module_name!r} has no attribute {attr!r} ({path!r})")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ConfigError(f"score.reward_functions: {path!r} is not callable")
+        raise ConfigError(f"{key}: {path!r} is not callable")
     fn: Callable[..., Any] = obj
     return fn
 
@@ -127,27 +127,31 @@ def load_reward_functions(
     weights: Sequence[float] = (),
     reserved: Sequence[str] = (),
     search: Sequence[str] = (),
+    key: str = "score.reward_functions",
 ) -> list[RewardFunction]:
     """Import every function (with `search` dirs at the end of sys.path); weights default to
     1.0. A function's column is ``reward_<name>``: its alias (``"pkg.mod:fn as NAME"``), else its
     function name, else, when another function has that name too, ``<module>_<function>`` (two
     verl ``compute_score`` from ``gsm8k`` and ``math`` modules: ``reward_gsm8k_compute_score``,
     ``reward_math_compute_score``). Columns that still have one name (or a name in `reserved`)
-    are a ConfigError."""
+    are a ConfigError. Errors name the config `key` that lists them (`eval.reward_functions`)."""
     add_search_path(search)
     weights = list(weights) or [1.0] * len(paths)
     if len(weights) != len(paths):
-        raise ConfigError(f"score.reward_weights: {len(weights)} weights for {len(paths)} reward_functions")
+        wkey = key.replace("functions", "weights")
+        raise ConfigError(f"{wkey}: {len(weights)} weights for {len(paths)} reward_functions")
     names = [given_name(p) for p in paths]
     out: list[RewardFunction] = []
     for path, weight, name in zip(paths, weights, names, strict=True):
-        alias = strip_alias(path)[1] or (qualified_name(path) if names.count(name) > 1 else "")
-        rf = RewardFunction(path, import_function(path), float(weight), split_convention(path)[0], alias)
+        alias = strip_alias(path, key)[1] or (qualified_name(path) if names.count(name) > 1 else "")
+        rf = RewardFunction(
+            path, import_function(path, key), float(weight), split_convention(path, key)[0], alias
+        )
         clash = [o.path for o in out if o.column == rf.column]
         if clash or rf.column in reserved or rf.column == RM_COLUMN:
             other = f"{clash[0]!r}" if clash else "a column of the scores table"
             raise ConfigError(
-                f"score.reward_functions: {path!r} would write column {rf.column!r}, as does {other}; "
+                f"{key}: {path!r} would write column {rf.column!r}, as does {other}; "
                 "name its column with 'MODULE:FUNCTION as NAME'"
             )
         out.append(rf)
@@ -219,6 +223,53 @@ def _failing_rollout(rf: RewardFunction, kwargs: dict[str, list[Any]], rollout_i
         except Exception:  # noqa: BLE001
             return rid
     return f"{rollout_ids[0]}..{rollout_ids[-1]}, fails only on the whole batch" if rollout_ids else "none"
+
+
+class _TimedOut(BaseException):  # not an Exception: a reward function's `except Exception` lets it pass
+    pass
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, message: str) -> Iterator[None]:
+    """Run the block for at most `seconds` (0: no limit): a watchdog thread then interrupts the
+    main thread with SIGUSR2 (which also ends a blocking sleep or read) and the block fails with
+    RewardError(message). Only on the main thread of a POSIX process; elsewhere no limit."""
+    import signal
+    import threading
+
+    if (
+        seconds <= 0
+        or threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "pthread_kill")
+    ):
+        yield
+        return
+    fired, done = threading.Event(), threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        if fired.is_set() and not done.is_set():
+            raise _TimedOut
+
+    def watch(main: int) -> None:
+        if not done.wait(seconds):
+            fired.set()
+            signal.pthread_kill(main, signal.SIGUSR2)
+
+    old = signal.signal(signal.SIGUSR2, handler)
+    watcher = threading.Thread(target=watch, args=(threading.get_ident(),), daemon=True)
+    watcher.start()
+    try:
+        yield
+    except _TimedOut:
+        raise RewardError(message) from None
+    finally:
+        done.set()
+        watcher.join()
+        signal.signal(signal.SIGUSR2, _ignore if fired.is_set() else old)  # a signal still on its way
 
 
 def weighted_sum(

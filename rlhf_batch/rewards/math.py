@@ -82,7 +82,10 @@ def exact_answer(
     return out
 
 
-def compute_score(data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
-    """verl's signature: use as ``"verl:rlhf_batch.rewards.math:compute_score"``."""
+def compute_score(
+    data_source: Any, solution_str: str, ground_truth: Any, extra_info: Any = None
+) -> float | None:
+    """verl's signature: use as ``"verl:rlhf_batch.rewards.math:compute_score"``; None (the row is
+    not scored) without a ground truth, as `exact_answer`."""
     truth = _truth(ground_truth)
-    return 0.0 if truth is None else math_equal(solution_str, truth)
+    return None if truth is None else math_equal(solution_str, truth)

@@ -52,6 +52,7 @@ class Stage:
     unit_scale: ClassVar[bool] = False
     force: bool = False  # set by the executor: the run was asked to replace what differs
     clock: StageClock | None = None  # set by the executor: start-up, work and tokens
+    staging: Path | None = None  # set by the executor under --force: where the output is written
 
     def __init__(self, cfg: Config, iteration: int, topup: int = 0):
         # topup > 0: a top-up round of the iteration (generate and score only; topup.py)
@@ -65,6 +66,10 @@ class Stage:
 
     @property
     def sdir(self) -> Path:
+        """The folder the stage writes: its output folder, or under --force the staging folder
+        beside it (staging.py), swapped in once complete."""
+        if self.staging is not None:
+            return self.staging
         return layout.folder(self.cfg.run_dir, self.iteration, self.folder, self.topup)
 
     @property

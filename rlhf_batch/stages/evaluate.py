@@ -95,10 +95,15 @@ class Eval(Stage):
     def inputs(self) -> dict[str, Any]:
         from rlhf_batch.store.modeldir import model_fingerprint
 
+        if self.cfg.demo:  # `run` may evaluate iteration 0 before generate builds the demo assets
+            from rlhf_batch.data.demo import ensure_demo_assets
+
+            ensure_demo_assets(self.cfg)
         if not self.cfg.eval.prompts:
             raise StageError("eval.prompts: no held-out prompt file configured; set [eval] prompts")
+        key = "eval.reward_functions" if self.cfg.eval.reward_functions else "score.reward_functions"
         self.fns = load_reward_functions(
-            self.reward_paths, self.reward_weights, EVAL.names, reward_search_path(self.cfg)
+            self.reward_paths, self.reward_weights, EVAL.names, reward_search_path(self.cfg), key
         )
         if not self.fns:
             raise ConfigError("eval: no reward function; set eval.reward_functions or score.reward_functions")
@@ -109,6 +114,12 @@ class Eval(Stage):
             "policy": model_fingerprint(self.policy, "policy"),
             "iteration": self.iteration,
         }
+
+    def check(self) -> None:
+        """The policy can be loaded (not removed by keep_policies): checked before anything is written."""
+        from rlhf_batch.store.modeldir import check_model_dir
+
+        check_model_dir(self.policy, "policy")
 
     def plan(self) -> int:
         from rlhf_batch.models.load import load_tokenizer
@@ -134,7 +145,12 @@ class Eval(Stage):
         t = generate_part(self.engine, self.tok, self.prompts, n, self.scfg, self.iteration, self.policy, bar)
         rid = t["rollout_id"].to_pylist()
         values, extra = reward_values(
-            self.fns, t, rid, t["prompt_ids"].to_pylist(), t["response_ids"].to_pylist()
+            self.fns,
+            t,
+            rid,
+            t["prompt_ids"].to_pylist(),
+            t["response_ids"].to_pylist(),
+            self.cfg.score.reward_timeout,
         )
         reward = weighted_sum(values, {rf.column: rf.weight for rf in self.fns}, len(rid))
         threshold = self.cfg.eval.correct_threshold

@@ -3,7 +3,9 @@
 It alone owns what every stage has in common:
 
 * refusal: a folder complete (or partial) with another identity (config, input fingerprints,
-  schema version) is refused with the keys that differ; `--force` removes the folder first;
+  schema version) is refused with the keys that differ; `--force` writes the new output beside
+  the old one and swaps it in once complete (store/staging.py): what fails or is killed before
+  that leaves the old output as it was;
 * resume: only the parts not on disk are written; a complete folder is left as it is;
 * ranks: rank r writes the missing parts n with n % world == r (rank 0 all of them for a
   single-writer stage);
@@ -24,7 +26,7 @@ from rlhf_batch.observe import tracking
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.runtime.timing import StageClock
-from rlhf_batch.store import layout
+from rlhf_batch.store import layout, staging
 from rlhf_batch.store.atomic import set_durable
 from rlhf_batch.store.manifests import (
     manifest,
@@ -51,6 +53,9 @@ def execute(
     stage.force = force
     clock = StageClock(since)
     set_durable(stage.cfg.fsync)
+    if dist.rank_world()[0] == 0:
+        staging.recover_folder(stage.sdir)  # a swap a kill interrupted
+    out = None
     try:
         out = output_of(stage)
         out.clock = stage.clock = clock
@@ -58,6 +63,8 @@ def execute(
             _tidy(stage, out)
             return m
         stage.check()
+        if force:
+            _stage_beside(stage, out)
         out.begin(force)
         n_parts = stage.plan()
         todo = out.todo(n_parts, stage.single_writer)
@@ -68,14 +75,28 @@ def execute(
             clock.work_begins()
         with _progress(stage, todo, quiet or not dist.leads()) as bar:
             stage.write_parts(todo, out, bar)
-        result = out.finish(n_parts, stage.manifest_extra)
+        result = out.finish(n_parts, stage.manifest_extra)  # under --force: swapped in
+        stage.staging = None
         if result is not None:  # rank 0: the live trackers (report_to); never raises
             tracking.log_stage(out.record, stage.sdir, result)
         fault_point(f"{stage.folder}:manifest:done")
         _tidy(stage, out)
         return result or manifest(stage.sdir) or {}
     finally:
+        _unstage(stage, out)
         stage.close()
+
+
+def _stage_beside(stage: Stage, out: StageOutput) -> None:
+    """--force: the stage writes into the staging folder beside its output (store/staging.py)."""
+    where = out.stage_beside()
+    stage.staging = where if out.final != where else None  # none on an object store
+
+
+def _unstage(stage: Stage, out: StageOutput | None) -> None:
+    stage.staging = None
+    if out is not None and out.final != out.sdir and out.rank == 0:
+        staging.drop_if_empty(out.sdir)  # a forced run that failed before its first part
 
 
 def is_done(stage: Stage) -> bool:

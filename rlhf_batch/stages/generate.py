@@ -67,8 +67,14 @@ class Generate(Stage):
         }
 
     def check(self) -> None:
-        """A top-up round must come before the next iteration takes its prompts: that iteration
-        started after the batches taken so far, this round's included."""
+        """The start policy can be loaded (not removed by keep_policies); a top-up round must come
+        before the next iteration takes its prompts: that iteration started after the batches
+        taken so far, this round's included."""
+        from rlhf_batch.models.lora import check_targets
+        from rlhf_batch.store.modeldir import check_model_dir
+
+        check_model_dir(self.policy, "policy")
+        check_targets(self.cfg)
         nxt = layout.folder(self.cfg.run_dir, self.iteration + 1, layout.ROLLOUTS)
         if self.topup and self.cfg.generate.prompts_per_iteration and nxt.exists():
             raise StageError(
@@ -167,7 +173,7 @@ def generate_part(
         "response_ids": [r[0] for r in results],
         "behavior_logprobs": [r[1] for r in results],
         "finish_reason": [r[2] for r in results],
-        "policy": [policy] * len(rows),
+        "policy": [layout.in_run(policy, cfg.run_dir)] * len(rows),  # relative inside the run
     }
     table = pa.table({k: pa.array(v, ROLLOUTS.field(k).type) for k, v in columns.items()})
     carried = prompts.carried.take(pa.array([i for i, _ in rows], pa.int64()))

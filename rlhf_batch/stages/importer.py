@@ -184,9 +184,15 @@ def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
 
 
 def _no_nulls(col: pa.ChunkedArray, path: Path, name: str) -> None:
+    """No null in the column, nor inside a list of it (errors name the row, 1-based)."""
     if col.null_count:
         row = pc.index(col.is_null(), True).as_py()
         raise SchemaError(f"{path}: column '{name}' is null in row {row + 1}")
+    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
+        inner = pc.list_flatten(col)
+        if inner.null_count:
+            row = pc.list_parent_indices(col)[pc.index(inner.is_null(), True).as_py()].as_py()
+            raise SchemaError(f"{path}: column '{name}' holds a null value in row {row + 1}")
 
 
 def tokenize_part(
@@ -226,7 +232,7 @@ def tokenize_part(
     t = t.append_column("prompt_ids", pa.array(prompt_ids, TOKENS))
     t = t.append_column("response_ids", pa.array(response_ids, TOKENS))
     t = t.append_column("behavior_logprobs", pa.array([lp.tolist() for lp in logps], LOGPROBS))
-    t = t.append_column("policy", pa.array([policy] * len(rid), pa.string()))
+    t = t.append_column("policy", pa.array([layout.in_run(policy, cfg.run_dir)] * len(rid), pa.string()))
     counts = {"rows": len(rid), "tokens": sum(len(r) for r in response_ids), "eos_appended": appended}
     return t, counts
 
@@ -248,8 +254,10 @@ def _check_given_logprobs(
             raise SchemaError(
                 f"{where}: rollout {r}: behavior_logprobs has {len(lp)} values for {len(ids)} response_ids"
             )
-        if not np.isfinite(lp).all() or (lp > 0).any():
-            bad = next(x for x in lp.tolist() if not math.isfinite(x) or x > 0)
+        low = float(np.finfo(np.float32).min)  # stored as float32: below it would be -inf
+        if not np.isfinite(lp).all() or (lp > 0).any() or (lp < low).any():
+            bad = next(x for x in lp.tolist() if not math.isfinite(x) or x > 0 or x < low)
             raise SchemaError(
-                f"{where}: rollout {r}: behavior_logprobs holds {bad}; log-probs are finite and <= 0"
+                f"{where}: rollout {r}: behavior_logprobs holds {bad}; log-probs are finite float32 "
+                "values <= 0"
             )

@@ -57,7 +57,14 @@ from rlhf_batch.core.kl import (
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.models.forward import batched_logprobs
 from rlhf_batch.models.load import load_model
-from rlhf_batch.rewards import RM_COLUMN, RewardFunction, clip, load_reward_functions, weighted_sum
+from rlhf_batch.rewards import (
+    RM_COLUMN,
+    RewardFunction,
+    clip,
+    load_reward_functions,
+    time_limit,
+    weighted_sum,
+)
 from rlhf_batch.rewards.conventions import check_arguments, evaluate
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
@@ -113,7 +120,8 @@ class Score(Stage):
         self.rollouts = read_complete(self.rdir, ROLLOUTS)
         carried = [c for c in self.rollouts.column_names if c not in ROLLOUTS.names]
         check_arguments(self.fns, carried, str(self.rdir))  # before any rollout is scored
-        policies = pc.unique(self.rollouts["policy"].drop_null()).to_pylist()
+        stored = pc.unique(self.rollouts["policy"].drop_null()).to_pylist()
+        policies = [layout.from_run(p, self.cfg.run_dir) for p in stored]  # relative: inside the run
         self.scorer = Scorer(self.cfg, policies, self.fns, self.kl_coef)
         if self.scorer.kl and not all(same_model(p, self.cfg.ref) for p in policies):
             self.scorer.ref_model  # noqa: B018 - loaded in start-up, not in the first part's time
@@ -281,7 +289,7 @@ class Scorer:
     def rewards(
         self, t: pa.Table, rid: list[str], prompt_ids: list[list[int]], response_ids: list[list[int]]
     ) -> tuple[dict[str, list[float | None]], dict[str, pa.Array]]:
-        return reward_values(self.fns, t, rid, prompt_ids, response_ids)
+        return reward_values(self.fns, t, rid, prompt_ids, response_ids, self.cfg.score.reward_timeout)
 
     def ref_logprobs(
         self,
@@ -297,7 +305,7 @@ class Scorer:
         offsets = np.concatenate([[0], np.cumsum(r_len)])  # [B + 1]
         ref = beh.copy()  # [N]
         policies = t["policy"].to_pylist()
-        is_ref = {p: same_model(p, self.cfg.ref) for p in set(policies)}
+        is_ref = {p: same_model(layout.from_run(p, self.cfg.run_dir), self.cfg.ref) for p in set(policies)}
         need = [i for i, p in enumerate(policies) if r_len[i] and not is_ref[p]]
         skip = set(range(len(prompt_ids))) - set(need)
         progress(sum(len(prompt_ids[i]) + int(r_len[i]) for i in skip))
@@ -322,23 +330,28 @@ def reward_values(
     rid: list[str],
     prompt_ids: list[list[int]],
     response_ids: list[list[int]],
+    timeout: float = 0.0,
 ) -> tuple[dict[str, list[float | None]], dict[str, pa.Array]]:
     """Each reward function's values for the rollouts rows `t` (column reward_<name> -> one value
     per row) and the extra columns some give, each called by its convention (rewards.conventions)
-    with the rows' prompts, responses, token ids and carried columns."""
+    with the rows' prompts, responses, token ids and carried columns; each call may take at most
+    `timeout` seconds (score.reward_timeout; 0: no limit)."""
     columns = {c: t[c].to_pylist() for c in t.column_names if c not in ROLLOUTS.names}
     prompts, responses = t["prompt"].to_pylist(), t["response"].to_pylist()
     values, extra = {}, {}
+    where = f" on rollouts {rid[0]}..{rid[-1]}" if rid else ""
     for rf in fns:
-        values[rf.column], more = evaluate(
-            rf,
-            rid,
-            prompts=prompts,
-            responses=responses,
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            columns=columns,
-        )
+        said = f"reward function {rf.path} did not return within {timeout:g} s (score.reward_timeout)"
+        with time_limit(timeout, said + where):
+            values[rf.column], more = evaluate(
+                rf,
+                rid,
+                prompts=prompts,
+                responses=responses,
+                prompt_ids=prompt_ids,
+                response_ids=response_ids,
+                columns=columns,
+            )
         extra.update(more)
     return values, extra
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,12 +44,12 @@ from rlhf_batch.models.policy import start_policy
 from rlhf_batch.observe import tracking
 from rlhf_batch.runtime import dist, faults
 from rlhf_batch.runtime.progress import Rate
-from rlhf_batch.stages import train_carry
+from rlhf_batch.stages import train_carry, train_schedule
 from rlhf_batch.stages.base import Stage
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.stages.train_data import TrainRows, load_rows
 from rlhf_batch.store import atomic, layout, manifests, retention
-from rlhf_batch.store.modeldir import model_fingerprint
+from rlhf_batch.store.modeldir import model_fingerprint, write_weights_digest
 from rlhf_batch.store.output import StageOutput
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class Train(Stage):
             ident.pop("lora", None)
         if not self.cfg.train.sequences_per_step:  # likewise for steps cut by tokens
             ident["train"].pop("sequences_per_step", None)
+        ident["train"]["total_steps"] = train_schedule.identity(self.cfg, self.iteration, self.force)
         return ident
 
     def inputs(self) -> dict[str, Any]:
@@ -88,34 +90,75 @@ class Train(Stage):
         if it == 0:
             return {"advantages": adv["key"], "policy": model_fingerprint(self.start, "policy_model")}
         prev = manifests.manifest(layout.folder(cfg.run_dir, it - 1, layout.TRAIN)) or {}
-        return {"advantages": adv["key"], "policy": prev.get("key")}
+        # the weights themselves (none: a policy written before they were hashed)
+        content = model_fingerprint(self.start, "policy").get("content")
+        return {
+            "advantages": adv["key"],
+            "policy": prev.get("key"),
+            **({"weights": content} if content else {}),
+        }
 
     def check(self) -> None:
         # bad input fails before the folder is marked started; no trainable row: zero steps;
         # null ref_logprobs only without the KL loss
+        lora.check_targets(self.cfg)
+        _, adapter = lora.train_base(self.cfg, self.start)
+        if adapter is not None:  # an adapter of another shape: refused before anything is written
+            lora.check_adapter(self.cfg, adapter)
         rows = (manifests.manifest(self.adv_dir) or {}).get("rows")
         self.data = load_rows(self.adv_dir, need_ref=self.cfg.train.kl_loss_coef > 0) if rows != 0 else None
         self.prev = train_carry.previous(self.cfg, self.iteration)
         self.changed = train_carry.changes(
             self.cfg, self.iteration, self.prev[1] if self.prev else None, self.force
         )
+        if self.prev is not None:
+            train_schedule.check_not_ended(self.cfg, self.iteration, self.prev[1]["global_step"], self.force)
+        self.schedule_record: dict[str, Any] | None = None
+
+    def schedule_length(self, steps: int) -> int:
+        """The LR schedule's length for this iteration of `steps` steps (train_schedule.py)."""
+        carried = self.prev[1].get("total_steps") if self.prev else None
+        total, self.schedule_record = train_schedule.length(
+            self.cfg, self.iteration, steps, self.force, carried
+        )
+        return total
 
     def plan(self) -> int:
         return 0
+
+    def policy_out(self) -> Path:
+        """Where this run writes the policy: iter=K/policy, or under --force inside the staging
+        folder, from where the commit moves it to iter=K/policy (staging.py)."""
+        if self.staging is not None:
+            return self.staging / layout.POLICY_DIR
+        return layout.policy_dir(self.cfg.run_dir, self.iteration)
 
     def write_parts(self, todo: list[int], out: StageOutput, bar: Any) -> None:
         if self.data is None:
             from rlhf_batch.stages.train_empty import carry_forward
 
-            carried = carry_forward(self.cfg, self.iteration, self.start, self.adv_dir, self.prev)
+            carried = carry_forward(
+                self.cfg, self.iteration, self.start, self.adv_dir, self.prev, out.sdir, self.policy_out()
+            )
             self.result = TrainResult(
                 [], self.cfg.train.ppo_epochs, 0, self.start, dist.rank_world()[1], carried
             )
         else:
-            self.result = _train(self.cfg, self.iteration, self.start, out, self.data, bar, self.prev)
+            self.result = _train(
+                self.cfg,
+                self.iteration,
+                self.start,
+                out,
+                self.data,
+                bar,
+                self.prev,
+                self.policy_out(),
+                self.schedule_length,
+            )
         self.result.optimizer["changed"] = self.changed
 
     def manifest_extra(self) -> dict[str, Any]:
+        train_schedule.write(self.cfg, self.schedule_record)  # the run's schedule, fixed or changed
         return self.result.manifest_extra()
 
     def on_complete(self) -> None:
@@ -171,6 +214,8 @@ def _train(
     data: TrainRows,
     bar: Any,
     prev: tuple[Path, dict[str, Any]] | None,
+    policy: Path,
+    schedule_length: Callable[[int], int],
 ) -> TrainResult:
     import torch
 
@@ -193,7 +238,7 @@ def _train(
     trainer = build_trainer(cfg, start, data, steps)
     if prev is not None:  # the run's AdamW state and step count, as iteration K-1 left them
         train_carry.restore(trainer, prev[0], tc.weight_decay)
-    offset, total = train_carry.schedule(cfg, prev[1] if prev else None, len(steps))
+    offset, total = int(prev[1]["global_step"]) if prev else 0, schedule_length(len(steps))
     trainer.step_offset, trainer.total_steps = offset, total
     faults.fault_point("train:model-loaded")
     ckpt_dir = out.sdir / layout.CHECKPOINT_DIR
@@ -220,9 +265,10 @@ def _train(
             _checkpoint(trainer, ckpt_dir, done, {"key": out.key, "epoch": step.epoch, "metrics": rows})
     bar.close()
     live.close()
-    carried = train_carry.record(offset, offset + len(steps), total, iteration - 1 if prev else None)
+    fresh = cfg.train.fresh_optimizer and iteration > 0
+    carried = train_carry.record(offset, offset + len(steps), total, iteration - 1 if prev else None, fresh)
     extra = train_carry.state_extra(cfg, offset + len(steps), total, carried["carried_from"])
-    _save(cfg, iteration, trainer, start, rows, extra)
+    _save(cfg, out.sdir, policy, trainer, start, rows, extra)
     return TrainResult(rows, tc.ppo_epochs, len(data), start, trainer.world, carried, trainer.sharded)
 
 
@@ -259,14 +305,16 @@ def _checkpoint(trainer: Trainer, root: Path, done: int, state: dict[str, Any]) 
 
 def _save(
     cfg: Config,
-    iteration: int,
+    sdir: Path,
+    out: Path,
     trainer: Trainer,
     start: str,
     rows: list[dict[str, Any]],
     optimizer_extra: dict[str, Any],
 ) -> None:
-    """Rank 0: the optimizer state, the policy, then metrics.parquet (the executor writes the
-    manifest last). Under FSDP every rank takes part in gathering the full state dicts."""
+    """Rank 0: the optimizer state (into the train folder `sdir`), the policy (to `out`), then
+    metrics.parquet (the executor writes the manifest last). Under FSDP every rank takes part in
+    gathering the full state dicts."""
     import pyarrow as pa
 
     from rlhf_batch.store.schemas import METRICS
@@ -275,10 +323,9 @@ def _save(
     weights, optim = checkpoint.gather(trainer.model, trainer.optimizer) if trainer.sharded else (None, None)
     if trainer.rank == 0:
         state = trainer.optimizer.state_dict() if optim is None else optim
-        train_carry.save(layout.optimizer_dir(cfg.run_dir, iteration), state, trainer.model, optimizer_extra)
+        train_carry.save(sdir / layout.OPTIMIZER_DIR, state, trainer.model, optimizer_extra)
         model = trainer.model if weights is None else _unsharded(cfg, start, weights)
         checkpointing = cfg.train.gradient_checkpointing and weights is None
-        out = layout.policy_dir(cfg.run_dir, iteration)
         for name, p in model.named_parameters():  # never a complete stage with broken weights
             if not _finite(p):
                 raise StageError(f"{out}: not written: the trained weight {name} has NaN or inf values")
@@ -286,7 +333,6 @@ def _save(
 
         _write_policy(model, trainer.tokenizer, out, saved_dtype(start), checkpointing)
         table = pa.Table.from_pylist([{k: r[k] for k in METRICS.names} for r in rows], schema=METRICS)
-        sdir = layout.folder(cfg.run_dir, iteration, layout.TRAIN)
         atomic.write_parquet_atomic(sdir / layout.METRICS_FILE, table, METRICS)
 
 
@@ -445,5 +491,6 @@ def _write_policy(model: Any, tok: Any, out: Path, dtype: Any, gradient_checkpoi
         merged = lora.save_adapter(model, tmp)
         merged.eval().to(dtype).save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        write_weights_digest(tmp)  # the policy's fingerprint (store/modeldir.model_fingerprint)
 
     atomic.write_dir_atomic(out, write, fault="train:policy")

@@ -7,11 +7,9 @@ K+1 loads it before its first step, so Adam's moments, its bias correction and t
 rate schedule (warmup once, then the decay over the run's steps) run on as if one process had
 trained every iteration. Iteration 0, or an iteration after one with no state, starts fresh.
 
-Schedule length: `train.total_steps`, or when 0, `iterations` x the steps of the first
-iteration that trains, recorded in the state and kept by every later iteration.
+Schedule length: fixed once per run in RUN_DIR/schedule.json (train_schedule.py).
 
-Changing `train.lr`, `weight_decay`, `warmup_steps`, `lr_schedule` or a set `total_steps` in
-the middle of a run is refused (naming the old and new values) unless `--force`: then the
+Changing `train.lr`, `weight_decay`, `warmup_steps` or `lr_schedule` in the middle of a run is refused (naming the old and new values) unless `--force`: then the
 iteration continues from the carried moments and global step with the new settings (the
 schedule is evaluated at the run's global step with the new values; nothing is replayed), and
 its train manifest records the change under `optimizer.changed`.
@@ -25,19 +23,31 @@ from typing import Any
 from rlhf_batch.config import Config
 from rlhf_batch.errors import StageError
 from rlhf_batch.models import optim_state
-from rlhf_batch.store import atomic, layout
+from rlhf_batch.store import atomic, layout, manifests
 from rlhf_batch.store.fs import local_dir
 
 SCHEDULE = ("lr", "weight_decay", "warmup_steps", "lr_schedule")
 
 
 def previous(cfg: Config, iteration: int) -> tuple[Path, dict[str, Any]] | None:
-    """(directory, JSON) of the optimizer state iteration `iteration - 1` ended with, or None."""
-    if iteration == 0:
+    """(directory, JSON) of the optimizer state iteration `iteration - 1` ended with, checked;
+    None at iteration 0, with `train.fresh_optimizer`, or after an iteration that wrote none. A
+    state the previous train manifest says was written and that is not there is an error."""
+    if iteration == 0 or cfg.train.fresh_optimizer:
         return None
     path = layout.optimizer_dir(cfg.run_dir, iteration - 1)
     meta = optim_state.read_meta(path)
-    return None if meta is None else (path, meta)
+    if meta is None:
+        before = manifests.manifest(layout.folder(cfg.run_dir, iteration - 1, layout.TRAIN)) or {}
+        if (before.get("optimizer") or {}).get("global_step"):  # it took steps and wrote their state
+            raise StageError(
+                f"{path}: the optimizer state of iteration {iteration - 1} is missing (train of iteration "
+                f"{iteration} continues it); restore it, or set train.fresh_optimizer=true to start AdamW "
+                "and the schedule afresh (recorded in the train manifest)"
+            )
+        return None
+    optim_state.check(path, meta)
+    return path, meta
 
 
 def changes(cfg: Config, iteration: int, prev: dict[str, Any] | None, force: bool) -> dict[str, Any]:
@@ -46,9 +56,7 @@ def changes(cfg: Config, iteration: int, prev: dict[str, Any] | None, force: boo
     if prev is None:
         return {}
     tc = cfg.train
-    now = {k: getattr(tc, k) for k in SCHEDULE}
-    if tc.total_steps:
-        now["total_steps"] = tc.total_steps
+    now = {k: getattr(tc, k) for k in SCHEDULE}  # the length: train_schedule.py
     diff = {k: [prev.get(k), v] for k, v in now.items() if prev.get(k) != v}
     if diff and not force:
         said = ", ".join(f"train.{k} {old!r} -> {new!r}" for k, (old, new) in diff.items())
@@ -61,23 +69,17 @@ def changes(cfg: Config, iteration: int, prev: dict[str, Any] | None, force: boo
     return diff
 
 
-def schedule(cfg: Config, prev: dict[str, Any] | None, steps: int) -> tuple[int, int]:
-    """(steps the run took before this iteration, the schedule's length in steps)."""
-    offset = int(prev["global_step"]) if prev else 0
-    if cfg.train.total_steps:
-        return offset, cfg.train.total_steps
-    if prev and prev.get("total_steps"):
-        return offset, int(prev["total_steps"])
-    return offset, cfg.iterations * steps
-
-
-def record(start: int, end: int, total: int | None, carried_from: int | None) -> dict[str, Any]:
-    """The train manifest's `optimizer` entry: the run's global steps before and after."""
+def record(
+    start: int, end: int, total: int | None, carried_from: int | None, fresh: bool = False
+) -> dict[str, Any]:
+    """The train manifest's `optimizer` entry: the run's global steps before and after (`fresh`:
+    train.fresh_optimizer asked to start afresh, recorded only then)."""
     return {
         "global_step_start": start,
         "global_step": end,
         "total_steps": total,
         "carried_from": carried_from,
+        **({"fresh": True} if fresh else {}),
     }
 
 

@@ -23,15 +23,23 @@ from rlhf_batch.store.fs import local_dir, run_path
 
 
 def carry_forward(
-    cfg: Any, iteration: int, start: str, adv_dir: Path, prev: tuple[Path, dict[str, Any]] | None
+    cfg: Any,
+    iteration: int,
+    start: str,
+    adv_dir: Path,
+    prev: tuple[Path, dict[str, Any]] | None,
+    sdir: Path,
+    policy: Path,
 ) -> dict[str, Any]:
-    """Rank 0 writes; returns the manifest's `optimizer` entry (the global step is unchanged)."""
+    """Rank 0 writes into the train folder `sdir` and the policy dir `policy`; returns the
+    manifest's `optimizer` entry (the global step is unchanged)."""
 
     from rlhf_batch.store.schemas import METRICS
 
     step = int(prev[1]["global_step"]) if prev else 0
     total = prev[1].get("total_steps") if prev else None
-    carried = record(step, step, total, iteration - 1 if prev else None)
+    fresh = cfg.train.fresh_optimizer and iteration > 0
+    carried = record(step, step, total, iteration - 1 if prev else None, fresh)
     if dist.rank_world()[0] != 0:
         return carried
     why = (manifests.manifest(adv_dir) or {}).get("no_trainable_rows") or "the advantages table has 0 rows"
@@ -42,28 +50,38 @@ def carry_forward(
         flush=True,
     )
     if prev is not None:
-        _copy_dir(prev[0], layout.optimizer_dir(cfg.run_dir, iteration))
-    _copy_policy(run_path(start), layout.policy_dir(cfg.run_dir, iteration))
-    sdir = layout.folder(cfg.run_dir, iteration, layout.TRAIN)
+        _copy_dir(prev[0], sdir / layout.OPTIMIZER_DIR)
+    _copy_policy(cfg, run_path(start), policy)
     atomic.write_parquet_atomic(sdir / layout.METRICS_FILE, METRICS.empty_table(), METRICS)
     return carried
 
 
-def _copy_policy(src: Path, dst: Path) -> None:
-    """The policy copied unchanged, with a record of its source (score_checks.origin): a policy
-    carried forward from the reference is the reference, and gets KL exactly 0."""
+def _has_adapter(start: str) -> bool:
+    return (run_path(start) / layout.ADAPTER_DIR).is_dir()
+
+
+def _copy_policy(cfg: Any, src: Path, dst: Path) -> None:
+    """The policy copied unchanged, with a record of its source (score_checks.origin: a policy
+    carried forward from the reference is the reference, and gets KL exactly 0), its weights'
+    content hash (modeldir.py) and, for the LoRA base with no adapter yet, a mark so the next
+    train starts a fresh adapter."""
+    from rlhf_batch.models.lora import BASE_COPY
     from rlhf_batch.stages.score_checks import CARRIED, without_path
-    from rlhf_batch.store.modeldir import model_fingerprint
-    from rlhf_batch.store.output import portable
+    from rlhf_batch.store.modeldir import WEIGHTS_DIGEST, model_fingerprint, write_weights_digest
 
     record = {
-        "from": portable(str(src), layout.run_root(dst)),
+        "from": layout.portable(str(src), layout.run_root(dst)),
         "fingerprint": without_path(model_fingerprint(str(src), "policy")),
     }
+    base_copy = cfg.lora.enabled and not _has_adapter(str(src))
 
     def write(tmp: Path) -> None:
         shutil.copytree(local_dir(src), tmp, dirs_exist_ok=True)
         (tmp / CARRIED).write_text(json.dumps(record, indent=1))
+        if not (tmp / WEIGHTS_DIGEST).is_file():
+            write_weights_digest(tmp)
+        if base_copy:
+            (tmp / BASE_COPY).write_text('{"adapter": null}\n')
 
     atomic.write_dir_atomic(dst, write)
 

@@ -151,11 +151,13 @@ def write_dir_atomic(final: Path, write: Callable[[Path], T], *, replace: bool =
 
     if fs.is_remote(final):
         return _put_dir(final, write, replace, fault)
+    for stale in final.parent.glob(f".{final.name}.tmp-*"):  # of a killed writer (one writer: the run lock)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
         result = write(tmp)
+        fault_point(f"dir:{final.name}:tmp")
         fsync_tree(tmp)
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each writer reports it
         shutil.rmtree(tmp, ignore_errors=True)

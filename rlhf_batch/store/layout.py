@@ -21,6 +21,7 @@ scores, advantages, train, eval); the unit of work and of resume inside a folder
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rlhf_batch.store.fs import is_remote, run_path
 
@@ -105,6 +106,53 @@ def part_number(path: Path) -> int:
 def list_parts(sdir: Path) -> list[Path]:
     """Finished parts on disk (temporary files are hidden and never match)."""
     return sorted(sdir.glob("part-*-*.parquet"), key=lambda p: (part_number(p), p.name))
+
+
+def in_run(path: str | Path, run_dir: str | Path) -> str:
+    """`path` as run files store it (the rollouts' `policy` column): relative to the run directory
+    when it is inside it, so the run can be moved or copied; else as it is (absolute locally)."""
+    text, root = str(path), str(run_dir).rstrip("/")
+    if "://" in root or "://" in text:  # an object store: by name
+        return text[len(root) + 1 :] if text.startswith(root + "/") else text
+    p, r = Path(path).absolute(), Path(run_dir).absolute()
+    for a, b in ((p, r), (p.resolve(), r.resolve())):
+        if a.is_relative_to(b):
+            return str(a.relative_to(b))
+    return str(p)
+
+
+def from_run(value: str, run_dir: str | Path) -> str:
+    """A path stored by `in_run`, where it is now (a relative one below `run_dir`)."""
+    if "://" in value or Path(value).is_absolute():
+        return value
+    return f"{str(run_dir).rstrip('/')}/{value}"
+
+
+def portable(obj: Any, root: Path | None) -> Any:
+    """`obj` with every path below the run directory `root` written as "{run_dir}/...": a run
+    directory moved or copied elsewhere keeps the identities of its complete stages."""
+    if root is None:
+        return obj
+    if isinstance(obj, dict):
+        return {k: portable(v, root) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [portable(v, root) for v in obj]
+    if isinstance(obj, str):
+        prefix = str(root)
+        if obj == prefix or obj.startswith(prefix + "/"):
+            return "{run_dir}" + obj[len(prefix) :]
+    return obj
+
+
+def unportable(obj: Any, root: Path) -> Any:
+    """`obj` with "{run_dir}" (portable) replaced by the run directory `root`."""
+    if isinstance(obj, dict):
+        return {k: unportable(v, root) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [unportable(v, root) for v in obj]
+    if isinstance(obj, str) and obj.startswith("{run_dir}"):
+        return str(root) + obj[len("{run_dir}") :]
+    return obj
 
 
 def tmp_name(path: Path, pid: int) -> Path:

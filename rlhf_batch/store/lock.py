@@ -20,6 +20,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -51,7 +52,17 @@ def stage_lock(run_dir: str) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
     if dist.fanned_out():  # N processes share the stage on purpose: whoever started them owns the run
         return contextlib.nullcontext()
-    return RunLock(fs.run_path(run_dir))
+    return _locked_and_recovered(fs.run_path(run_dir))
+
+
+@contextlib.contextmanager
+def _locked_and_recovered(run_dir: Path) -> Iterator[None]:
+    """The run lock, then the swaps of `--force` that a kill interrupted finished (staging.py)."""
+    from rlhf_batch.store import staging
+
+    with RunLock(run_dir):
+        staging.recover(run_dir)
+        yield
 
 
 def RunLock(run_dir: Path) -> contextlib.AbstractContextManager[Any]:  # noqa: N802 - used as a class

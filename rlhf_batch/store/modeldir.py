@@ -45,16 +45,57 @@ def refuse_removed(p: Path, what: str) -> None:
 
 
 def model_fingerprint(path: str, what: str) -> dict[str, Any]:
-    """What identifies a model for the stage manifests, cheaply: its path, config.json and the
-    names and sizes of its weight files (weights are not hashed: models can be many GB). A policy
-    that keep_policies removed keeps the fingerprint recorded before its removal."""
+    """What identifies a model for the stage manifests, cheaply: its path, config.json, the names
+    and sizes of its weight files and, for a policy this package wrote, the content hash of its
+    weights stored beside them when written (WEIGHTS_DIGEST; other models are not hashed: they
+    can be many GB). A policy that keep_policies removed keeps the fingerprint recorded before
+    its removal."""
     if (gone := removed_record(path)) is not None:
         return dict(gone["fingerprint"])
     p = check_model_dir(path, what)
     weights = {q.name: q.stat().st_size for q in sorted(p.glob("*.safetensors"))}
     out = {"path": str(p), "config": (p / "config.json").read_text(), "weights": weights}
+    if (content := weights_digest(p)) is not None:
+        out["content"] = content
     hub = None if is_remote(p) else hub_revision(p)
     return {**out, "hub": hub} if hub else out
+
+
+WEIGHTS_DIGEST = "weights_digest.json"  # in a policy dir this package wrote: sha256 of its weights
+
+
+def write_weights_digest(p: Path) -> None:
+    """Hash the weight files of the (local) model dir `p`, once, as it is written, into WEIGHTS_DIGEST."""
+    import hashlib
+    import json
+
+    digest = {}
+    for q in sorted(p.glob("*.safetensors")):
+        h = hashlib.sha256()
+        with open(q, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        digest[q.name] = {"bytes": q.stat().st_size, "sha256": h.hexdigest()}
+    (p / WEIGHTS_DIGEST).write_text(json.dumps(digest, indent=1, sort_keys=True))
+
+
+def weights_digest(p: Path) -> str | None:
+    """The content hash of the weights of `p` recorded in WEIGHTS_DIGEST; None when there is none
+    or it does not describe the weight files there (names or sizes differ)."""
+    import hashlib
+    import json
+
+    path = p / WEIGHTS_DIGEST
+    if not path.is_file():
+        return None
+    try:
+        digest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    files = {q.name: q.stat().st_size for q in p.glob("*.safetensors")}
+    if not isinstance(digest, dict) or {k: v.get("bytes") for k, v in digest.items()} != files:
+        return None
+    return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def removed_record(path: str | Path) -> dict[str, Any] | None:
@@ -66,4 +107,9 @@ def removed_record(path: str | Path) -> dict[str, Any] | None:
     if p.name != layout.POLICY_DIR or p.exists() or not record.is_file():
         return None
     data: dict[str, Any] = json.loads(record.read_text())
-    return data
+    root = p.parent.parent if is_remote(p) else p.parent.parent.absolute()
+    fp = layout.unportable(data["fingerprint"], root)
+    # a record written with absolute paths, before they were portable: the path is this one
+    if isinstance(fp, dict) and str(fp.get("path", "")).endswith(f"/{p.parent.name}/{p.name}"):
+        fp["path"] = str(p if is_remote(p) else p.absolute())
+    return {**data, "fingerprint": fp}

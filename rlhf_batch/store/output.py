@@ -15,7 +15,7 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.runtime.timing import StageClock
-from rlhf_batch.store import fs, layout
+from rlhf_batch.store import fs, layout, staging
 from rlhf_batch.store.atomic import write_json_atomic, write_parquet_atomic
 from rlhf_batch.store.manifests import differences, fingerprint, manifest, read_json, write_manifest
 from rlhf_batch.store.schemas import SCHEMA_VERSION
@@ -29,22 +29,6 @@ class Part:
     schema: pa.Schema
     counts: dict[str, int] = field(default_factory=dict)
     tokens: int = 0  # the tokens the stage processed for it (the manifest's timing)
-
-
-def portable(obj: Any, root: Path | None) -> Any:
-    """`obj` with every path below the run directory written as "{run_dir}/...": a run directory
-    moved or copied elsewhere keeps the identities of its complete stages."""
-    if root is None:
-        return obj
-    if isinstance(obj, dict):
-        return {k: portable(v, root) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [portable(v, root) for v in obj]
-    if isinstance(obj, str):
-        prefix = str(root)
-        if obj == prefix or obj.startswith(prefix + "/"):
-            return "{run_dir}" + obj[len(prefix) :]
-    return obj
 
 
 class StageOutput:
@@ -65,12 +49,13 @@ class StageOutput:
         self.rank, self.world = dist.rank_world()
         root = layout.run_root(sdir)
         self.identity = {
-            "config": portable(config, root),
-            "inputs": portable(inputs, root),
+            "config": layout.portable(config, root),
+            "inputs": layout.portable(inputs, root),
             "schema_version": SCHEMA_VERSION,
         }
         self.key = fingerprint(self.identity)
         self.complete = False
+        self.final = sdir  # where the output ends up (sdir: where it is written)
         self.clock = StageClock()  # execute() gives it the stage's start
         self.written: dict[str, tuple[int, dict]] = {}  # part name -> (rows, counts) written here
 
@@ -86,15 +71,37 @@ class StageOutput:
         self.complete = m is not None
         return m
 
+    def stage_beside(self) -> Path:
+        """Write into the staging folder beside the output (`--force`): the old output stays
+        until the new one is complete (`commit`). Staged parts of another identity are removed."""
+        if fs.is_remote(self.sdir) or dist.fanned_out():  # no rename on a store; fan-out: refused in `begin`
+            return self.sdir
+        self.final, self.sdir = self.sdir, staging.staged(self.sdir)
+        started = self.sdir / layout.STARTED
+        if self.rank == 0 and self.sdir.exists():
+            before = read_json(started) if started.exists() else None
+            if before is None or before.get("key") != self.key:
+                fs.remove(self.sdir)
+        return self.sdir
+
+    def commit(self) -> None:
+        """After the manifest of a staged run: rank 0 swaps the new output in."""
+        if self.rank == 0:
+            staging.commit(self.final)
+        self.sdir = self.final
+        dist.barrier()
+
     def begin(self, force: bool = False) -> None:
-        """Claim the folder: with `force` remove it first (asked for, never silently); refuse the
-        parts of a partial run with another identity; record this identity in `_started.json`."""
+        """Claim the folder: refuse the parts of a partial run with another identity (unless
+        `force`: then the folder is the staging folder of `stage_beside`, or, on an object store,
+        which has no rename, the folder itself, removed first); record this identity in
+        `_started.json`."""
         if force and dist.fanned_out():
             raise StageError(
                 f"{self.sdir}: --force with --world-size > 1 would remove the other processes' parts; "
                 "run it once with world size 1"
             )
-        if force and self.rank == 0 and self.sdir.exists():
+        if force and self.final == self.sdir and self.rank == 0 and self.sdir.exists():
             fs.remove(self.sdir)
         dist.barrier()
         if self.done() is not None:
@@ -102,7 +109,12 @@ class StageOutput:
         started = self.sdir / layout.STARTED
         # a run that failed before writing any part leaves nothing to protect: a new config takes over
         before = read_json(started) if started.exists() else None
-        if before is not None and before.get("key") != self.key and layout.list_parts(self.sdir):
+        if (
+            not force
+            and before is not None
+            and before.get("key") != self.key
+            and layout.list_parts(self.sdir)
+        ):
             raise StageError(
                 f"{self.sdir}: a partial run with a different config or inputs is here "
                 f"({differences(before, self.identity)}); re-run with the same config and inputs, or start it over "
@@ -115,6 +127,8 @@ class StageOutput:
                     ".*.tmp"
                 ):  # a killed writer's leftovers (parts, manifest, _started)
                     tmp.unlink(missing_ok=True)
+                for tmp in self.sdir.glob(".*.tmp-*"):  # its directories (train's optimizer state, policy)
+                    fs.remove(tmp)
             write_json_atomic(started, {"key": self.key, **self.identity})
         dist.barrier()
 
@@ -170,6 +184,8 @@ class StageOutput:
                 known=self.written,
             )
         dist.barrier()
+        if self.final != self.sdir:  # staged (--force): the new output is complete, swap it in
+            self.commit()
         return result
 
 
@@ -178,6 +194,8 @@ def claim(
 ) -> StageOutput:
     """A StageOutput checked (`done`) and claimed (`begin`): for writing a folder by hand."""
     out = StageOutput(sdir, folder, config, inputs, resolved)
+    if force:
+        out.stage_beside()
     if force or out.done() is None:
         out.begin(force)
     return out

@@ -60,11 +60,18 @@ def remove_policy(pol: Path, why: dict[str, Any]) -> None:
     from rlhf_batch.store.atomic import write_json_atomic
     from rlhf_batch.store.modeldir import model_fingerprint
 
-    record = {
-        "fingerprint": model_fingerprint(str(pol), "policy"),
+    record = {  # paths below the run dir as "{run_dir}/...": the run can be moved or copied
+        "fingerprint": layout.portable(model_fingerprint(str(pol), "policy"), _root(pol)),
         "removed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     write_json_atomic(pol.parent / layout.POLICY_REMOVED, {**record, **why})
     trash = pol.with_name(f"{TRASH}{time.time_ns()}")
     pol.rename(trash)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def _root(pol: Path) -> Path:
+    """The run directory of the policy dir `pol` (absolute when local)."""
+    from rlhf_batch.store.fs import is_remote
+
+    return pol.parent.parent if is_remote(pol) else pol.parent.parent.absolute()

@@ -219,3 +219,22 @@ def test_an_in_process_run_settles_its_heap_after_the_first_iteration_and_exits_
     plain = subprocess.run([sys.executable, "-c", SETTLE, str(path), "0"], capture_output=True, text=True)
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.split("heap ")[-1].split() == ["0", "True"]
+
+
+@pytest.mark.slow
+def test_run_with_eval_on_the_demo_config_builds_the_demo_first(tmp_path: Path) -> None:
+    """Eval of iteration 0 runs before generate: it builds the demo model and prompts too."""
+    from rlhf_batch.commands.pipeline import run_pipeline
+
+    demo = Path(__file__).resolve().parents[2] / "pipelines" / "demo.toml"
+    run_dir = tmp_path / "demo"
+    sets = [
+        f"run_dir={run_dir}",
+        "iterations=1",
+        "generate.prompts_per_iteration=8",
+        "eval.prompts={run_dir}/data/prompts.jsonl",
+        "eval.n=2",
+    ]
+    run_pipeline(demo, sets, quiet=True)
+    for it in (0, 1):  # iteration 0's policy and the last one's
+        assert (run_dir / f"iter={it:04d}" / "eval" / "_manifest.json").is_file()

@@ -3,6 +3,7 @@ that every kill, disk-full and determinism test compares with."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,3 +36,19 @@ def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
             f"reliability: {KILLS['named'] + KILLS['timed']} SIGKILLs survived "
             f"({KILLS['named']} at named fault points, {KILLS['timed']} at random moments)"
         )
+
+
+@pytest.fixture
+def ctx(tmp_path: Path, assets: Assets, reference: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """One bad-input case's directory (test_bad_inputs.Ctx): a config, copied stage inputs."""
+    import torch
+
+    from rlhf_batch.runtime import faults
+    from tests.reliability.test_bad_inputs import Ctx
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("RLHF_BATCH_DEBUG", raising=False)
+    monkeypatch.delenv(faults.FAULT_ENV, raising=False)
+    threads = torch.get_num_threads()  # the commands set the config's threads = 1 in this process
+    yield Ctx(tmp_path, assets, reference, monkeypatch)
+    torch.set_num_threads(threads)

@@ -170,6 +170,9 @@ def assert_same_as_reference(run_dir: Path, ref_dir: Path, iterations: int = ITE
             )
         metrics = [read_metrics(d, it) for d in (run_dir, ref_dir)]
         assert metrics[0].equals(metrics[1]), f"iter {it}: train metrics differ"
+        if not layout.policy_dir(ref_dir, it).exists():  # removed by keep_policies: in both runs
+            assert not layout.policy_dir(run_dir, it).exists(), f"iter {it}: policy kept"
+            continue
         w, w_ref = weights(layout.policy_dir(run_dir, it)), weights(layout.policy_dir(ref_dir, it))
         assert w.keys() == w_ref.keys()
         for name, tensor in w.items():

@@ -13,7 +13,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +23,6 @@ import pyarrow.parquet as pq
 import pytest
 import tomli_w
 
-from rlhf_batch.runtime import faults
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES
 from tests.reliability.harness import Assets, snapshot
@@ -1010,16 +1009,7 @@ def eval_iteration_without_policy(ctx: Ctx):  # noqa: ANN201
 
 
 # ---------------------------------------------------------------- the checks
-@pytest.fixture
-def ctx(tmp_path: Path, assets: Assets, reference: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ctx]:
-    import torch
-
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("RLHF_BATCH_DEBUG", raising=False)
-    monkeypatch.delenv(faults.FAULT_ENV, raising=False)
-    threads = torch.get_num_threads()  # the commands set the config's threads = 1 in this process
-    yield Ctx(tmp_path, assets, reference, monkeypatch)
-    torch.set_num_threads(threads)
+# the `ctx` fixture (a Ctx per case) is in conftest.py, shared with test_bad_inputs_state.py
 
 
 def cli(
@@ -1051,6 +1041,18 @@ def test_bad_input_is_refused_with_one_clear_line(
     name: str, ctx: Ctx, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     args, named = CASES[name](ctx)
+    print(f"{name}: {assert_refused(ctx, capfd, monkeypatch, args, named)}")
+
+
+def assert_refused(
+    ctx: Ctx,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    named: list[str],
+) -> str:
+    """`rlhf-batch ARGS` exits 1 with one line naming `named`, no traceback, no existing file
+    changed and no new output; the line."""
     before = snapshot(ctx.tmp)
     code, err = cli(capfd, monkeypatch, args)
     assert code == 1, err
@@ -1059,10 +1061,10 @@ def test_bad_input_is_refused_with_one_clear_line(
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     for text in named:
         assert text in lines[0], f"{text!r} not in {lines[0]!r}"
-    print(f"{name}: {lines[0]}")
     after = snapshot(ctx.tmp)
     assert {k: after.get(k) for k in before} == before, "an existing file changed"
     assert outputs(set(after) - set(before)) == []
+    return lines[0]
 
 
 def test_the_catalogue_covers_at_least_30_cases() -> None:

@@ -26,12 +26,77 @@ def test_random_kills_never_change_the_result(assets: Assets, reference: Path, t
         run_dir = tmp_path / f"run{dirs}"
         extra = ["--set", "in_process=false"] if dirs % 3 == 2 else []
         dirs += 1
-        for _ in range(100):
-            # ~3 s of imports, then ~10 s of work (~30 s in the subprocess mode): the kills land in every stage, and during start-up
-            if kill_after(command(assets, run_dir, *extra), rng.uniform(1.0, 12.0)) == 0:
-                break
-            kills += 1
-        else:
-            pytest.fail(f"{run_dir}: 100 kills and still not complete")
+        # ~3 s of imports, then ~10 s of work (~30 s in the subprocess mode): the kills land in every stage, and during start-up
+        kills += kill_until_complete(command(assets, run_dir, *extra), rng, 12.0)
         assert_same_as_reference(run_dir, reference)
     print(f"soak: {kills} SIGKILLs at random moments over {dirs} run directories, all equal to the reference")
+
+
+def kill_until_complete(cmd: list[str], rng: random.Random, latest: float) -> int:
+    """Run `cmd`, SIGKILLed after 1..`latest` s, until it completes; the kills that landed."""
+    for kills in range(100):
+        if kill_after(cmd, rng.uniform(1.0, latest)) == 0:
+            return kills
+    pytest.fail(f"{cmd}: 100 kills and still not complete")
+
+
+def _features(assets: Assets) -> list[str]:
+    """Top-up rounds (16 prompts an iteration, 16 informative groups wanted, one round at most),
+    LoRA, keep_policies = 1 (iteration 0's policy removed once iteration 1 is trained) and eval of
+    every iteration: all on at once."""
+    sets = [
+        "generate.prompts_per_iteration=16",
+        "advantage.min_groups=16",
+        "advantage.max_topup_rounds=1",
+        "lora.enabled=true",
+        "lora.r=4",
+        "lora.alpha=8",
+        "keep_policies=1",
+        f"eval.prompts={assets.prompts}",
+        "eval.n=2",
+        "eval.every=1",
+        "eval.prompts_per_part=16",
+    ]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _same_extras(run_dir: Path, ref: Path) -> None:
+    """Eval and top-up folders: the same parts' rows as the uninterrupted run."""
+    import pyarrow.parquet as pq
+
+    from rlhf_batch.store import manifests
+
+    folders = sorted(
+        str(m.parent.relative_to(ref))
+        for m in ref.glob("iter=*/**/_manifest.json")
+        if "topup=" in str(m) or "/eval/" in str(m)
+    )
+    assert any("topup=" in f for f in folders) and any("eval" in f for f in folders), folders
+    for f in folders:
+        got, want = (manifests.manifest(d / f) for d in (run_dir, ref))
+        assert got is not None and got["key"] == want["key"], f
+        for part in want["parts"]:
+            a, b = (pq.read_table(d / f / part["file"]) for d in (run_dir, ref))
+            assert a.equals(b), f"{f}/{part['file']}"
+    assert not list(run_dir.rglob(".*.new")) and not list(run_dir.rglob(".*.tmp-*"))
+
+
+@pytest.mark.soak
+@pytest.mark.slow
+def test_random_kills_with_topup_lora_retention_and_eval_on(assets: Assets, tmp_path: Path) -> None:
+    from tests.reliability.harness import run_to_completion
+
+    rng = random.Random(SEED + 1)
+    ref = tmp_path / "reference"
+    run_to_completion(assets, ref, *_features(assets))
+    kills, dirs = 0, 0
+    while kills < MIN_KILLS:
+        run_dir = tmp_path / f"run{dirs}"
+        extra = [*_features(assets), *(["--set", "in_process=false"] if dirs % 3 == 2 else [])]
+        dirs += 1
+        kills += kill_until_complete(command(assets, run_dir, *extra), rng, 20.0)
+        assert_same_as_reference(run_dir, ref)
+        _same_extras(run_dir, ref)
+    print(
+        f"soak (every feature on): {kills} SIGKILLs over {dirs} run directories, all equal to the reference"
+    )

@@ -33,7 +33,8 @@ def test_ground_truth_from_answer_or_verl_column_gsm8k_marker_and_none() -> None
     ]
     assert exact_answer(prompts=["q"] * 2, responses=responses[:2], ground_truth=["72", "71"]) == [1.0, 0.0]
     assert compute_score("openai/gsm8k", "\\boxed{\\frac{1}{3}}", "\\frac{1}{3}") == 1.0
-    assert compute_score("openai/gsm8k", "whatever", None) == 0.0
+    assert compute_score("openai/gsm8k", "whatever", None) is None  # not scored, as exact_answer's rows
+    assert compute_score("openai/gsm8k", "whatever", "  ") is None
 
 
 def test_a_comparison_that_runs_out_of_time_scores_zero() -> None:

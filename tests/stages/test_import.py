@@ -192,7 +192,17 @@ def test_given_response_ids_without_logprobs_get_the_policys(make_config, tmp_pa
         ({"response_ids": [1, 99999]}, r"response_ids holds 99999, outside the policy's vocabulary \[0, "),
         ({"response_ids": [-1]}, "response_ids holds -1"),
         ({"response_ids": [1, 2], "behavior_logprobs": [-1.0]}, "has 1 values for 2 response_ids"),
-        ({"response_ids": [1], "behavior_logprobs": [0.5]}, "holds 0.5; log-probs are finite and <= 0"),
+        (
+            {"response_ids": [1], "behavior_logprobs": [0.5]},
+            "holds 0.5; log-probs are finite float32 values <= 0",
+        ),
+        # below float32's range: it would be stored as -inf
+        ({"response_ids": [1], "behavior_logprobs": [-1e300]}, "holds -1e[+]300"),
+        ({"response_ids": [1, None, 2]}, "column 'response_ids' holds a null value in row 1"),
+        (
+            {"response_ids": [1, 2], "behavior_logprobs": [-1.0, None]},
+            "'behavior_logprobs' holds a null value in row 1",
+        ),
         ({"response_ids": [1], "behavior_logprobs": [float("-inf")]}, "holds -inf"),
         ({"behavior_logprobs": [-1.0]}, "'behavior_logprobs' needs the 'response_ids'"),
         (
@@ -244,12 +254,13 @@ def test_cli_import(make_config, tmp_path: Path) -> None:
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     assert manifests.manifest(layout.folder(str(other), 0, "rollouts"))["rows"] == 5
-    assert sorted(p.name for p in Path(cfg.run_dir).iterdir()) == ["iter=0000"]  # untouched besides
+    # untouched besides (import takes the run lock, as every command that writes a run)
+    assert sorted(p.name for p in Path(cfg.run_dir).iterdir()) == [".run.lock", "iter=0000"]
     bare = tmp_path / "bare-run"  # no config file: the defaults plus --set
     args = ["import", str(path), "--run-dir", str(bare), "--quiet"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 1 and "policy_model: no model directory configured" in str(res.exception)
-    assert not bare.exists()
+    assert not bare.exists() or [p.name for p in bare.iterdir()] == [".run.lock"]  # nothing written
     res = CliRunner().invoke(app, [*args, "--set", f"policy_model={cfg.policy_model}"])
     assert res.exit_code == 0, res.output
     assert manifests.read_complete(layout.folder(str(bare), 0, "rollouts"), ROLLOUTS).num_rows == 5

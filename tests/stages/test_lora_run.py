@@ -52,7 +52,7 @@ def test_lora_reference_is_the_base_with_the_adapter_disabled(
     assert loaded == [str(tiny_model)]
     s1 = scores(cfg.run_dir, 1)
     r1 = manifests.read_complete(layout.folder(cfg.run_dir, 1, "rollouts"), ROLLOUTS)
-    assert set(r1["policy"].to_pylist()) == {str(layout.policy_dir(cfg.run_dir, 0))}
+    assert set(r1["policy"].to_pylist()) == {"iter=0000/policy"}  # relative to the run directory
     kl = pc.list_flatten(s1["kl"]).to_numpy()
     assert abs(kl).max() > 1e-4  # the policy moved away from the reference
     # the reference log-probs are those of base + adapter 0 with the adapter disabled
@@ -105,7 +105,8 @@ def test_keep_policies_removes_old_policies_and_no_resume_needs_them(
     # last 1 (iteration 3) and every 2nd (0, 2); 1 was removed once policy 2 was complete
     assert policies(cfg.run_dir, 4) == [0, 2, 3]
     record = manifests.read_json(layout.iter_dir(cfg.run_dir, 1) / layout.POLICY_REMOVED)
-    assert record["fingerprint"]["path"] == str(layout.policy_dir(cfg.run_dir, 1))
+    # the path below the run directory as "{run_dir}/..." (the run can be moved), read back where it is
+    assert record["fingerprint"]["path"] == "{run_dir}/iter=0001/policy"
     assert not list(layout.iter_dir(cfg.run_dir, 1).glob(".policy*"))
     # running again redoes nothing: generate 2, which read policy 1, is still complete
     before = created(cfg.run_dir)
@@ -138,3 +139,58 @@ def test_keep_policies_removes_old_policies_and_no_resume_needs_them(
         assert (
             scores(killed.run_dir, it)["reward"].to_pylist() == scores(cfg.run_dir, it)["reward"].to_pylist()
         )
+
+
+def test_lora_on_the_embeddings_runs_past_iteration_0(make_config) -> None:
+    """embed_tokens targeted: the adapter holds the LoRA weights only (not the frozen base
+    embeddings), so iteration 1 loads it back."""
+    from safetensors.torch import load_file
+
+    from rlhf_batch.commands.pipeline import run_pipeline
+
+    lora = '[lora]\nenabled = true\ntarget_modules = ["embed_tokens", "q_proj"]\n'
+    path, cfg = make_config(lora, iterations=2, in_process=True, threads=1)
+    run_pipeline(path, [], quiet=True)
+    assert manifests.manifest(layout.folder(cfg.run_dir, 1, "train")) is not None
+    names = load_file(str(layout.policy_dir(cfg.run_dir, 1) / "adapter" / "adapter_model.safetensors"))
+    assert names and all("lora_" in n for n in names), sorted(names)
+    assert any("embed_tokens.lora_embedding" in n for n in names)
+
+
+CONSTANT = '["tests.stages.test_train_carry:constant"]'  # no group has reward variance: nothing to train
+
+
+def test_lora_iteration_0_with_nothing_to_train_then_a_fresh_adapter(make_config) -> None:
+    """Iteration 0 with no trainable row carries the base forward (no adapter yet): iteration 1
+    starts a fresh adapter instead of failing on the missing one."""
+    from rlhf_batch.commands.pipeline import run_pipeline
+
+    lora = f"[lora]\nenabled = true\nr = 4\nalpha = 8\n[score]\nreward_functions = {CONSTANT}\n"
+    path, cfg = make_config(lora, iterations=2, in_process=True, threads=1)
+    run_pipeline(path, [], quiet=True)
+    assert manifests.manifest(layout.folder(cfg.run_dir, 1, "train")) is not None
+
+
+def test_an_empty_iteration_under_r8_after_an_r4_adapter_is_refused(make_config) -> None:
+    """Instead of copying the r = 4 adapter forward under an r = 8 config."""
+    from rlhf_batch.commands.pipeline import run_pipeline
+    from rlhf_batch.errors import ConfigError
+    from rlhf_batch.stages import train
+    from rlhf_batch.stages.executor import execute
+    from rlhf_batch.stages.registry import get
+
+    path, cfg = make_config(
+        "[lora]\nenabled = true\nr = 4\nalpha = 8\n", iterations=1, in_process=True, threads=1
+    )
+    run_pipeline(path, [], quiet=True)
+    assert (layout.policy_dir(cfg.run_dir, 0) / "adapter").is_dir()
+    r8_toml = f"[lora]\nenabled = true\nr = 8\nalpha = 16\n[score]\nreward_functions = {CONSTANT}\nkl_in_reward = false\n"
+    _, r8 = make_config(r8_toml, name="r8.toml", iterations=2, threads=1)
+    for name in ("generate", "score", "advantage"):
+        execute(get(name)(r8, 1), quiet=True)
+    assert manifests.manifest(layout.folder(cfg.run_dir, 1, "advantages"))["rows"] == 0
+    with pytest.raises(
+        ConfigError, match=r"lora.r: is 8, but the adapter .*iter=0000/policy/adapter has r = 4"
+    ):
+        train.run(r8, 1, quiet=True)
+    assert not layout.policy_dir(cfg.run_dir, 1).exists()

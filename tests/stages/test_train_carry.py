@@ -5,6 +5,7 @@ dropped its state, and not those of a loop that resets it between iterations."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -215,3 +216,27 @@ def test_an_empty_iteration_carries_the_optimizer_state_unchanged(make_config, t
         "carried_from": 1,
         "changed": {},
     }
+
+
+def test_a_missing_optimizer_state_is_an_error_unless_asked_to_start_fresh(
+    make_config, tiny_model: Path
+) -> None:
+    _, cfg = make_config(train_toml(**KEYS), iterations=2)
+    for it in (0, 1):
+        write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8, seed=it), iteration=it)
+    train.run(cfg, 0, quiet=True)
+    opt0 = layout.optimizer_dir(cfg.run_dir, 0)
+    shutil.rmtree(opt0)
+    with pytest.raises(
+        StageError, match=rf"{opt0}: the optimizer state of iteration 0 is missing.*fresh_optimizer"
+    ):
+        train.run(cfg, 1, quiet=True)
+    assert not layout.folder(cfg.run_dir, 1, "train").exists()  # refused before anything was written
+    _, fresh = make_config(train_toml(**KEYS, fresh_optimizer=True), name="fresh.toml", iterations=2)
+    m = train.run(fresh, 1, quiet=True)
+    # started afresh on purpose, and recorded: no state carried, the schedule from step 0 again
+    assert m["optimizer"]["fresh"] is True
+    assert (m["optimizer"]["carried_from"], m["optimizer"]["global_step_start"]) == (None, 0)
+    assert metrics(cfg.run_dir, 1).column("lr").to_pylist()[0] == pytest.approx(
+        1e-2 / 3, rel=1e-6
+    )  # warmup 1/3

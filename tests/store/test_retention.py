@@ -42,7 +42,11 @@ def test_prune_waits_for_the_next_policy_and_keeps_the_fingerprint(make_config, 
     assert [it for it in range(4) if layout.policy_dir(run, it).is_dir()] == [1, 3]
     assert model_fingerprint(str(layout.policy_dir(run, 0)), "policy") == before[0]  # recorded
     record = json.loads((layout.iter_dir(run, 0) / layout.POLICY_REMOVED).read_text())
-    assert record["keep_policies"] == 1 and record["fingerprint"] == before[0]
+    # stored with the run directory as "{run_dir}" (a run can be moved), read back where it is now
+    assert record["keep_policies"] == 1 and record["fingerprint"] == layout.portable(
+        before[0], run.absolute()
+    )
+    assert record["fingerprint"]["path"] == "{run_dir}/iter=0000/policy"
     assert retention.prune(cfg, 3) == []  # nothing more to do
     (layout.iter_dir(run, 1) / f"{retention.TRASH}123").mkdir()  # a removal killed half-way
     _, off = make_config(run_dir=str(run))
