@@ -127,3 +127,22 @@ def test_eta_is_measured_from_the_first_update_and_tok_s_over_all_the_time() -> 
         100.0  # two steps of 6 and 94 tokens: shown as one rate, 100 / 2 = 50 (a little less: time ran on)
     )
     assert 45 <= float(f"{rate:.3f}") <= 50
+
+
+def test_the_terminal_bar_measures_its_rate_from_the_first_update() -> None:
+    import io
+
+    from rlhf_batch.runtime.progress import terminal_bar
+
+    clock = iter([0.0, 0.0, 60.0, 60.0, 60.0, 62.0, 62.0, 62.0, 62.0, 62.0])
+    bar = terminal_bar(total=10, file=io.StringIO(), mininterval=0, miniters=1)
+    bar._time = lambda: next(clock, 62.0)
+    bar.start_t = bar.last_print_t = 0.0
+    bar.update(1)  # at t = 60: the first unit paid a minute of warm-up
+    bar.update(2)  # at t = 62: 2 more units in 2 s
+    d = bar.format_dict
+    # rate from the first update: (3 - 1) / (62 - 60) = 1 unit/s, so 7 left -> 7 s, where the
+    # average since the start, 3 / 62 units/s, would say 7 / (3 / 62) = 144.7 s
+    assert d["initial"] == 1 and d["n"] == 3 and d["rate"] is None
+    assert (d["n"] - d["initial"]) / d["elapsed"] == 1.0
+    bar.close()
