@@ -46,7 +46,7 @@ def previous(cfg: Config, iteration: int) -> tuple[Path, dict[str, Any]] | None:
                 "and the schedule afresh (recorded in the train manifest)"
             )
         return None
-    optim_state.check(path, meta)
+    optim_state.check(local_dir(path), meta)  # a state on the object store: its local copy
     return path, meta
 
 

@@ -21,12 +21,13 @@ from typing import Any
 from rlhf_batch.config import Config
 from rlhf_batch.errors import StageError
 from rlhf_batch.store import atomic, layout, manifests
+from rlhf_batch.store.fs import run_path
 
 RECORD = "schedule.json"
 
 
 def record_path(cfg: Config) -> Path:
-    return Path(cfg.run_dir) / RECORD
+    return run_path(cfg.run_dir) / RECORD
 
 
 def read(cfg: Config) -> dict[str, Any] | None:

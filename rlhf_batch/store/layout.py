@@ -62,10 +62,10 @@ STAGE_OF = {
 def redo_command(sdir: Path, stage: str = "") -> str:
     """The command that replaces the stage folder `sdir` (its stage command with --force; `run`
     has no --force): for the messages that tell a user how to start a stage over."""
-    parts = Path(sdir).parts
-    it = next((int(p[5:]) for p in reversed(parts) if p.startswith("iter=")), 0)
-    top = next((int(p[6:]) for p in reversed(parts) if p.startswith("topup=")), 0)
-    stage = stage or STAGE_OF.get(Path(sdir).name, Path(sdir).name)
+    path = run_path(sdir)
+    it = next((int(p[5:]) for p in reversed(path.parts) if p.startswith("iter=")), 0)
+    top = next((int(p[6:]) for p in reversed(path.parts) if p.startswith("topup=")), 0)
+    stage = stage or STAGE_OF.get(path.name, path.name)
     source = "FILE --config CONFIG" if stage == "import" else "CONFIG"
     return f"`rlhf-batch {stage} {source} --iter {it}{f' --topup {top}' if top else ''} --force`"
 
