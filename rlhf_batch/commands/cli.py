@@ -194,6 +194,16 @@ def eval_(
 
 
 @app.command()
+def topup(config: ConfigArg, iteration: IterOpt = 0, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
+    """Dynamic-sampling top-up rounds of iteration K (generate + score rounds while it has fewer
+    informative groups than advantage.min_groups), as `run` does before advantage: for schedulers
+    that run the stages as tasks (Airflow). Nothing to do: nothing is done."""
+    from rlhf_batch.commands.pipeline import run_topup
+
+    run_topup(config, list(set_ or []), iteration, quiet)
+
+
+@app.command()
 def run(
     config: ConfigArg,
     iterations: Annotated[int | None, typer.Option(help="Iterations to run (default: from config).")] = None,

@@ -36,7 +36,6 @@ def run_pipeline(
     """The run. `settle_heap` (the `run` command, a process of its own): with `in_process`,
     this process's heap is settled after its first iteration (see `run_iteration`)."""
     from rlhf_batch.data.prompts import run_iterations
-    from rlhf_batch.stages.executor import is_done
 
     cfg = load_config(config_path, overrides)
     with RunLock(run_path(cfg.run_dir)), _env(LOCK_ENV, lock_id(cfg.run_dir)):
@@ -54,28 +53,53 @@ def run_pipeline(
 
         check_targets(cfg)  # before any stage: a misspelt module fails now, not at train
 
-        seen = {"done": 0, "ran": 0}  # complete stages before the first that runs: a resumed run
-
-        def run_stage(stage: Any) -> None:
-            if is_done(stage):
-                seen["done"] += 0 if seen["ran"] else 1
-                return
-            if seen["done"] and not seen["ran"]:
-                _say(f"resuming {cfg.run_dir}: {seen['done']} stages already complete are skipped", quiet)
-            seen["ran"] += 1
-            rnd = f" (top-up round {stage.topup})" if stage.topup else ""
-            _say(f"iteration {stage.iteration}: {stage.name}{rnd}", quiet)
-            python = cfg.generate.python if stage.name == "generate" else ""  # e.g. vLLM's own venv
-            if cfg.in_process and not python:
-                execute(stage, quiet=quiet)
-            else:
-                _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python)
-            if stage.name == "train":
-                warn_health(cfg, stage.iteration)
-
+        run_stage = _stage_runner(cfg, config_path, overrides, quiet)
         for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
             run_iteration(cfg, it, run_stage, quiet, settle_heap and cfg.in_process)
     print_summary(cfg)
+
+
+def _stage_runner(cfg: Config, config_path: Path, overrides: list[str], quiet: bool) -> Callable[[Any], None]:
+    """run_stage(stage): nothing if it is complete, else it runs, in this process with
+    `in_process`, else in a child process (`python -m rlhf_batch STAGE CONFIG --iter K`)."""
+    from rlhf_batch.stages.executor import is_done
+
+    seen = {"done": 0, "ran": 0}  # complete stages before the first that runs: a resumed run
+
+    def run_stage(stage: Any) -> None:
+        if is_done(stage):
+            seen["done"] += 0 if seen["ran"] else 1
+            return
+        if seen["done"] and not seen["ran"]:
+            _say(f"resuming {cfg.run_dir}: {seen['done']} stages already complete are skipped", quiet)
+        seen["ran"] += 1
+        rnd = f" (top-up round {stage.topup})" if stage.topup else ""
+        _say(f"iteration {stage.iteration}: {stage.name}{rnd}", quiet)
+        python = cfg.generate.python if stage.name == "generate" else ""  # e.g. vLLM's own venv
+        if cfg.in_process and not python:
+            execute(stage, quiet=quiet)
+        else:
+            _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python)
+        if stage.name == "train":
+            warn_health(cfg, stage.iteration)
+
+    return run_stage
+
+
+def run_topup(config_path: Path, overrides: list[str], it: int, quiet: bool = False) -> None:
+    """`topup`: the dynamic-sampling rounds of iteration `it` that `run` runs before its advantage
+    stage (nothing when advantage.min_groups is 0 or the advantages are complete), for a
+    scheduler that runs the stages as tasks of its own (the Airflow DAG)."""
+    from rlhf_batch.stages.registry import get
+    from rlhf_batch.store.lock import stage_lock
+
+    cfg = load_config(config_path, overrides)
+    with stage_lock(cfg.run_dir), _env(LOCK_ENV, lock_id(cfg.run_dir)):
+        if cfg.in_process:
+            from rlhf_batch.runtime.device import setup_process
+
+            setup_process(cfg.threads)
+        top_up(get("advantage")(cfg, it), _stage_runner(cfg, config_path, overrides, quiet), quiet)
 
 
 def run_iteration(
@@ -85,7 +109,6 @@ def run_iteration(
     rounds that `advantage.min_groups` asks for. `settle_heap` (a process that runs its stages
     itself): the first such iteration of the process defers Python's full garbage collections
     and ends with the heap frozen (below)."""
-    from rlhf_batch.stages.executor import is_done
     from rlhf_batch.stages.registry import pipeline
 
     first = _defer_full_collections() if settle_heap else None
@@ -94,8 +117,8 @@ def run_iteration(
             if not stage_class.runs_at(cfg, it):
                 continue
             stage = stage_class(cfg, it)
-            if stage.name == "advantage" and cfg.advantage.min_groups and not is_done(stage):
-                top_up(cfg, it, run_stage, quiet)
+            if stage.name == "advantage":
+                top_up(stage, run_stage, quiet)
             run_stage(stage)
     finally:
         if first:
@@ -132,14 +155,18 @@ def _settle_heap(thresholds: tuple[int, int, int]) -> None:
     atexit.register(gc.unfreeze)
 
 
-def top_up(cfg: Config, it: int, run_stage: Callable[[Any], None], quiet: bool) -> None:
-    """Dynamic sampling (topup.py): top-up rounds of generate + score while iteration `it` has
-    fewer informative groups than advantage.min_groups, up to advantage.max_topup_rounds. A round
-    already complete was decided before, so a re-run after a kill makes the same decisions."""
+def top_up(advantage: Any, run_stage: Callable[[Any], None], quiet: bool) -> None:
+    """Dynamic sampling (topup.py), before the `advantage` stage of an iteration that is not
+    complete: top-up rounds of generate + score while the iteration has fewer informative groups
+    than advantage.min_groups, up to advantage.max_topup_rounds. A round already complete was
+    decided before, so a re-run after a kill makes the same decisions."""
     from rlhf_batch.stages.advantage import informative_groups, topup_rounds
+    from rlhf_batch.stages.executor import is_done
     from rlhf_batch.stages.registry import get
 
-    a = cfg.advantage
+    cfg, it, a = advantage.cfg, advantage.iteration, advantage.cfg.advantage
+    if not a.min_groups or is_done(advantage):
+        return
     for r in range(1, a.max_topup_rounds + 1):
         if r not in topup_rounds(cfg, it):
             have = informative_groups(cfg, it)

@@ -150,3 +150,46 @@ def test_a_topup_round_is_tracked_at_its_iteration_under_its_own_keys() -> None:
     # iter=0003/topup=02/scores: iteration 3 (not the round number), keys apart from round 0's
     assert tracking._where(layout.folder("r", 3, "scores", 2), "scores") == (3, "scores_topup02")
     assert tracking._where(layout.folder("r", 3, "rollouts"), "rollouts") == (3, "rollouts")
+
+
+def test_the_topup_command_runs_the_rounds_that_run_would(make_config, tmp_path: Path) -> None:
+    # stage by stage, as a scheduler's tasks run them: generate, score, topup, advantage
+    from tests.stages.cli_helpers import ok, stage
+
+    _, ref = run(make_config, tmp_path / "ref", 13)  # `run`: rounds 1 and 2 (13 groups are never met)
+    score = {"reward_functions": ["tests.commands.test_topup:first_token_parity"], "kl_in_reward": False}
+    adv = {"min_groups": 13, "max_topup_rounds": 2}
+    path, cfg = make_config(name="tasks.toml", run_dir=str(tmp_path / "tasks"), score=score, advantage=adv)
+    for name in ("generate", "score"):
+        stage(path, name)
+    ok("topup", path, "--iter", 0, "--quiet")
+    assert [manifests.manifest(layout.folder(cfg.run_dir, 0, "scores", r)) is not None for r in (1, 2)] == [
+        True,
+        True,
+    ]
+    assert not layout.folder(cfg.run_dir, 0, "rollouts", 3).exists()
+    mtimes = {p: p.stat().st_mtime_ns for p in Path(cfg.run_dir).rglob("_manifest.json")}
+    ok("topup", path, "--iter", 0, "--quiet")  # the rounds are complete: nothing more
+    assert {p: p.stat().st_mtime_ns for p in Path(cfg.run_dir).rglob("_manifest.json")} == mtimes
+    stage(path, "advantage")
+    for folder, r in (("rollouts", 1), ("scores", 2), ("advantages", 0)):
+        a = pq.read_table(layout.folder(cfg.run_dir, 0, folder, r)).drop_columns(
+            ["policy"] if folder == "rollouts" else []
+        )
+        b = pq.read_table(layout.folder(ref.run_dir, 0, folder, r)).drop_columns(
+            ["policy"] if folder == "rollouts" else []
+        )
+        assert a.equals(b), folder
+    # min_groups 0 (the default): no rounds
+    ok(
+        "topup",
+        path,
+        "--iter",
+        0,
+        "--quiet",
+        "--set",
+        "advantage.min_groups=0",
+        "--set",
+        "run_dir=" + str(tmp_path / "none"),
+    )
+    assert not (tmp_path / "none").exists() or not list((tmp_path / "none").rglob("topup=*"))
