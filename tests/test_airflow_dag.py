@@ -1,5 +1,6 @@
 """The Airflow DAG, run for real by Apache Airflow (installed by `make airflow` in its own venv)."""
 
+import io
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.fs import run_path
 
 ROOT = Path(__file__).resolve().parents[1]
 AIRFLOW = ROOT / ".venv-airflow" / "bin" / "airflow"
@@ -16,31 +18,37 @@ AIRFLOW = ROOT / ".venv-airflow" / "bin" / "airflow"
 pytestmark = pytest.mark.slow
 
 
-def test_dag_runs_two_iterations_of_the_demo(tmp_path: Path) -> None:
+def airflow_dags_test(tmp_path: Path, conf: dict, iterations: int, env: dict | None = None) -> None:
+    """`airflow dags test rlhf_batch -c CONF` in a fresh AIRFLOW_HOME; the tasks get `env`."""
     if not AIRFLOW.exists():
         pytest.skip("Apache Airflow is not installed: run `make airflow` (make test does)")
-    run_dir = tmp_path / "run"
     env = {
         **os.environ,
+        **(env or {}),
         "AIRFLOW_HOME": str(tmp_path / "airflow"),
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "pipelines"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW_VAR_RLHF_BATCH_ITERATIONS": "2",
+        "AIRFLOW_VAR_RLHF_BATCH_ITERATIONS": str(iterations),
         "AIRFLOW_VAR_RLHF_BATCH_BIN": str(Path(sys.executable).parent / "rlhf-batch"),
     }
     subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, check=True, capture_output=True)
-    conf = {
-        "config": str(ROOT / "pipelines" / "demo.toml"),
-        "overrides": f"--set run_dir={run_dir} --set generate.prompts_per_part=128",
-    }
     res = subprocess.run(
         [str(AIRFLOW), "dags", "test", "rlhf_batch", "-c", json.dumps(conf)],
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_dag_runs_two_iterations_of_the_demo(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    conf = {
+        "config": str(ROOT / "pipelines" / "demo.toml"),
+        "overrides": f"--set run_dir={run_dir} --set generate.prompts_per_part=128",
+    }
+    airflow_dags_test(tmp_path, conf, 2)
     for it in (0, 1):
         for stage in ("rollouts", "scores", "advantages", "train"):
             m = manifests.manifest(layout.folder(run_dir, it, stage))
@@ -51,3 +59,61 @@ def test_dag_runs_two_iterations_of_the_demo(tmp_path: Path) -> None:
     assert not layout.iter_dir(run_dir, 2).exists()  # exactly the two iterations the Variable asked for
     # iteration 1 sampled from iteration 0's policy
     assert rollouts["policy"] == str(layout.policy_dir(run_dir, 0))
+
+
+def rows(run_dir: str) -> dict[str, list[dict]]:
+    """Every row of every output folder (top-up rounds included) by its path under the run, sorted
+    by rollout_id; the path of the policy that sampled (a local path or a URI) left out."""
+    import pyarrow.parquet as pq
+
+    out: dict[str, list[dict]] = {}
+    root = run_path(run_dir)
+    for part in root.glob("iter=*/**/part-*.parquet"):
+        if part.parent.name not in ("rollouts", "scores", "advantages"):
+            continue  # train's metrics hold timings
+        t = pq.read_table(io.BytesIO(part.read_bytes()))
+        folder = str(part.parent)[len(str(root)) :]
+        out.setdefault(folder, []).extend(
+            t.drop_columns([c for c in ("policy",) if c in t.column_names]).to_pylist()
+        )
+    return {k: sorted(v, key=lambda r: str(r.get("rollout_id"))) for k, v in out.items()}
+
+
+def test_dag_fans_out_over_two_ranks_with_topup_rounds_on_s3(
+    make_config, s3_run: str, s3_server, tmp_path: Path
+) -> None:
+    from rlhf_batch.commands.pipeline import run_pipeline
+    from tests.store.test_s3_run import weights
+
+    settings = {  # 13 informative groups of 12 prompts are never met: one top-up round per iteration
+        "threads": 1,
+        "score": {
+            "reward_functions": ["tests.commands.test_topup:first_token_parity"],
+            "kl_in_reward": False,
+        },
+        "advantage": {"min_groups": 13, "max_topup_rounds": 1},
+        "train": {"lr": 1e-3, "tokens_per_step": 256},
+    }
+    local, local_cfg = make_config(name="local.toml", iterations=2, in_process=True, **settings)
+    remote, cfg = make_config(name="s3.toml", run_dir=s3_run, **settings)
+    run_pipeline(local, [], quiet=True)
+    tasks_env = {**s3_server.env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    airflow_dags_test(tmp_path, {"config": str(remote), "world_size": 2}, 2, tasks_env)
+    for it in (0, 1):
+        for folder in ("rollouts", "scores"):  # 12 prompts in 3 parts: rank 0 wrote 0 and 2, rank 1 part 1
+            m = manifests.manifest(layout.folder(s3_run, it, folder))
+            assert m is not None and m["rows"] == 48, (it, folder)
+            expected = [layout.part_name(0, 0), layout.part_name(1, 1), layout.part_name(0, 2)]
+            assert [p["file"] for p in m["parts"]] == expected
+            assert [p.name for p in layout.list_parts(layout.folder(s3_run, it, folder))] == expected
+            assert manifests.manifest(layout.folder(s3_run, it, folder, 1)) is not None  # the top-up round
+        assert manifests.manifest(layout.folder(s3_run, it, "advantages"))["topup_rounds"] == [1]
+        assert not layout.folder(s3_run, it, "rollouts", 2).exists()  # max_topup_rounds = 1
+    assert not layout.iter_dir(s3_run, 2).exists()
+    mine, ref = rows(s3_run), rows(local_cfg.run_dir)
+    assert sorted(mine) == sorted(ref) and any("topup=01" in k for k in mine)
+    for folder in ref:
+        assert mine[folder] == ref[folder], folder
+    for it in (0, 1):
+        a, b = weights(s3_run, it), weights(local_cfg.run_dir, it)
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
