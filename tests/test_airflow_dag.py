@@ -90,6 +90,7 @@ def test_dag_fans_out_over_two_ranks_with_topup_rounds_on_s3(
         "score": {
             "reward_functions": ["tests.commands.test_topup:first_token_parity"],
             "kl_in_reward": False,
+            "rows_per_part": 20,  # 48 rows in 3 parts, as the 12 prompts' rollouts are
         },
         "advantage": {"min_groups": 13, "max_topup_rounds": 1},
         "train": {"lr": 1e-3, "tokens_per_step": 256},
@@ -100,7 +101,7 @@ def test_dag_fans_out_over_two_ranks_with_topup_rounds_on_s3(
     tasks_env = {**s3_server.env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     airflow_dags_test(tmp_path, {"config": str(remote), "world_size": 2}, 2, tasks_env)
     for it in (0, 1):
-        for folder in ("rollouts", "scores"):  # 12 prompts in 3 parts: rank 0 wrote 0 and 2, rank 1 part 1
+        for folder in ("rollouts", "scores"):  # 3 parts each: rank 0 wrote 0 and 2, rank 1 part 1
             m = manifests.manifest(layout.folder(s3_run, it, folder))
             assert m is not None and m["rows"] == 48, (it, folder)
             expected = [layout.part_name(0, 0), layout.part_name(1, 1), layout.part_name(0, 2)]

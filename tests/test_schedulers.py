@@ -109,7 +109,11 @@ def test_the_slurm_scripts_run_one_iteration_on_s3_in_a_simulated_slurm(
     from tests.s3server import free_port
     from tests.store.test_s3_run import rows, weights
 
-    settings = {"threads": 1, "train": {"lr": 1e-3, "tokens_per_step": 256, "ppo_epochs": 1}}
+    settings = {
+        "threads": 1,
+        "score": {"rows_per_part": 20},
+        "train": {"lr": 1e-3, "tokens_per_step": 256, "ppo_epochs": 1},
+    }
     local, local_cfg = make_config(name="local.toml", iterations=1, in_process=True, **settings)
     remote, cfg = make_config(name="s3.toml", run_dir=s3_run, **settings)
     run_pipeline(local, [], quiet=True)
@@ -143,7 +147,7 @@ def test_the_slurm_scripts_run_one_iteration_on_s3_in_a_simulated_slurm(
         m = manifests.manifest(
             layout.folder(s3_run, 0, layout.ROLLOUTS if stage == "generate" else layout.SCORES)
         )
-        # 12 prompts in 3 parts: rank 0 wrote parts 0 and 2, rank 1 part 1
+        # 48 rows in 3 parts each: rank 0 wrote parts 0 and 2, rank 1 part 1
         assert m is not None and [p["file"] for p in m["parts"]] == [
             layout.part_name(0, 0),
             layout.part_name(1, 1),

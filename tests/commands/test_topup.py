@@ -53,6 +53,16 @@ def run(make_config, run_dir: Path, min_groups: int) -> tuple[Path, Any]:
     return path, cfg
 
 
+def assert_same_rounds(run_dir: str, ref_dir: str) -> None:
+    """Round 1's rollouts, round 2's scores and the advantages of iteration 0 are equal in both runs
+    (every column but the path of the policy that sampled)."""
+    for folder, r in (("rollouts", 1), ("scores", 2), ("advantages", 0)):
+        drop = ["policy"] if folder == "rollouts" else []
+        a = pq.read_table(layout.folder(run_dir, 0, folder, r)).drop_columns(drop)
+        b = pq.read_table(layout.folder(ref_dir, 0, folder, r)).drop_columns(drop)
+        assert a.equals(b), folder
+
+
 def test_topup_rounds_until_enough_groups_or_the_cap(make_config, tmp_path: Path) -> None:
     # 12 prompts: min_groups 13 can never be met -> both rounds of the cap, and no third
     _, cfg = run(make_config, tmp_path / "cap", 13)
@@ -136,14 +146,7 @@ def test_run_killed_in_a_topup_round_resumes_to_the_same_rows(make_config, tmp_p
     assert list(round1.glob("part-*")) and manifests.manifest(round1) is None
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    for folder, r in (("rollouts", 1), ("scores", 2), ("advantages", 0)):
-        a = pq.read_table(layout.folder(cfg.run_dir, 0, folder, r)).drop_columns(
-            ["policy"] if folder == "rollouts" else []
-        )
-        b = pq.read_table(layout.folder(ref.run_dir, 0, folder, r)).drop_columns(
-            ["policy"] if folder == "rollouts" else []
-        )
-        assert a.equals(b), folder
+    assert_same_rounds(cfg.run_dir, ref.run_dir)
 
 
 def test_a_topup_round_is_tracked_at_its_iteration_under_its_own_keys() -> None:
@@ -172,14 +175,7 @@ def test_the_topup_command_runs_the_rounds_that_run_would(make_config, tmp_path:
     ok("topup", path, "--iter", 0, "--quiet")  # the rounds are complete: nothing more
     assert {p: p.stat().st_mtime_ns for p in Path(cfg.run_dir).rglob("_manifest.json")} == mtimes
     stage(path, "advantage")
-    for folder, r in (("rollouts", 1), ("scores", 2), ("advantages", 0)):
-        a = pq.read_table(layout.folder(cfg.run_dir, 0, folder, r)).drop_columns(
-            ["policy"] if folder == "rollouts" else []
-        )
-        b = pq.read_table(layout.folder(ref.run_dir, 0, folder, r)).drop_columns(
-            ["policy"] if folder == "rollouts" else []
-        )
-        assert a.equals(b), folder
+    assert_same_rounds(cfg.run_dir, ref.run_dir)
     # min_groups 0 (the default): no rounds
     ok(
         "topup",
