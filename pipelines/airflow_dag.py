@@ -33,6 +33,8 @@ FANNED = ("generate", "score")
 # eval runs where `run` would run it (iteration 0, every eval.every-th, and after the last, when
 # [eval] prompts is set): its task always exists and `--if-due` makes it a no-op elsewhere.
 DUE = f"--if-due --set iterations={ITERATIONS}"
+# train: a decaying LR schedule's length is fixed by the first train as iterations x its steps
+LENGTH = f"--set iterations={ITERATIONS}"
 RANK = "--rank $RLHF_BATCH_RANK --world-size {{ params.world_size }}"
 RETRY = {"retries": 1, "retry_delay": timedelta(minutes=1)}
 
@@ -70,7 +72,9 @@ with DAG(
                 ).expand(env=fanout)
             else:
                 task_ = BashOperator(
-                    task_id=name, bash_command=command(stage, it, DUE if stage == "eval" else ""), **RETRY
+                    task_id=name,
+                    bash_command=command(stage, it, {"eval": DUE, "train": LENGTH}.get(stage, "")),
+                    **RETRY,
                 )
             if stage == "advantage":  # the dynamic-sampling rounds that `run` runs before it
                 rounds = BashOperator(

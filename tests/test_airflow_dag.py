@@ -96,7 +96,7 @@ def test_dag_fans_out_over_two_ranks_with_topup_rounds_on_s3(
         "train": {"lr": 1e-3, "tokens_per_step": 256},
     }
     local, local_cfg = make_config(name="local.toml", iterations=2, in_process=True, **settings)
-    remote, cfg = make_config(name="s3.toml", run_dir=s3_run, **settings)
+    remote, cfg = make_config(name="s3.toml", run_dir=s3_run, iterations=2, **settings)
     run_pipeline(local, [], quiet=True)
     tasks_env = {**s3_server.env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     airflow_dags_test(tmp_path, {"config": str(remote), "world_size": 2}, 2, tasks_env)
