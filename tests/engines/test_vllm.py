@@ -108,8 +108,12 @@ def demo_scores(run_dir: Path, *sets: str) -> list[float]:
     """3 iterations of the demo on a head_dim-64 model of the demo's size (hidden 64, 1 head), with
     more training per iteration than the demo (16 PPO epochs) so that 3 iterations show learning."""
     init_model(run_dir / "models" / "policy", hidden=64, heads=1, kv_heads=1, seed=0)
-    overrides = [
+    overrides = [  # the training measured below, whatever the demo's own settings
         f"run_dir={run_dir}",
+        "train.lr=5e-3",
+        "train.lr_schedule=constant",
+        "train.total_steps=0",
+        "train.entropy_coef=0",
         "train.ppo_epochs=16",
         "train.tokens_per_step=256",
         "train.sequences_per_step=0",  # steps of 256 tokens, as measured below
