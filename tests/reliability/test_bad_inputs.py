@@ -25,9 +25,16 @@ import tomli_w
 
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES
-from tests.reliability.harness import Assets, snapshot
+from tests.reliability.harness import DEMO, Assets, snapshot
 
 DEMO_REWARD = "rlhf_batch.rewards.demo:letter_count"
+
+
+def demo_table(name: str) -> dict:
+    """A table of pipelines/demo.toml, which the reference run of the harness uses."""
+    import tomllib
+
+    return dict(tomllib.loads(DEMO.read_text())[name])
 
 
 @dataclass
@@ -61,13 +68,11 @@ class Ctx:
             },
             "score": {"reward_functions": [DEMO_REWARD], "kl_in_reward": False, "rows_per_part": 128},
             "advantage": {"rows_per_part": 32},
+            # the demo's training, shortened as the harness's command does (harness.overrides)
             "train": {
-                "lr": 5e-3,
-                "eps_low": 0.1,
-                "ppo_epochs": 2,
+                **demo_table("train"),
                 "tokens_per_step": 512,
-                "max_tokens_per_batch": 8192,
-                "autocast_bf16": False,
+                "sequences_per_step": 0,
                 "checkpoint_every": 2,
             },
         }
