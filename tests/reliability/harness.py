@@ -35,6 +35,21 @@ class Assets:
     policy: Path
 
 
+# the training the reliability tests were written against (4 steps an iteration, a checkpoint
+# after step 2), whatever the demo's own settings are
+TRAIN = {
+    "lr": 5e-3,
+    "lr_schedule": "constant",
+    "total_steps": 0,
+    "ppo_epochs": 2,
+    "eps_low": 0.1,
+    "entropy_coef": 0.0,
+    "tokens_per_step": 512,
+    "sequences_per_step": 0,  # steps cut by tokens
+    "checkpoint_every": 2,
+}
+
+
 def overrides(assets: Assets, run_dir: Path, iterations: int = ITERATIONS) -> list[str]:
     """pipelines/demo.toml shortened: 48 prompts x 8 samples, 3 rollouts parts and 3 scores parts,
     4 advantage parts, 4 train steps with a checkpoint after step 2, `iterations` iterations."""
@@ -48,9 +63,7 @@ def overrides(assets: Assets, run_dir: Path, iterations: int = ITERATIONS) -> li
         "generate.prompts_per_part=16",
         "score.rows_per_part=128",
         "advantage.rows_per_part=32",
-        "train.tokens_per_step=512",
-        "train.sequences_per_step=0",  # steps cut by tokens, as above
-        "train.checkpoint_every=2",
+        *(f"train.{k}={v}" for k, v in TRAIN.items()),
     ]
     return [a for s in sets for a in ("--set", s)]
 

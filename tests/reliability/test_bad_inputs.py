@@ -25,7 +25,7 @@ import tomli_w
 
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES
-from tests.reliability.harness import DEMO, Assets, snapshot
+from tests.reliability.harness import DEMO, TRAIN, Assets, snapshot
 
 DEMO_REWARD = "rlhf_batch.rewards.demo:letter_count"
 
@@ -68,13 +68,7 @@ class Ctx:
             },
             "score": {"reward_functions": [DEMO_REWARD], "kl_in_reward": False, "rows_per_part": 128},
             "advantage": {"rows_per_part": 32},
-            # the demo's training, shortened as the harness's command does (harness.overrides)
-            "train": {
-                **demo_table("train"),
-                "tokens_per_step": 512,
-                "sequences_per_step": 0,
-                "checkpoint_every": 2,
-            },
+            "train": {**demo_table("train"), **TRAIN},  # as the harness's command (harness.overrides)
         }
         for key, value in tables.items():
             if isinstance(value, dict) and isinstance(raw.get(key), dict):
