@@ -5,7 +5,6 @@ Every failure is a one-line error naming the rollout or the model directory."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ def origin(path: str) -> str:
     from rlhf_batch.store.layout import run_root
     from rlhf_batch.store.modeldir import model_fingerprint
 
-    p = Path(path)
+    p = run_path(path)  # a policy on the object store too
     while (p / CARRIED).is_file():
         rec = json.loads((p / CARRIED).read_text())
         src = str(rec["from"]).replace("{run_dir}", str(run_root(p)))
@@ -42,7 +41,7 @@ def origin(path: str) -> str:
                 break
         except ModelError:
             break
-        p = Path(src)
+        p = run_path(src)
     return str(p)
 
 
