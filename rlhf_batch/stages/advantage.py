@@ -109,7 +109,7 @@ class Advantage(Stage):
     def check(self) -> None:
         """Pool, check and count in DuckDB: bad or empty input fails before the folder is started."""
         self.work_begins()  # no model to load: pooling is work
-        self.con = _connect(_spill_dir(self.cfg.run_dir))
+        self.con = _connect(fs.local_side(self.cfg.run_dir, ".duckdb.tmp"))  # DuckDB spills to local files
         fs.register(self.con, layout.iter_dir(self.cfg.run_dir, self.iteration))
         self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds)
         faults.fault_point("advantages:pool")
@@ -202,20 +202,6 @@ def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema, topup: int = 0)
         validate(meta.schema.to_arrow_schema(), schema, str(path))
         out.append((str(path.resolve()), meta.num_rows))
     return out
-
-
-def _spill_dir(run_dir: str) -> Path:
-    """Where DuckDB spills: RUN_DIR/.duckdb.tmp for a local run, a local temporary directory
-    for a run on an object store (DuckDB spills to local files only)."""
-    root = fs.run_path(run_dir)
-    if not fs.is_remote(root):
-        return root / ".duckdb.tmp"
-    import hashlib
-    import tempfile
-
-    return (
-        Path(tempfile.gettempdir()) / f"rlhf-batch-duckdb-{hashlib.sha256(run_dir.encode()).hexdigest()[:12]}"
-    )
 
 
 _DB: dict[str, Any] = {}  # this process's database: pid, tmp (its spill directory), db

@@ -211,7 +211,7 @@ def register(con: Any, paths: Any) -> None:
 
 def local_side(run_dir: str | Path, name: str) -> Path:
     """A local directory for files that libraries write with local file APIs (TensorBoard event
-    files, wandb's and MLflow's stores): RUN_DIR/name for a local run, else a local directory
+    files, wandb's and MLflow's stores, DuckDB's spills): RUN_DIR/name for a local run, else a local directory
     beside the model cache, one per run URI."""
     root = run_path(run_dir)
     if not is_remote(root):
