@@ -75,20 +75,20 @@ def install(args: argparse.Namespace) -> int:
 
 
 def make_venv(venv: Path) -> None:
-    """A venv that sees this Python's packages (its torch) behind its own: a .pth file lists this
-    interpreter's site-packages, wherever they are (system, conda or another venv, which
-    `--system-site-packages` would miss), so what pip installs there comes first."""
+    """A venv that sees this Python's packages (its torch, its pip) behind its own: a .pth file
+    lists this interpreter's site-packages, wherever they are (system, conda or another venv, which
+    `--system-site-packages` would miss), so what pip installs there comes first. It is made
+    without pip (a Python without ensurepip can make it too): this Python's pip, seen through the
+    .pth, installs into it."""
     import site
 
-    _run([sys.executable, "-m", "venv", str(venv)], "venv")
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], "venv")
     purelib = _run(
         [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         "venv",
     )
     host = [p for p in [*site.getsitepackages(), site.getusersitepackages()] if Path(p).is_dir()]
     Path(purelib.strip(), "gpu_check_host.pth").write_text("\n".join(host) + "\n")
-    # the setuptools a new venv brings (Python < 3.12) would hide the one torch requires
-    _run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "--quiet", "-y", "setuptools"], "venv")
 
 
 def worker(peak_file: str, argv: list[str]) -> None:

@@ -320,6 +320,9 @@ class Config:
     run_name: str = knob("")  # trackers' run name; default: the run_dir's folder name
     tracking_project: str = knob("")  # wandb/trackio project, MLflow experiment; default "rlhf-batch"
     keep_policies: int = knob(0)  # keep the policies of the last N trained iterations; 0: keep all
+    # overlapped iterations: iteration K generates with the policy of iteration K-1-S (the initial
+    # policy while that is negative), so `run` samples ahead while it trains; 0: lock-step
+    max_staleness: int = knob(0)  # decides through the policy generate samples from (its input)
     keep_every: int = knob(0)  # with keep_policies: also keep iterations 0, M, 2M, ...; 0: none
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     score: ScoreConfig = field(default_factory=ScoreConfig)
@@ -357,6 +360,13 @@ class Config:
         _need(not (gone := missing_trackers(self.report_to)), "report_to", f"asks for {gone}")
         _need(self.keep_policies >= 0, "keep_policies", "must be >= 0")
         _need(self.keep_every >= 0, "keep_every", "must be >= 0")
+        _need(self.max_staleness >= 0, "max_staleness", "must be >= 0 (0: lock-step)")
+        _need(
+            self.keep_policies == 0 or self.keep_policies > self.max_staleness,
+            "keep_policies",
+            f"must be 0 or > max_staleness ({self.max_staleness}): generate still samples from "
+            f"the policy {self.max_staleness} iterations back",
+        )
         for table in (self.generate, self.score, self.advantage, self.train, self.eval, self.lora):
             table.validate()
         if self.lora.enabled:
