@@ -84,3 +84,20 @@ def test_wheels_are_the_runtime_closure_without_torch() -> None:
     pinned = {canonicalize_name(name): version for name, version in lines}
     assert {name: v for name, v in pins.items() if pinned.get(name, v) != v} == {}  # constraints.txt's pins
     assert pins["python-dateutil"] == pinned["python-dateutil"]  # the pin, whatever is installed here
+
+
+def test_wheels_leave_out_what_the_gpu_machine_has(tmp_path: Path) -> None:
+    sys.path.insert(0, str(BENCH))
+    from gpu_wheels import closure, read_have
+
+    have = tmp_path / "freeze.txt"
+    # a bare name (any version), a version every requirement accepts, a version datasets refuses
+    have.write_text("transformers\nnumpy==2.4.6  # pinned\npyarrow==17.0.0\n\n")
+    assert read_have(have) == {"transformers": None, "numpy": "2.4.6", "pyarrow": "17.0.0"}
+    full, pins = closure(), closure(have=read_have(have))
+    assert "transformers" not in pins and "numpy" not in pins
+    # tokenizers is needed only by transformers, which the machine has with its own requirements
+    assert "tokenizers" in full and "tokenizers" not in pins
+    # the installed datasets asks for a newer pyarrow than 17: ours comes along
+    assert pins["pyarrow"] == full["pyarrow"]
+    assert {"duckdb", "datasets", "tensordict", "math-verify"} <= set(pins)
