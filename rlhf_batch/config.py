@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import tomllib
 import types
 import typing
@@ -57,6 +58,18 @@ def _need(ok: bool, key: str, what: str) -> None:
         _fail(f"'{key}' {what}")
 
 
+SIDE_DEVICE = re.compile(r"(cpu|cuda(:\d+(,\d+)*)?)?")
+
+
+def _need_side(device: str, threads: int, table: str) -> None:
+    _need(
+        SIDE_DEVICE.fullmatch(device) is not None,
+        f"{table}.device",
+        'must be "", "cpu", "cuda" or "cuda:0,1,..."',
+    )
+    _need(threads >= 0, f"{table}.threads", "must be >= 0 (0: the run's threads)")
+
+
 @dataclass
 class GenerateConfig:
     # a file (.jsonl, .json, .parquet), a datasets dir, a dir of shards, a glob, a hub dataset id
@@ -82,6 +95,10 @@ class GenerateConfig:
     gpu_memory_utilization: float = knob(0.9)  # vllm: share of GPU memory the engine may take
     max_model_len: int = knob(0, "generate")  # vllm: context length to reserve KV cache for; 0: the model's
     enforce_eager: bool = knob(False, "generate")  # vllm: no CUDA graphs (faster start, slower decode)
+    # the sample side (generate, score, import): "cpu", "cuda", "cuda:0" or "cuda:0,1" (its CUDA
+    # devices); "" and 0: the run's `device` and `threads`
+    device: str = knob("")
+    threads: int = knob(0)
 
     def validate(self) -> None:
         _need(self.num_generations >= 1, "generate.num_generations", "must be >= 1")
@@ -102,6 +119,7 @@ class GenerateConfig:
         _need(self.tensor_parallel_size >= 1, "generate.tensor_parallel_size", "must be >= 1")
         _need(0 < self.gpu_memory_utilization <= 1, "generate.gpu_memory_utilization", "must be in (0, 1]")
         _need(self.max_model_len >= 0, "generate.max_model_len", "must be >= 0 (0: the model's)")
+        _need_side(self.device, self.threads, "generate")
 
 
 @dataclass
@@ -202,6 +220,9 @@ class TrainConfig:
     autocast_bf16: bool = knob(True, "train")  # bf16 autocast when dtype resolves to bfloat16
     checkpoint_every: int = knob(0, "train")  # optimizer steps; 0: only at the end
     fsdp: bool = knob(False, "train")  # under torchrun: shard weights, gradients, AdamW state (FSDP2)
+    # the learn side (advantage, train, eval): as generate.device / generate.threads
+    device: str = knob("")
+    threads: int = knob(0)
 
     def validate(self) -> None:
         _need(self.ppo_epochs >= 1, "train.ppo_epochs", "must be >= 1")
@@ -220,6 +241,7 @@ class TrainConfig:
         _need(self.sequences_per_step >= 0, "train.sequences_per_step", "must be >= 0 (0: tokens_per_step)")
         _need(self.max_tokens_per_batch >= 1, "train.max_tokens_per_batch", "must be >= 1")
         _need(0 < self.max_padding <= 1, "train.max_padding", "must be in (0, 1]")
+        _need_side(self.device, self.threads, "train")
 
 
 Tracker = Literal["tensorboard", "trackio", "wandb", "mlflow"]
@@ -294,6 +316,9 @@ class LoraConfig:
         _need(not self.init_adapter or self.enabled, "lora.init_adapter", "needs lora.enabled = true")
 
 
+SAMPLE_SIDE = ("generate", "score", "import")  # the stages generate.device/threads apply to
+
+
 @dataclass
 class Config:
     run_dir: str = knob("runs/default", "generate", "train")
@@ -330,6 +355,15 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def side(self, stage: str) -> tuple[str, int, str | None]:
+        """(device, threads, CUDA devices or None) that `stage` runs with: generate.device/threads
+        for the sample side (generate, score, import), train's for the rest, else the run's."""
+        table = self.generate if stage in SAMPLE_SIDE else self.train
+        device, cuda = table.device or self.device, None
+        if device.startswith("cuda:"):
+            device, cuda = "cuda", device.removeprefix("cuda:")
+        return device, table.threads or self.threads, cuda
 
     @property
     def ref(self) -> str:

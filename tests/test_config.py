@@ -132,3 +132,40 @@ def test_engine_keys_decide_generate_but_where_it_runs_does_not(tmp_path: Path) 
         GenerateConfig(gpu_memory_utilization=1.5).validate()
     with pytest.raises(ConfigError, match="'train.tis_cap' must be 0 \\(off\\) or >= 1"):
         TrainConfig(tis_cap=0.5).validate()
+
+
+def test_each_side_has_its_device_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlhf_batch.commands.lanes import use_side
+
+    cfg = load_config(None, ["threads=2", "device=cpu", "generate.device=cuda:0,1", "train.threads=1"])
+    # generate/score/import: generate's device (its CUDA devices listed), the run's threads
+    assert [cfg.side(s) for s in ("generate", "score", "import")] == [("cuda", 2, "0,1")] * 3
+    # advantage/train/eval: train's threads, the run's device
+    assert [cfg.side(s) for s in ("advantage", "train", "eval")] == [("cpu", 1, None)] * 3
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    use_side(cfg, "score")
+    assert (cfg.device, cfg.threads) == ("cuda", 2)
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("generate.device=gpu", "'generate.device' must be"),
+        ("train.device=cuda:a", "'train.device' must be"),
+        ("train.threads=-1", "'train.threads' must be >= 0"),
+        ("max_staleness=-1", "'max_staleness' must be >= 0"),
+    ],
+)
+def test_side_and_staleness_keys_are_checked(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, [override])
+
+
+def test_keep_policies_must_outlast_the_staleness() -> None:
+    # S = 2: iteration K samples from iteration K-3's policy, so the last 2 trained are too few
+    with pytest.raises(ConfigError, match="'keep_policies' must be 0 or > max_staleness"):
+        load_config(None, ["max_staleness=2", "keep_policies=2"])
+    assert load_config(None, ["max_staleness=2", "keep_policies=3"]).keep_policies == 3

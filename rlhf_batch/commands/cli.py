@@ -89,6 +89,7 @@ def _stage(
     topup: int = 0,
     fanout: tuple[int | None, int | None] | None = None,
 ) -> None:
+    from rlhf_batch.commands.lanes import use_side
     from rlhf_batch.runtime import dist
     from rlhf_batch.runtime.device import setup_process
     from rlhf_batch.runtime.procgroup import watch_group
@@ -98,6 +99,7 @@ def _stage(
 
     watch_group()  # started by `run`: helpers (vLLM's EngineCore) die with this process
     cfg = _config(config, overrides)
+    use_side(cfg, name)  # generate.device/threads or train's
     setup_process(cfg.threads)
     if topup < 0:
         from rlhf_batch.errors import UserError
@@ -225,6 +227,19 @@ def run(
     run_pipeline(config, overrides, quiet=quiet, settle_heap=True)
 
 
+@app.command(hidden=True)
+def lane(
+    name: Annotated[str, typer.Argument(help="sample or learn.")],
+    config: ConfigArg,
+    set_: SetOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """One lane of a `run` with max_staleness > 0 (started by `run`, which holds the lock)."""
+    from rlhf_batch.commands.pipeline import run_lane
+
+    run_lane(name, config, list(set_ or []), quiet)
+
+
 @app.command(name="import")
 def import_(
     file: Annotated[Path, typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows.")],
@@ -248,7 +263,10 @@ def import_(
     from rlhf_batch.store.lock import stage_lock
 
     overrides = [*(set_ or []), *([f"run_dir={run_dir}"] if run_dir is not None else [])]
+    from rlhf_batch.commands.lanes import use_side
+
     cfg = _config(config, overrides)
+    use_side(cfg, "import")
     with stage_lock(cfg.run_dir):  # never under a running `run` or another command
         stage = Import(cfg, iteration, file)
         execute(stage, force=force, quiet=quiet, since=timing.process_start())

@@ -15,7 +15,6 @@ import atexit
 import contextlib
 import gc
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from typing import Any
 
 from rlhf_batch.config import Config, load_config
 from rlhf_batch.errors import StageError, UserError
+from rlhf_batch.runtime.procgroup import die_with
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.store import layout, manifests, staging
 from rlhf_batch.store.fs import run_path
@@ -53,15 +53,23 @@ def run_pipeline(
 
         check_targets(cfg)  # before any stage: a misspelt module fails now, not at train
 
-        run_stage = _stage_runner(cfg, config_path, overrides, quiet)
-        for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
-            run_iteration(cfg, it, run_stage, quiet, settle_heap and cfg.in_process)
+        if cfg.max_staleness:  # overlapped: two lanes, each a process (lanes.py)
+            from rlhf_batch.commands.lanes import run_overlapped
+
+            run_overlapped(cfg, config_path, overrides, quiet)
+        else:
+            run_stage = _stage_runner(cfg, config_path, overrides, quiet)
+            for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
+                run_iteration(cfg, it, run_stage, quiet, settle_heap and cfg.in_process)
     print_summary(cfg)
 
 
-def _stage_runner(cfg: Config, config_path: Path, overrides: list[str], quiet: bool) -> Callable[[Any], None]:
+def _stage_runner(
+    cfg: Config, config_path: Path, overrides: list[str], quiet: bool, in_process: tuple[str, ...] = ()
+) -> Callable[[Any], None]:
     """run_stage(stage): nothing if it is complete, else it runs, in this process with
-    `in_process`, else in a child process (`python -m rlhf_batch STAGE CONFIG --iter K`)."""
+    `in_process` (only the stages named in `in_process`, when given), else in a child process
+    (`python -m rlhf_batch STAGE CONFIG --iter K`)."""
     from rlhf_batch.stages.executor import is_done
 
     seen = {"done": 0, "ran": 0}  # complete stages before the first that runs: a resumed run
@@ -76,7 +84,7 @@ def _stage_runner(cfg: Config, config_path: Path, overrides: list[str], quiet: b
         rnd = f" (top-up round {stage.topup})" if stage.topup else ""
         _say(f"iteration {stage.iteration}: {stage.name}{rnd}", quiet)
         python = cfg.generate.python if stage.name == "generate" else ""  # e.g. vLLM's own venv
-        if cfg.in_process and not python:
+        if cfg.in_process and not python and (not in_process or stage.name in in_process):
             execute(stage, quiet=quiet)
         else:
             _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python)
@@ -84,6 +92,40 @@ def _stage_runner(cfg: Config, config_path: Path, overrides: list[str], quiet: b
             warn_health(cfg, stage.iteration)
 
     return run_stage
+
+
+def run_lane(lane: str, config_path: Path, overrides: list[str], quiet: bool) -> None:
+    """The `lane` command: one lane of a `run` with max_staleness > 0 (lanes.py), which holds the
+    run lock, iteration by iteration."""
+    from rlhf_batch.commands.lanes import LANES, await_folder, await_policy, use_side
+    from rlhf_batch.runtime.device import setup_process
+    from rlhf_batch.stages.registry import pipeline
+
+    if lane not in LANES:
+        raise UserError(f"lane must be one of {', '.join(LANES)}, got {lane!r}")
+    cfg = load_config(config_path, overrides)
+    if os.environ.get(LOCK_ENV) != lock_id(cfg.run_dir):
+        raise UserError(
+            f"`lane` runs under `rlhf-batch run` (which holds the lock of {cfg.run_dir}), not by hand"
+        )
+    use_side(cfg, LANES[lane][0])
+    if cfg.in_process:
+        setup_process(cfg.threads)
+    global SAY_PREFIX
+    SAY_PREFIX = f"[{lane}] "
+    # stages of the other side (the learn lane's top-up rounds) run as processes with their side
+    run_stage = _stage_runner(cfg, config_path, overrides, quiet, in_process=LANES[lane])
+    for it in range(cfg.iterations + 1):
+        for stage_class in pipeline():
+            if stage_class.name not in LANES[lane] or not stage_class.runs_at(cfg, it):
+                continue
+            stage = stage_class(cfg, it)
+            if stage.name == "generate":
+                await_policy(cfg, it)
+            if stage.name == "advantage":
+                await_folder(cfg, it, layout.SCORES)
+                top_up(stage, run_stage, quiet)
+            run_stage(stage)
 
 
 def run_topup(config_path: Path, overrides: list[str], it: int, quiet: bool = False) -> None:
@@ -96,8 +138,10 @@ def run_topup(config_path: Path, overrides: list[str], it: int, quiet: bool = Fa
     cfg = load_config(config_path, overrides)
     with stage_lock(cfg.run_dir), _env(LOCK_ENV, lock_id(cfg.run_dir)):
         if cfg.in_process:
+            from rlhf_batch.commands.lanes import use_side
             from rlhf_batch.runtime.device import setup_process
 
+            use_side(cfg, "generate")  # its rounds are generate and score
             setup_process(cfg.threads)
         top_up(get("advantage")(cfg, it), _stage_runner(cfg, config_path, overrides, quiet), quiet)
 
@@ -192,7 +236,7 @@ def _run_child(
     cmd = [python or sys.executable, "-P", "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
     cmd += ["--topup", str(topup)] if topup else []
     cmd += [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
-    code = subprocess.run(cmd, preexec_fn=_die_with(os.getpid()), env=_group_env()).returncode
+    code = subprocess.run(cmd, preexec_fn=die_with(os.getpid()), env=_group_env()).returncode
     if code != 0:
         raise StageError(
             f"{stage} of iteration {it} failed (exit {code}); fix the cause and run again, "
@@ -221,24 +265,6 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
-
-
-def _die_with(parent: int) -> Callable[[], None] | None:
-    """A preexec_fn: the stage process gets SIGKILL when `run` dies (Linux PR_SET_PDEATHSIG), so a
-    killed run never leaves a stage writing on after the run lock is released."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls
-
-    def child() -> None:
-        os.setpgid(0, 0)  # a group of its own: its helpers die with it (procgroup.py)
-        prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # `run` died before the prctl took effect
-            os._exit(1)
-
-    return child
 
 
 def warn_health(cfg: Config, it: int) -> None:
@@ -294,6 +320,9 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+SAY_PREFIX = ""  # a lane's name, in a lane process (lanes.py)
+
+
 def _say(msg: str, quiet: bool) -> None:
     if not quiet:
-        print(msg, file=sys.stderr, flush=True)
+        print(SAY_PREFIX + msg, file=sys.stderr, flush=True)

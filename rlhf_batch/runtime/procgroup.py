@@ -1,7 +1,7 @@
 """A stage process started by `run` takes its helpers down with it, however it ends.
 
 `run` starts each stage process in a process group of its own, with a parent-death signal
-(SIGKILL when `run` dies: pipeline._die_with). Helpers the stage starts (vLLM's EngineCore, a
+(SIGKILL when `run` dies: die_with). Helpers the stage starts (vLLM's EngineCore, a
 reward function's workers) are in that group but not its children's parent-death setting. So the
 stage process starts a watchdog in its group: a tiny process whose own parent-death signal fires
 when the stage process ends (killed or not), and which then kills the whole group. A `run` killed
@@ -11,8 +11,10 @@ by SIGKILL during a vLLM generate leaves no EngineCore behind holding the GPU.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from collections.abc import Callable
 
 GROUP_ENV = "RLHF_BATCH_STAGE_GROUP"  # "self": set by `run` for a stage process that leads a group
 
@@ -45,3 +47,21 @@ def watch_group() -> subprocess.Popen | None:
     assert proc.stdout is not None
     proc.stdout.readline()  # its handler is in place
     return proc
+
+
+def die_with(parent: int) -> Callable[[], None] | None:
+    """A preexec_fn: the stage process gets SIGKILL when `run` dies (Linux PR_SET_PDEATHSIG), so a
+    killed run never leaves a stage writing on after the run lock is released."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork: the child only calls
+
+    def child() -> None:
+        os.setpgid(0, 0)  # a group of its own: its helpers die with it (procgroup.py)
+        prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # `run` died before the prctl took effect
+            os._exit(1)
+
+    return child
