@@ -213,9 +213,13 @@ class TrainConfig:
     norm_const: float = knob(0.0, "train")  # seq_mean_token_sum_norm divisor; 0: generate.max_new_tokens
     kl_loss_coef: float = knob(0.0, "train")  # k3 KL to the reference in the loss
     kl_to_inference_coef: float = knob(0.0, "train")
-    tis_cap: float = knob(0.0, "train")  # weight tokens by min(pi_old / pi_behaviour, cap) (TIS); 0: off
+    # weight tokens by min(pi_old / pi_behaviour, cap) (TIS); 0: off. Unset: 0, or STALE_TIS_CAP
+    # with max_staleness > 0 and recompute_old (resolve_objective)
+    tis_cap: float | None = knob(None, "train")
     entropy_coef: float = knob(0.0, "train")
-    recompute_old: bool = knob(False, "train")
+    # the old log-probs (the proximal anchor of the clip) recomputed by the trainer at the start of
+    # the iteration instead of the behaviour ones; unset: on exactly when max_staleness > 0
+    recompute_old: bool | None = knob(None, "train")
     gradient_checkpointing: bool = knob(False, "train")
     autocast_bf16: bool = knob(True, "train")  # bf16 autocast when dtype resolves to bfloat16
     checkpoint_every: int = knob(0, "train")  # optimizer steps; 0: only at the end
@@ -235,13 +239,33 @@ class TrainConfig:
         _need(self.checkpoint_every >= 0, "train.checkpoint_every", "must be >= 0")
         _need(self.total_steps >= 0, "train.total_steps", "must be >= 0 (0: estimated)")
         _need(self.eps_low > 0, "train.eps_low", "must be > 0")
-        _need(self.tis_cap == 0 or self.tis_cap >= 1, "train.tis_cap", "must be 0 (off) or >= 1")
+        _need(self.tis_cap in (None, 0) or self.tis_cap >= 1, "train.tis_cap", "must be 0 (off) or >= 1")
         _need(self.dual_clip == 0 or self.dual_clip > 1, "train.dual_clip", "must be 0 (off) or > 1")
         _need(self.tokens_per_step >= 1, "train.tokens_per_step", "must be >= 1")
         _need(self.sequences_per_step >= 0, "train.sequences_per_step", "must be >= 0 (0: tokens_per_step)")
         _need(self.max_tokens_per_batch >= 1, "train.max_tokens_per_batch", "must be >= 1")
         _need(0 < self.max_padding <= 1, "train.max_padding", "must be in (0, 1]")
         _need_side(self.device, self.threads, "train")
+
+
+# The truncation cap of the importance weight pi_old / pi_behaviour when rollouts may be stale
+# (max_staleness > 0). AReaL, whose decoupled objective this is, caps that weight at 5 in every
+# asynchronous example (and had 5 as its default); TRL's caps (2, then 3) bound the small
+# engine/trainer mismatch of on-policy rollouts, where S policy updates move the policy further.
+# docs/stages.md, "Stale rollouts", has the comparison.
+STALE_TIS_CAP = 5.0
+
+
+def resolve_objective(tc: TrainConfig, max_staleness: int) -> None:
+    """`train.recompute_old` and `train.tis_cap` left unset: the decoupled objective (recompute on,
+    cap STALE_TIS_CAP) when rollouts may be stale (max_staleness > 0), else off and 0, as before.
+    A value set in the config is kept; with recompute_old = false there is no anchor to weigh
+    against, so the cap stays 0."""
+    stale = max_staleness > 0
+    if tc.recompute_old is None:
+        tc.recompute_old = stale
+    if tc.tis_cap is None:
+        tc.tis_cap = STALE_TIS_CAP if stale and tc.recompute_old else 0.0
 
 
 Tracker = Literal["tensorboard", "trackio", "wandb", "mlflow"]
@@ -355,6 +379,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        resolve_objective(self.train, self.max_staleness)  # before anything reads identity()
 
     def side(self, stage: str) -> tuple[str, int, str | None]:
         """(device, threads, CUDA devices or None) that `stage` runs with: generate.device/threads
@@ -573,7 +600,8 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
                 return _coerce(value, arm, where, key)
             except ConfigError:
                 pass
-        names = " or ".join(getattr(a, "__name__", str(a)) for a in typing.get_args(typ))
+        arms = [a for a in typing.get_args(typ) if a is not type(None)]  # None: unset, not written
+        names = " or ".join(getattr(a, "__name__", str(a)) for a in arms)
         raise ConfigError(f"{where}: '{key}' must be {names}, got {value!r}")
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

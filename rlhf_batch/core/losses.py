@@ -216,7 +216,9 @@ def grpo_loss(
     when the rollouts were sampled by another engine, ``old_logprobs`` are the trainer's own
     log-probs of them (recomputed) and ``behavior_logprobs`` the engine's; each token's objective
     term is multiplied by the constant ``min(exp(old - behavior), tis_cap)``, before the KL and
-    entropy terms are added.
+    entropy terms are added. With stale rollouts (``max_staleness`` > 0) the same two inputs make
+    AReaL's decoupled PPO objective: ``old`` is the proximal anchor (the policy train starts
+    from), ``behavior_logprobs`` the older policy that sampled the rows.
     """
     eps_high = eps_low if eps_high is None else eps_high
     _validate(logprobs, mask, aggregation, norm_const, eps_low, eps_high, dual_clip, denominator)

@@ -598,3 +598,31 @@ def test_kl_to_ref_metric_is_bounded() -> None:
     )
     close(out.kl_to_ref, 5.0)
     close(out.loss_kl_to_ref, 5.0)
+
+
+def test_decoupled_objective_of_a_stale_run_by_hand() -> None:
+    # max_staleness = 1: train passes recompute_old's log-probs as `old` (the proximal anchor, the
+    # policy train K starts from) and generate's as `behavior_logprobs` (the policy of K - 2),
+    # with the cap the config resolves for S > 0 (5). eps = 0.2, token_mean over 4 real tokens.
+    # Probabilities per token (new, old = anchor, behaviour), A per row:
+    #   row 0, A = +1:  t0 (0.55, 0.5, 0.25)  r = 1.1 (inside the clip)      w = 2
+    #                   t1 (0.9,  0.6, 0.1 )  r = 1.5 -> clipped 1.2          w = 6 -> capped 5
+    #   row 1, A = -2:  t2 (0.2,  0.4, 0.5 )  r = 0.5; -min(-1, -1.6) = 1.6   w = 0.8
+    #                   t3 (0.3,  0.3, 0.3 )  r = 1;   -min(-2, -2) = 2       w = 1
+    # loss_tok * w: -1.1 * 2 = -2.2, -1.2 * 5 = -6, 1.6 * 0.8 = 1.28, 2 * 1 = 2
+    # objective = (-2.2 - 6 + 1.28 + 2) / 4 = -4.92 / 4 = -1.23
+    # lock-step defaults (no weight) on the same batch: (-1.1 - 1.2 + 1.6 + 2) / 4 = 0.325
+    from rlhf_batch.config import Config
+    from rlhf_batch.stages.train import _loss_kwargs
+
+    def lp(*p: float) -> torch.Tensor:
+        return T_([[math.log(p[0]), math.log(p[1])], [math.log(p[2]), math.log(p[3])]])
+
+    new, old, beh = lp(0.55, 0.9, 0.2, 0.3), lp(0.5, 0.6, 0.4, 0.3), lp(0.25, 0.1, 0.5, 0.3)
+    adv = T_([1.0, -2.0])
+    for staleness, expected in ((1, -1.23), (0, 0.325)):
+        kwargs = _loss_kwargs(Config(max_staleness=staleness))
+        out = grpo_loss(new, old, adv, full_mask(2, 2), behavior_logprobs=beh, **kwargs)
+        close(out.loss_objective, expected)
+        close(out.loss, expected)
+        close(out.clip_fraction, 0.5)  # t1 (A > 0, r > 1.2) and t2 (A < 0, r < 0.8) bind

@@ -416,6 +416,20 @@ def test_tis_cap_recomputes_old_and_weights_tokens_by_the_capped_behaviour_ratio
     assert row["loss_objective"] == pytest.approx(-1.5, abs=1e-5)
 
 
+def test_a_stale_run_trains_with_the_decoupled_objective_by_default(make_config, tiny_model: Path) -> None:
+    # max_staleness = 1, no train keys set: recompute_old (the anchor is the policy: r = 1) and the
+    # weight min(exp(old - behaviour), 5). Row 1's behaviour is ln 8 below: w = 8 -> 5; row 0's w = 1.
+    # token_mean objective = -(1 * 1 * 1 + 1 * 1 * 5) / 2 = -3
+    # (lock-step defaults: row 1's r = 8 clips at 1.2 -> -(1 + 1.2) / 2 = -1.1)
+    table = make_table(tiny_model, [3, 3], [1, 1], advantages=[1.0, 1.0], old_shift=[0.0, -math.log(8)])
+    _, cfg = make_config(train_toml(lr=0.0, max_tokens_per_batch=4), max_staleness=1)
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    row = metrics(cfg.run_dir).to_pylist()[0]
+    assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert row["loss_objective"] == pytest.approx(-3.0, abs=1e-5)
+
+
 def test_kl_to_ref_and_entropy_in_the_loss(make_config, tiny_model: Path) -> None:
     # ref = policy - 0.3 on every token: k3 = e^-0.3 + 0.3 - 1 = 0.040818 ; loss term 0.5 * that
     table = make_table(tiny_model, *random_lengths(8), advantages=[0.0] * 8, ref_shift=-0.3)
