@@ -1,6 +1,7 @@
 """`report`: PNG plots and one report.html for a run, complete or partial.
 
-Reads only complete stages: scores and rollouts per iteration, the advantage manifests (the
+Reads only complete stages: scores and rollouts per iteration (with the staleness of the policy
+that sampled them, from the rollouts manifest), the advantage manifests (the
 share of groups filtered), the train metrics (iter=K/train/metrics.parquet) and the eval
 manifests and parts (held-out metrics per data source, example completions), and every stage
 manifest's `timing` (start-up and work seconds; top-up rounds added to their stage).
@@ -44,7 +45,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
             )
             last = it
         rdir = layout.folder(run_dir, it, "rollouts")
-        if manifests.manifest(rdir) is not None:
+        if (rm := manifests.manifest(rdir)) is not None:
+            row["staleness"] = rm.get("staleness")  # of the sampling policy (None: not recorded)
             lengths = pc.list_value_length(
                 manifests.read_complete(rdir, ROLLOUTS, ["response_ids"])["response_ids"]
             )
@@ -344,7 +346,7 @@ def _html(run_dir: Path, data: dict[str, Any], plots: list[str], examples: list[
     def cell(v: Any) -> str:
         return "" if v is None else f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
 
-    keys = ["iter", "score", "reward", "kl", "length", "filtered"]
+    keys = ["iter", "staleness", "score", "reward", "kl", "length", "filtered"]
     table = "".join(
         "<tr>" + "".join(f"<td>{cell(r.get(k))}</td>" for k in keys) + "</tr>" for r in data["iters"]
     )

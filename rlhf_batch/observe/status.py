@@ -1,5 +1,6 @@
-"""`rlhf-batch status`: per iteration and stage, complete / partial / missing, rows, timing and
-headline numbers, read from the manifests and the stage folders."""
+"""`rlhf-batch status`: per iteration and stage, complete / partial / missing, rows, timing, the
+staleness of the policy that sampled the rollouts and headline numbers, read from the manifests
+and the stage folders."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ STATUS_STAGES = ("rollouts", "scores", "advantages", "train", "eval")  # eval: o
 
 def print_status(run_dir: str | Path) -> None:
     """Per iteration and stage: complete / partial / missing, rows, start-up and work seconds and
-    tokens/s of the run that completed it (its manifest's `timing`), and headline numbers."""
+    tokens/s of the run that completed it (its manifest's `timing`), on rollouts rows the
+    staleness of their sampling policy (`stale`: 0 in lock-step), and headline numbers."""
     root = existing_run(run_dir)
     iters = sorted(int(p.name[5:]) for p in root.glob("iter=*") if p.is_dir() and p.name[5:].isdigit())
     if not iters:
@@ -30,14 +32,14 @@ def print_status(run_dir: str | Path) -> None:
         ]
     finally:
         con.close()
-    table = [("iter", "stage", "state", "rows", "startup_s", "work_s", "tok/s", "details"), *rows]
-    widths = [max(len(r[i]) for r in table) for i in range(7)]
+    table = [("iter", "stage", "state", "rows", "startup_s", "work_s", "tok/s", "stale", "details"), *rows]
+    widths = [max(len(r[i]) for r in table) for i in range(8)]
     print(f"run: {root}")
     for r in table:
         cells = [
             c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))
         ]
-        print("  ".join([*cells, r[7]]).rstrip())
+        print("  ".join([*cells, r[8]]).rstrip())
 
 
 def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
@@ -57,8 +59,8 @@ def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
 
 
 def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> tuple[str, ...]:
-    """(state, rows, startup, work, tok/s, details) of one stage of one iteration (of its top-up
-    round `topup`)."""
+    """(state, rows, startup, work, tok/s, stale, details) of one stage of one iteration (of its
+    top-up round `topup`)."""
     import duckdb
 
     from rlhf_batch.store import layout, manifests
@@ -102,7 +104,8 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
         if m and stage != "train"
         else sum(manifests.parquet_file(f).metadata.num_rows for f in files)
     )
-    return state, str(rows) if files or m else "-", *timing_cells(m), ", ".join(details)
+    stale = str((m or {}).get("staleness", "-")) if stage == "rollouts" else "-"
+    return state, str(rows) if files or m else "-", *timing_cells(m), stale, ", ".join(details)
 
 
 def _health(con: Any, it: int) -> list[str]:

@@ -336,10 +336,11 @@ def status_lines(run_dir: Path) -> dict[tuple[str, str], str]:
         "startup_s",
         "work_s",
         "tok/s",
+        "stale",
         "details",
     ]
-    # without the timing columns (tests/test_timing.py checks them)
-    return {(w[0], w[1]): " ".join(w[2:4] + w[7:]) for w in (line.split() for line in lines[2:])}
+    # without the timing and staleness columns (tests/test_timing.py, tests/stages/test_staleness.py)
+    return {(w[0], w[1]): " ".join(w[2:4] + w[8:]) for w in (line.split() for line in lines[2:])}
 
 
 def test_status_on_a_partial_run(run: Path) -> None:
