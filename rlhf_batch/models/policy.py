@@ -1,9 +1,13 @@
 """The policy an iteration starts from: the configured model (with an initial adapter merged)
-for iteration 0, else the policy train of the iteration before wrote."""
+for iteration 0, else the policy train of the iteration before wrote; and the policy an
+iteration's rollouts are sampled from, `max_staleness` iterations older (core/staleness.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from rlhf_batch.config import Config
+from rlhf_batch.core.staleness import sampling_start, staleness
 from rlhf_batch.store import layout
 
 
@@ -33,3 +37,18 @@ def start_policy(cfg: Config, iteration: int) -> str:
             f"run train --iter {iteration - 1} first"
         )
     return str(check_model_dir(str(prev), "policy"))
+
+
+def sampling_policy(cfg: Config, iteration: int) -> str:
+    """The policy iteration `iteration`'s rollouts are sampled from (generate and its top-up
+    rounds, import): the start policy of iteration max(K - max_staleness, 0)."""
+    return start_policy(cfg, sampling_start(iteration, cfg.max_staleness))
+
+
+def sampled_by(cfg: Config, iteration: int) -> dict[str, Any]:
+    """What a rollouts manifest records of its sampling policy: `policy_iteration`, the iteration
+    whose train wrote it (-1: the initial policy), and `staleness` (0: lock-step)."""
+    return {
+        "policy_iteration": sampling_start(iteration, cfg.max_staleness) - 1,
+        "staleness": staleness(iteration, cfg.max_staleness),
+    }

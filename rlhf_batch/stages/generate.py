@@ -20,6 +20,11 @@ Prompt batches: with `generate.prompts_per_iteration` > 0 iteration K takes its 
 per-epoch seeded shuffle of the prompt set (core/prompt_batches.py), a top-up round the next
 batch of the same order (topup.py); the manifest records the batch index, the epoch and the
 positions (`prompt_batch`).
+
+Staleness: with `max_staleness = S` iteration K (each of its top-up rounds too) samples from the
+policy train of iteration K - 1 - S wrote, the initial policy while that is negative
+(models/policy.sampling_policy). The `policy` column names it; the manifest records
+`policy_iteration` (-1: the initial policy) and `staleness` = min(S, K), 0 in lock-step.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from rlhf_batch.data.prompts import Prompts, load_prompts
 from rlhf_batch.engines import engine_version, make_engine
 from rlhf_batch.engines.base import Engine, special_ids
 from rlhf_batch.errors import StageError
-from rlhf_batch.models.policy import start_policy
+from rlhf_batch.models.policy import sampled_by, sampling_policy
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.store import layout
@@ -54,7 +59,7 @@ class Generate(Stage):
             from rlhf_batch.data.demo import ensure_demo_assets
 
             ensure_demo_assets(self.cfg)
-        self.policy = start_policy(self.cfg, self.iteration)
+        self.policy = sampling_policy(self.cfg, self.iteration)  # max_staleness iterations back
         self.batch = topup.batch_index(self.cfg, self.iteration, self.topup)
         return {
             "prompts": prompt_fingerprint(self.cfg.generate.prompts),
@@ -121,6 +126,7 @@ class Generate(Stage):
         extra = {
             "prompt_counts": self.prompts.counts,
             "policy": self.policy,
+            **sampled_by(self.cfg, self.iteration),
             "prompt_batch": self.prompts.batch,
             "engine": self.cfg.generate.engine,
             "engine_version": engine_version(self.cfg.generate.engine),

@@ -13,9 +13,12 @@ receive it. Decisions:
 * ``sample_idx`` is the row's rank among the file's rows with the same ``prompt_id``;
   ``rollout_id`` = ``f"{K:04d}-{prompt_id}-{sample_idx}"`` as generate writes it. One
   ``prompt_id`` with two different prompts is an error.
-* Behaviour log-probs come from the policy of iteration K (``policy_model`` for K = 0, else
-  ``iter=K-1/policy``) at ``generate.temperature``, through the same log-prob function as
-  generate and score; the ``policy`` column holds that directory.
+* Behaviour log-probs come from the policy generate of iteration K would sample from
+  (``policy_model`` for K = 0, else ``iter=K-1/policy``; with ``max_staleness = S``, the policy
+  of iteration K-1-S, models/policy.sampling_policy: imported rows stand in for generate's,
+  and an external engine running S iterations ahead has only that policy) at
+  ``generate.temperature``, through the same log-prob function as generate and score; the
+  ``policy`` column holds that directory, the manifest its ``policy_iteration`` and ``staleness``.
 * Rows from an external engine may carry ``response_ids`` (list of ints) and with them
   ``behavior_logprobs`` (list of floats, one per response token): they are kept as given, the
   response is not re-tokenised (no EOS appended) and, with log-probs, none are recomputed.
@@ -40,7 +43,7 @@ from rlhf_batch.config import Config
 from rlhf_batch.errors import ConfigError, SchemaError, StageError
 from rlhf_batch.models.forward import batched_logprobs
 from rlhf_batch.models.load import load_model, load_tokenizer
-from rlhf_batch.models.policy import start_policy
+from rlhf_batch.models.policy import sampled_by, sampling_policy
 from rlhf_batch.runtime import dist
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
@@ -65,7 +68,7 @@ class Import(Stage):
 
     def identity(self) -> dict[str, Any]:
         self.rows = prepare(read_rows(self.path), self.path, self.iteration)  # bad files fail first
-        self.policy = start_policy(self.cfg, self.iteration)
+        self.policy = sampling_policy(self.cfg, self.iteration)
         return {**super().identity(), "import": str(self.path.resolve()), "policy": self.policy}
 
     def inputs(self) -> dict[str, Any]:
@@ -101,7 +104,7 @@ class Import(Stage):
         return Part(table, with_extra(ROLLOUTS, self.rows.schema), counts, tokens)
 
     def manifest_extra(self) -> dict[str, Any]:
-        return {"source": str(self.path.resolve())}
+        return {"source": str(self.path.resolve()), **sampled_by(self.cfg, self.iteration)}
 
 
 def import_rollouts(

@@ -3,7 +3,10 @@
 
 A policy is removed only once train of a later iteration is complete (its policy is on disk
 and its manifest written), so the policy the next generate or train starts from is never
-removed. Before removing iter=K/policy, the fingerprint the stages recorded for it (its path,
+removed. With `max_staleness = S`, generate of iteration K samples from iteration K-1-S's
+policy; the config requires keep_policies = 0 or > S, so once train of `latest` is complete the
+policies of latest - S .. latest, those every generate still to run samples from (K > latest),
+are kept. Before removing iter=K/policy, the fingerprint the stages recorded for it (its path,
 config.json and weight file sizes: models.model_fingerprint) is written to
 iter=K/policy_removed.json, and stages that read the policy once take their input fingerprint
 from there: a complete stage is still complete (`run` skips it), nothing is redone, and the
