@@ -80,9 +80,11 @@ def _wait_all(procs: dict[str, subprocess.Popen]) -> tuple[str, int] | None:
 
 
 def await_policy(cfg: Config, it: int) -> None:
-    """Until the policy iteration `it` samples from is trained: train K-1-S complete."""
-    if (source := it - 1 - cfg.max_staleness) >= 0:
-        await_folder(cfg, source, layout.TRAIN)
+    """Until the policy iteration `it` samples from is trained (train K-1-S complete)."""
+    from rlhf_batch.core.staleness import sampling_start
+
+    if (start := sampling_start(it, cfg.max_staleness)) > 0:
+        await_folder(cfg, start - 1, layout.TRAIN)
 
 
 def await_folder(cfg: Config, it: int, folder: str) -> None:
