@@ -74,6 +74,23 @@ def mapping(b: int) -> str:
     )
 
 
+def overrides(spec: dict[str, Any]) -> list[str]:
+    """The demo config's overrides for ours: the seed's model and prompts, the workload, `set`."""
+    out = [f"run_dir={spec['run_dir']}", f"iterations={spec['iterations']}"]
+    out += [f"generate.prompts_per_iteration={spec['prompts_per_iteration']}"]
+    out += [f"generate.prompts={spec['prompts']}", f"policy_model={spec['model']}", "demo=false"]
+    return out + [f"seed={spec['seed']}", f"threads={spec['threads']}", *spec.get("set", [])]
+
+
+def seed_inputs(tmp: Path, seed: int) -> dict[str, str]:
+    """The tiny model initialised with `seed` and the 256 demo prompts, written below `tmp`."""
+    from rlhf_batch.data.demo import write_prompts
+    from rlhf_batch.models.tiny import init_model
+
+    model = init_model(Path(tmp, "model"), seed=seed)
+    return {"model": str(model), "prompts": str(write_prompts(Path(tmp, "prompts.jsonl"), 256))}
+
+
 def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from rlhf_batch.commands.pipeline import reward_by_iteration, run_iteration
     from rlhf_batch.config import load_config
@@ -82,11 +99,7 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from rlhf_batch.stages.executor import execute
     from rlhf_batch.stages.registry import pipeline
 
-    overrides = [f"run_dir={spec['run_dir']}", f"iterations={spec['iterations']}"]
-    overrides += [f"generate.prompts_per_iteration={spec['prompts_per_iteration']}"]
-    overrides += [f"generate.prompts={spec['prompts']}", f"policy_model={spec['model']}", "demo=false"]
-    overrides += [f"seed={spec['seed']}", f"threads={spec['threads']}", *spec.get("set", [])]
-    cfg = load_config(DEMO, overrides)
+    cfg = load_config(DEMO, overrides(spec))
     setup_process(cfg.threads)
     pipeline()  # imports (torch, duckdb) before the clock, as TRL's before its loop
     known: list[float] = []
@@ -234,18 +247,14 @@ def run_seed(
 ) -> tuple[dict, dict | None]:
     """Both sides from the same tiny model (initialised with `seed`) and prompts."""
     with tempfile.TemporaryDirectory(dir=common.CACHE) as tmp:
-        from rlhf_batch.data.demo import write_prompts
-        from rlhf_batch.models.tiny import init_model
-
-        model = init_model(Path(tmp, "model"), seed=seed)
+        inputs = seed_inputs(Path(tmp), seed)
         spec = {
-            "model": str(model),
-            "prompts": str(write_prompts(Path(tmp, "prompts.jsonl"), 256)),
+            **inputs,
             "iterations": iterations,
             "prompts_per_iteration": b,
             "seed": seed,
             "threads": threads,
-            **end_tokens(model),
+            **end_tokens(Path(inputs["model"])),
         }
         ours_spec = {**spec, "run_dir": str(Path(tmp, "ours")), "set": ours_set}
         ours = run_side(Path(sys.executable), "ours", ours_spec)
