@@ -12,7 +12,7 @@ RUN_DIR ?= runs/demo
 WHEELS ?= wheels
 GPU_PYTHON_VERSION ?= 3.11
 
-.PHONY: setup airflow trackio vllm trl s3 test test-fast demo lint bench bench-learning soak wheels gpu-check clean
+.PHONY: setup airflow trackio vllm trl s3 test test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -93,6 +93,10 @@ bench: setup
 
 bench-learning: setup trl
 	$(PY) benchmarks/bench_learning.py --seeds 0,1,2
+
+# max_staleness 0, 1 and 2 on the learning benchmark's task, 10 seeds (hours: a quiet machine)
+bench-staleness: setup
+	$(PY) benchmarks/bench_staleness.py --seeds 0,1,2,3,4,5,6,7,8,9
 
 soak: setup
 	$(PY) -m pytest -q tests/reliability -m soak

@@ -51,7 +51,7 @@ REQUIRED = (
     "train padding",
     "train scaling",
 )
-NOT_SHOWN = ("learning:",)  # not part of `make bench`: its own section of the page
+NOT_SHOWN = ("learning:", "staleness:")  # not part of `make bench`: their own sections of the page
 
 Row = dict[str, str]
 
