@@ -222,6 +222,10 @@ def test_dag_with_staleness_1_runs_as_run_does(make_config, tmp_path: Path) -> N
         for stage in ("rollouts", "scores", "advantages", "train"):
             assert manifests.manifest(layout.folder(cfg.run_dir, it, stage)) is not None, (it, stage)
     assert not layout.iter_dir(cfg.run_dir, 3).exists()
+    policy = [manifests.manifest(layout.folder(cfg.run_dir, it, "rollouts"))["policy"] for it in range(3)]
+    # iteration K samples from iteration K-2's policy: 0 and 1 from the initial model, 2 from 0's
+    assert policy[0] == policy[1] != str(layout.policy_dir(cfg.run_dir, 0))
+    assert policy[2] == str(layout.policy_dir(cfg.run_dir, 0))
     mine, ref = rows(cfg.run_dir), rows(local_cfg.run_dir)
     assert sorted(mine) == sorted(ref)
     for folder in ref:
