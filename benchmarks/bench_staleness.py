@@ -4,16 +4,15 @@ with max_staleness S = 0, 1 and 2 on the same seeds, each run a whole process of
 
 S = 0 (lock-step) gets both cores for every stage (threads = 2); S > 0 (overlapped: a sample lane,
 generate + score of the iterations ahead, and a learn lane, top-up + advantage + train + eval) one
-core per lane (threads = 1, generate.threads = 1, train.threads = 1; a build without the per-lane
-keys runs threads = 1 and says so in the rows; `--lock-step-threads 1` gives lock-step the demo's
-one thread, which a model this small runs fastest on). The runs of one seed go one after the other, S = 0
-first, so the machine's drift falls on every S alike. Recorded per run: the whole process's wall
+core per lane (threads = 1, generate.threads = 1, train.threads = 1; `--lock-step-threads 1` gives
+lock-step the demo's one thread: a second baseline). The runs of one seed go one after the other,
+S = 0 first, so the machine's drift falls on every S alike. Recorded per run: the whole process's wall
 time; the mean score of each iteration's rollouts (DuckDB over the views of `rlhf-batch sql`: the
 scores of round 0) and when it was known (the mtime of that iteration's scores manifest, from the
-process's start); each lane's idle fraction, 1 - (the startup_s + work_s of its stages, from the manifests' timing: the
-stages view) / the whole process's wall time (sample lane: rollouts and scores of round 0; learn
-lane: every other stage). Over the seeds, the seed-mean curve: per iteration, the mean score and
-the mean time at which it was known.
+process's start); each lane's idle fraction, 1 - (the startup_s + work_s of its stages, from the
+manifests' timing: the stages view) / the whole process's wall time (sample lane: rollouts and
+scores of round 0; learn lane: every other stage). Over the seeds, the seed-mean curve: per
+iteration, the mean score and the mean time at which it was known.
 
 Targets, for S = 1 against S = 0: it reaches lock-step's final seed-mean score in at least 1.3x less
 wall time (time to reach: the seed-mean time of the first iteration whose seed-mean score is at
@@ -118,15 +117,7 @@ def lane_settings(staleness: int, lock_step_threads: int = 2) -> tuple[int, list
     overlapped; and how the rows name it."""
     if staleness == 0:
         return lock_step_threads, [], f"threads {lock_step_threads}"
-    from rlhf_batch.config import load_config
-    from rlhf_batch.errors import UserError
-
-    lanes = ["generate.threads=1", "train.threads=1"]
-    try:
-        load_config(bench_learning.DEMO, ["demo=false", *lanes])
-    except UserError:  # a build without per-lane settings: the run is lock-step, say so
-        return 1, [], "threads 1 (this build has no generate.threads/train.threads)"
-    return 1, lanes, "threads 1 per lane"
+    return 1, ["generate.threads=1", "train.threads=1"], "threads 1 per lane"
 
 
 def run_once(spec: dict[str, Any], staleness: int) -> dict[str, Any]:
@@ -147,15 +138,15 @@ def run_once(spec: dict[str, Any], staleness: int) -> dict[str, Any]:
         (run_dir / f"iter={r['iter']:04d}" / "scores" / "_manifest.json").stat().st_mtime - start
         for r in rows
     ]
-    lanes = lane_busy(sql(run_dir, BUSY_SQL))
+    busy = lane_busy(sql(run_dir, BUSY_SQL))
     return {
         "seed": spec["seed"],
         "max_staleness": staleness,
         "wall_s": wall,
         "scores": [r["score"] for r in rows],
         "known_s": known,
-        "busy_s": {k: sum(v) for k, v in lanes.items()},
-        "idle": {k: idle_fraction(v, wall) for k, v in lanes.items()},
+        "busy_s": {k: sum(v) for k, v in busy.items()},
+        "idle": {k: idle_fraction(v, wall) for k, v in busy.items()},
     }
 
 
