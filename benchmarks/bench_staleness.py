@@ -246,9 +246,7 @@ def plot(path: Path, summ: dict[str, Any], title: str) -> None:
 def main() -> None:
     p = common.parser(__doc__ or "")
     p.add_argument("--iterations", type=int, help="default 40 (the learning benchmark's), --tiny 2")
-    p.add_argument(
-        "--seeds", default=",".join(map(str, range(10))), help="comma-separated seeds (default 0..9)"
-    )
+    p.add_argument("--seeds", help="comma-separated seeds (default 0..9, --tiny 0,1)")
     p.add_argument(
         "--staleness", help="values of max_staleness, 0 (the baseline) first (default 0,1,2, --tiny 0,1)"
     )
