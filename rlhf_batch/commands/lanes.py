@@ -27,7 +27,7 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.store import fs, layout, manifests
 
 LANES = {"sample": ("generate", "score"), "learn": ("advantage", "train", "eval")}
-POLL_S = {False: 0.05, True: 1.0}  # between looks at a manifest: local, object store
+POLL_S = {False: 0.01, True: 1.0}  # between looks at a manifest: local disk (a stat), object store
 
 
 def use_side(cfg: Config, stage: str) -> None:
