@@ -97,7 +97,7 @@ def _stage_runner(
 def run_lane(lane: str, config_path: Path, overrides: list[str], quiet: bool) -> None:
     """The `lane` command: one lane of a `run` with max_staleness > 0 (lanes.py), which holds the
     run lock, iteration by iteration."""
-    from rlhf_batch.commands.lanes import LANES, await_folder, await_policy, use_side
+    from rlhf_batch.commands.lanes import LANES, await_folder, await_policy, use_side, warm_up
     from rlhf_batch.runtime.device import setup_process
     from rlhf_batch.stages.registry import pipeline
 
@@ -111,6 +111,7 @@ def run_lane(lane: str, config_path: Path, overrides: list[str], quiet: bool) ->
     use_side(cfg, LANES[lane][0])
     if cfg.in_process:
         setup_process(cfg.threads)
+        warm_up(lane)
     global SAY_PREFIX
     SAY_PREFIX = f"[{lane}] "
     # stages of the other side (the learn lane's top-up rounds) run as processes with their side
