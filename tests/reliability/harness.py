@@ -141,6 +141,20 @@ def kill_after(cmd: list[str], seconds: float) -> int:
     return proc.returncode
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (not gone, not a zombie waiting to be reaped): Linux /proc."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def children(pid: int) -> list[int]:
+    """The pids of process `pid`'s children (Linux /proc)."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 120.0) -> None:
     t0 = time.monotonic()
     while not predicate():

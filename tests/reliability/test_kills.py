@@ -21,7 +21,9 @@ from rlhf_batch.store import layout, manifests
 from tests.reliability.harness import (
     KILLS,
     Assets,
+    alive,
     assert_same_as_reference,
+    children,
     command,
     environment,
     run,
@@ -74,14 +76,6 @@ def test_killed_in_process_run_resumes_to_the_reference_result(
     assert_same_as_reference(run_dir, reference)
 
 
-def _state(pid: int) -> str:
-    """'gone', or the state letter of /proc/PID/stat ('Z': dead, not yet reaped)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"
-
-
 def kill_run_during_generate(assets: Assets, run_dir: Path) -> None:
     """SIGKILL to `run` alone, as a scheduler sends it, while its generate process works: the stage
     process must die with it, not write on behind the released lock next to the re-run's."""
@@ -92,12 +86,12 @@ def kill_run_during_generate(assets: Assets, run_dir: Path) -> None:
         stderr=subprocess.DEVNULL,
     )
     wait_for(lambda: (layout.folder(run_dir, 0, "rollouts") / layout.STARTED).exists())
-    children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-    assert children, "no stage process"
+    stages = children(proc.pid)
+    assert stages, "no stage process"
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
     KILLS["named"] += 1
-    wait_for(lambda: all(_state(c) in ("gone", "Z") for c in children), timeout=10)
+    wait_for(lambda: not any(alive(c) for c in stages), timeout=10)
     time.sleep(1.0)
     assert (
         manifests.manifest(layout.folder(run_dir, 0, "rollouts")) is None

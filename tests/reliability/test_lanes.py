@@ -17,7 +17,9 @@ from rlhf_batch.store import layout, manifests
 from tests.reliability.harness import (
     KILLS,
     Assets,
+    alive,
     assert_same_as_reference,
+    children,
     command,
     environment,
     run,
@@ -78,27 +80,6 @@ def test_a_stage_process_killed_in_a_lane_without_in_process(
     assert_same_as_reference(run_dir, stale_reference, iterations=ITERATIONS)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
-def _lanes() -> list[int]:
-    """The pids of this user's `rlhf_batch lane` processes."""
-    out = []
-    for p in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (p / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"rlhf_batch" in argv and b"lane" in argv:
-            out.append(int(p.name))
-    return out
-
-
 @pytest.mark.slow
 def test_a_killed_run_takes_both_lanes_down_and_resumes(
     assets: Assets, stale_reference: Path, tmp_path: Path
@@ -112,21 +93,14 @@ def test_a_killed_run_takes_both_lanes_down_and_resumes(
     )
     # both lanes at work: iteration 1's rollouts begun while iteration 0 is not yet trained, or later
     wait_for(lambda: layout.folder(run_dir, 1, "rollouts").exists(), timeout=120)
-    lanes = [pid for pid in _lanes() if _parent(pid) == proc.pid]
-    assert len(lanes) == 2, lanes
+    lanes = children(proc.pid)
+    assert len(lanes) == 2, lanes  # the sample lane and the learn lane
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     KILLS["timed"] += 1
-    wait_for(lambda: not any(_alive(pid) for pid in lanes), timeout=30)
+    wait_for(lambda: not any(alive(pid) for pid in lanes), timeout=30)
     run_to_completion(assets, run_dir, *STALE, iterations=ITERATIONS)
     assert_same_as_reference(run_dir, stale_reference, iterations=ITERATIONS)
-
-
-def _parent(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (FileNotFoundError, IndexError):
-        return -1
 
 
 @pytest.mark.slow

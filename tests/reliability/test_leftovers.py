@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_batch.store import layout
-from tests.reliability.harness import KILLS, environment, wait_for
+from tests.reliability.harness import KILLS, alive, environment, wait_for
 
 
 def rb(*args: object, fault: str | None = None) -> subprocess.CompletedProcess:
@@ -47,14 +47,6 @@ exec "{python}" "$@"
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux /proc")
 def test_sigkill_of_run_during_generate_kills_the_stages_helpers(make_config, tmp_path: Path) -> None:
     pidfile = tmp_path / "helper.pid"
@@ -71,13 +63,13 @@ def test_sigkill_of_run_during_generate_kills_the_stages_helpers(make_config, tm
     try:
         wait_for(lambda: (layout.folder(cfg.run_dir, 0, "rollouts") / layout.STARTED).exists())
         helper = int(pidfile.read_text())
-        assert _alive(helper)
+        assert alive(helper)
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait() == -signal.SIGKILL
         KILLS["named"] += 1
-        wait_for(lambda: not _alive(helper), timeout=10)
+        wait_for(lambda: not alive(helper), timeout=10)
     finally:
         if proc.poll() is None:
             proc.kill()
-        if pidfile.exists() and _alive(int(pidfile.read_text())):
+        if pidfile.exists() and alive(int(pidfile.read_text())):
             os.kill(int(pidfile.read_text()), signal.SIGKILL)
