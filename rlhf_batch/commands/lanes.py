@@ -27,13 +27,6 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.store import fs, layout, manifests
 
 LANES = {"sample": ("generate", "score"), "learn": ("advantage", "train", "eval")}
-# what a lane that runs its stages in its process imports before it waits for its first input
-# (the learn lane waits for score 0 while generate 0 runs): about 2 s of a tiny run's start-up
-WARM_UP = {
-    "sample": (),
-    "run": ("duckdb", "matplotlib.pyplot"),
-    "learn": ("duckdb", "transformers.models.auto.modeling_auto", "rlhf_batch.stages.train_step"),
-}
 POLL_S = {False: 0.01, True: 1.0}  # between looks at a manifest: local disk (a stat), object store
 
 
@@ -88,11 +81,17 @@ def _wait_all(procs: dict[str, subprocess.Popen]) -> tuple[str, int] | None:
 
 
 def warm_up(lane: str) -> None:
-    """The modules `lane`'s stages import, imported now (WARM_UP)."""
-    import importlib
+    """The modules `lane`'s stages import, imported now: the learn lane's while it waits for score
+    0 (generate 0 runs meanwhile; about 2 s of a tiny run's start-up), and `run`'s summary and
+    report ("run") while the lanes work."""
+    if lane == "learn":
+        import duckdb  # noqa: F401
+        import transformers.models.auto.modeling_auto  # noqa: F401
 
-    for module in WARM_UP[lane]:
-        importlib.import_module(module)
+        import rlhf_batch.stages.train_step  # noqa: F401
+    elif lane == "run":
+        import duckdb  # noqa: F401, F811
+        import matplotlib.pyplot  # noqa: F401
 
 
 def await_policy(cfg: Config, it: int) -> None:

@@ -40,7 +40,7 @@ def run_pipeline(
     cfg = load_config(config_path, overrides)
     with RunLock(run_path(cfg.run_dir)), _env(LOCK_ENV, lock_id(cfg.run_dir)):
         staging.recover(cfg.run_dir)  # swaps of --force that a kill interrupted
-        if cfg.in_process:
+        if cfg.in_process and not cfg.max_staleness:  # overlapped: the lanes run the stages
             from rlhf_batch.runtime.device import setup_process
 
             setup_process(cfg.threads)

@@ -42,6 +42,10 @@ def start_policy(cfg: Config, iteration: int) -> str:
 def sampling_policy(cfg: Config, iteration: int) -> str:
     """The policy iteration `iteration`'s rollouts are sampled from (generate and its top-up
     rounds, import): the start policy of iteration max(K - max_staleness, 0)."""
+    if iteration < 0:
+        from rlhf_batch.errors import StageError
+
+        raise StageError(f"--iter must be >= 0, got {iteration}")
     return start_policy(cfg, sampling_start(iteration, cfg.max_staleness))
 
 
