@@ -53,23 +53,24 @@ def same_as(reference: str, run_dir: str) -> None:
 
 # where a kill lands: a part written but not renamed/uploaded, a part done, a manifest about to be
 # written, a policy saved but not uploaded, in every stage
-KILL_POINTS = [
-    "rollouts:part-1:tmp",
-    "rollouts:manifest",
-    "scores:part-0:done",
-    "scores:manifest",
-    "advantages:part-0:tmp",
-    "advantages:manifest:done",
-    "train:model-loaded",
-    "train:policy:tmp",
-    "train:manifest",
-]
+# two chains of kills, each in one run directory: every re-run takes over the killed holder's lock,
+# resumes, and is killed at the next point; then a re-run to the end
+KILL_CHAINS = {
+    "generate+score": ["rollouts:part-1:tmp", "rollouts:manifest", "scores:part-0:done", "scores:manifest"],
+    "advantage+train": [
+        "advantages:part-0:tmp",
+        "advantages:manifest:done",
+        "train:model-loaded",
+        "train:policy:tmp",
+        "train:manifest",
+    ],
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point", KILL_POINTS)
-def test_a_kill_on_s3_resumes_to_the_uninterrupted_run(
-    point: str, reference: str, s3_server, tiny_model: Path, demo_prompts: Path, tmp_path: Path, monkeypatch
+@pytest.mark.parametrize("chain", list(KILL_CHAINS))
+def test_kills_on_s3_resume_to_the_uninterrupted_run(
+    chain: str, reference: str, s3_server, tiny_model: Path, demo_prompts: Path, tmp_path: Path, monkeypatch
 ) -> None:
     for k, v in s3_server.env().items():  # this process reads the store too
         monkeypatch.setenv(k, v)
@@ -77,10 +78,11 @@ def test_a_kill_on_s3_resumes_to_the_uninterrupted_run(
     path = tmp_path / "c.toml"
     write_config(path, tiny_model, demo_prompts, run_dir=run_dir, **SETTINGS)
     env = {**os.environ, **s3_server.env(), "RLHF_BATCH_LOCK_STALE_S": "1"}
-    killed = rlhf("run", str(path), "--quiet", env={**env, "RLHF_BATCH_FAULT": point})
-    assert killed.returncode == -9, killed.stderr  # SIGKILL at the fault point
-    assert (run_path(run_dir) / layout.LOCK).exists()  # a killed holder leaves its lock
-    time.sleep(1.5)  # its heartbeat is older than RLHF_BATCH_LOCK_STALE_S
+    for point in KILL_CHAINS[chain]:
+        killed = rlhf("run", str(path), "--quiet", env={**env, "RLHF_BATCH_FAULT": point})
+        assert killed.returncode == -9, f"{point}: {killed.stderr}"  # SIGKILL at the fault point
+        assert (run_path(run_dir) / layout.LOCK).exists()  # a killed holder leaves its lock
+        time.sleep(1.5)  # its heartbeat is older than RLHF_BATCH_LOCK_STALE_S
     resumed = rlhf("run", str(path), "--quiet", env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert "took over the stale lock of pid" in resumed.stdout
