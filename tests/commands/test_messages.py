@@ -80,6 +80,8 @@ def test_ctrl_c_prints_one_line_and_a_resume_says_it_resumed(make_config) -> Non
             text=True,
             env=env,
             start_new_session=True,
+            # as from a terminal: a job started in the background (`cmd &`, nohup) ignores SIGINT
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         deadline = time.monotonic() + 300  # interrupted while it writes: after a part of its own
         while not (parts.is_dir() and len(layout.list_parts(parts)) > before) and time.monotonic() < deadline:
