@@ -258,13 +258,12 @@ def import_(
     quiet: QuietOpt = False,
 ) -> None:
     """Turn externally produced (prompt, response) rows into iter=K/rollouts with behaviour log-probs."""
+    from rlhf_batch.commands.lanes import use_side
     from rlhf_batch.stages.executor import execute
     from rlhf_batch.stages.importer import Import
     from rlhf_batch.store.lock import stage_lock
 
     overrides = [*(set_ or []), *([f"run_dir={run_dir}"] if run_dir is not None else [])]
-    from rlhf_batch.commands.lanes import use_side
-
     cfg = _config(config, overrides)
     use_side(cfg, "import")
     with stage_lock(cfg.run_dir):  # never under a running `run` or another command

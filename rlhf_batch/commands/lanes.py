@@ -84,13 +84,15 @@ def warm_up(lane: str) -> None:
     """The modules `lane`'s stages import, imported now: the learn lane's while it waits for score
     0 (generate 0 runs meanwhile; about 2 s of a tiny run's start-up), and `run`'s summary and
     report ("run") while the lanes work."""
+    if lane not in ("learn", "run"):
+        return
+    import duckdb  # noqa: F401  (advantage; the report's queries)
+
     if lane == "learn":
-        import duckdb  # noqa: F401
         import transformers.models.auto.modeling_auto  # noqa: F401
 
         import rlhf_batch.stages.train_step  # noqa: F401
-    elif lane == "run":
-        import duckdb  # noqa: F401, F811
+    else:
         import matplotlib.pyplot  # noqa: F401
 
 

@@ -18,8 +18,7 @@ def start_policy(cfg: Config, iteration: int) -> str:
     from rlhf_batch.store.manifests import manifest
     from rlhf_batch.store.modeldir import check_model_dir, removed_record
 
-    if iteration < 0:
-        raise StageError(f"--iter must be >= 0, got {iteration}")
+    _check_iteration(iteration)
     if iteration == 0:
         if cfg.lora.init_adapter:
             from rlhf_batch.models.lora import initial_policy
@@ -42,11 +41,15 @@ def start_policy(cfg: Config, iteration: int) -> str:
 def sampling_policy(cfg: Config, iteration: int) -> str:
     """The policy iteration `iteration`'s rollouts are sampled from (generate and its top-up
     rounds, import): the start policy of iteration max(K - max_staleness, 0)."""
-    if iteration < 0:
-        from rlhf_batch.errors import StageError
-
-        raise StageError(f"--iter must be >= 0, got {iteration}")
+    _check_iteration(iteration)
     return start_policy(cfg, sampling_start(iteration, cfg.max_staleness))
+
+
+def _check_iteration(iteration: int) -> None:
+    from rlhf_batch.errors import StageError
+
+    if iteration < 0:
+        raise StageError(f"--iter must be >= 0, got {iteration}")
 
 
 def sampled_by(cfg: Config, iteration: int) -> dict[str, Any]:

@@ -33,13 +33,13 @@ def print_status(run_dir: str | Path) -> None:
     finally:
         con.close()
     table = [("iter", "stage", "state", "rows", "startup_s", "work_s", "tok/s", "stale", "details"), *rows]
-    widths = [max(len(r[i]) for r in table) for i in range(8)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]  # details: not padded
     print(f"run: {root}")
     for r in table:
         cells = [
             c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))
         ]
-        print("  ".join([*cells, r[8]]).rstrip())
+        print("  ".join([*cells, r[-1]]).rstrip())
 
 
 def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
