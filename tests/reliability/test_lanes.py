@@ -127,3 +127,13 @@ def test_a_lane_is_not_started_by_hand(tmp_path: Path) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert res.returncode == 1, res.stderr
     assert "error: `lane` runs under `rlhf-batch run`" in res.stderr, res.stderr
+
+
+def test_an_unknown_lane_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(f'run_dir = "{tmp_path / "run"}"\nmax_staleness = 1\n')
+    res = subprocess.run(
+        [sys.executable, "-m", "rlhf_batch", "lane", "train", str(config)], capture_output=True, text=True
+    )
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.strip() == "error: lane must be one of sample, learn, got 'train'", res.stderr
