@@ -96,8 +96,16 @@ def work_loads(spec: dict[str, Any]) -> dict[str, Any]:
             d = Path(tmp) / "float32"
             resident.clear()
             out["state_before"] = _best(lambda: optim_state.load(d, names, by_name=False))
-            optim_state.keep_written(d, optim_state.save(d, state, names, {}))
-            out["state_after"] = _best(lambda: optim_state.load(d, names, by_name=False))
+
+            def kept() -> None:  # each load takes the kept state over: kept again before each
+                optim_state.keep_written(d, optim_state.save(d, state, names, {}))
+                t0 = time.perf_counter()
+                optim_state.load(d, names, by_name=False)
+                times.append(time.perf_counter() - t0)
+
+            times: list[float] = []
+            _best(kept)
+            out["state_after"] = min(times)
     out.update(_host_copies(model))
     return out
 

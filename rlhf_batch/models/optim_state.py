@@ -149,15 +149,15 @@ def load(out: Path, names: list[str], by_name: bool) -> dict[str, Any]:
 
 
 def _tensors(out: Path) -> dict[str, Any]:
-    """The tensors of `out`'s TENSORS file: copies of the ones this process kept in memory
-    (resident.py) while the files are those it wrote, else read from the file."""
+    """The tensors of `out`'s TENSORS file: the ones this process kept in memory (resident.py)
+    while the files are those it wrote, handed over, else read from the file."""
     from safetensors.torch import load_file
 
     from rlhf_batch.models import resident
 
-    kept = resident.state(out, TENSORS, META)
+    kept = resident.take_state(out, TENSORS, META)
     if kept is not None:
-        return {k: t.clone() for k, t in kept.items()}
+        return kept
     resident.DISK_READS["optimizer"] += 1
     return load_file(str(out / TENSORS))
 

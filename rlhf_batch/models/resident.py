@@ -16,7 +16,8 @@ mtime, so it is read again. Only local run directories are kept (an object store
 read through their local copy, keyed by ETag, store/fs.local_dir).
 
 At most MAX_MODELS model entries (least recently used dropped first: the reference and the
-latest two policies) and one optimizer state are kept; off unless `keep` switched it on, so a
+latest two policies; every load gets a copy) and one optimizer state (handed over to the one
+load that reads it: no copy) are kept; off unless `keep` switched it on, so a
 stage process (one stage, then exit) keeps nothing. `DISK_READS` counts the loads that read
 files, by kind ("model", "optimizer").
 """
@@ -179,15 +180,15 @@ def state_fingerprint(out: Path, tensors_file: str, meta_file: str) -> tuple[Any
     return (out / meta_file).read_text(), _stat(out / tensors_file)
 
 
-def state(out: Path, tensors_file: str, meta_file: str) -> dict[str, Any] | None:
-    """The tensors of the optimizer state in `out` kept in memory (by their names in the file; the
-    caller copies them), or None."""
+def take_state(out: Path, tensors_file: str, meta_file: str) -> dict[str, Any] | None:
+    """The tensors of the optimizer state in `out` kept in memory (by their names in the file),
+    handed over: no longer kept (the next iteration's optimizer updates them in place, and only it
+    reads this state; a second read goes to the file). None when not kept or the files changed."""
     key = _key(out) if enabled() else None
     if key is None or key not in _STATES:
         return None
-    fingerprint, tensors = _STATES[key]
+    fingerprint, tensors = _STATES.pop(key)
     if fingerprint != state_fingerprint(out, tensors_file, meta_file):
-        del _STATES[key]
         return None
     return tensors
 
