@@ -124,7 +124,7 @@ def _first_line(e: BaseException) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0]
 
 
-def load(out: Path, names: list[str], by_name: bool) -> dict[str, Any]:
+def load(out: Path, names: list[str], by_name: bool, device: Any = "cpu") -> dict[str, Any]:
     """The state dict saved in `out`, keyed by index into `names` (by_name False: for
     `Optimizer.load_state_dict`) or by name (for FSDP's `set_optimizer_state_dict`)."""
     meta = read_meta(out)
@@ -139,7 +139,7 @@ def load(out: Path, names: list[str], by_name: bool) -> dict[str, Any]:
         return name if by_name else index[name]
 
     state: dict[Any, dict[str, Any]] = {}
-    for full, tensor in _tensors(out).items():
+    for full, tensor in _tensors(out, device).items():
         name, _, k = full.rpartition("/")
         state.setdefault(key(name), {})[k] = tensor
     for name, vals in meta["values"].items():
@@ -148,7 +148,7 @@ def load(out: Path, names: list[str], by_name: bool) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def _tensors(out: Path) -> dict[str, Any]:
+def _tensors(out: Path, device: Any) -> dict[str, Any]:
     """The tensors of `out`'s TENSORS file: the ones this process kept in memory (resident.py)
     while the files are those it wrote, handed over, else read from the file."""
     from safetensors.torch import load_file
@@ -159,7 +159,7 @@ def _tensors(out: Path) -> dict[str, Any]:
     if kept is not None:
         return kept
     resident.DISK_READS["optimizer"] += 1
-    return load_file(str(out / TENSORS))
+    return load_file(str(out / TENSORS), device=str(device))  # straight to the parameters' device
 
 
 def keep_written(out: Path, tensors: dict[str, Any]) -> None:
@@ -180,7 +180,8 @@ def restore(out: Path, model: Any, optimizer: Any, sharded: bool) -> None:
         full = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, optimizer, load(out, names, by_name=True), options=full)
     else:
-        state = load(out, names, by_name=False)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        state = load(out, names, by_name=False, device=params[0].device if params else "cpu")
         _check_shapes(out, state, [p for g in optimizer.param_groups for p in g["params"]], names)
         optimizer.load_state_dict(state)
 
