@@ -199,6 +199,9 @@ class TrainConfig:
     # true: train starts AdamW and the schedule afresh instead of continuing the previous iteration's
     # optimizer state (which is an error to lose otherwise); recorded in the train manifest
     fresh_optimizer: bool = knob(False)
+    # the dtype of the AdamW moments in the state carried to the next iteration: "bfloat16" halves
+    # its bytes (written, read, kept in memory) and rounds the moments at every iteration boundary
+    optimizer_state_dtype: Literal["float32", "bfloat16"] = knob("float32", "train")
     max_grad_norm: float = knob(1.0, "train")
     tokens_per_step: int = knob(65536, "train")  # real tokens per optimizer step (global)
     sequences_per_step: int = knob(0, "train")  # rollouts per optimizer step (global); 0: tokens_per_step

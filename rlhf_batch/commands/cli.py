@@ -362,10 +362,16 @@ def init_model(
         str,
         typer.Option(help="A named shape (tiny, qwen2.5-0.5b): sets hidden, layers, heads, ... and vocab."),
     ] = "",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Dtype of the saved weights: float32 | bfloat16 | float16 (train saves in it too)."
+        ),
+    ] = "float32",
 ) -> None:
     """Build a tiny random-initialised model and a char-level tokenizer, offline."""
     from rlhf_batch.errors import ConfigError
-    from rlhf_batch.models.tiny import SHAPES
+    from rlhf_batch.models.tiny import DTYPES, SHAPES
     from rlhf_batch.models.tiny import init_model as build
 
     if shape and shape not in SHAPES:
@@ -376,8 +382,10 @@ def init_model(
         raise ConfigError(f"--arch: must be qwen2 or llama, got {arch!r}")
     if pad not in ("separate", "eos", "none"):
         raise ConfigError(f"--pad: must be separate, eos or none, got {pad!r}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype: must be one of {', '.join(DTYPES)}, got {dtype!r}")
     try:
-        path = build(out_dir, arch=arch, reward=reward, pad=pad, seed=seed, **sizes)  # type: ignore[arg-type]
+        path = build(out_dir, arch=arch, reward=reward, pad=pad, seed=seed, dtype=dtype, **sizes)  # type: ignore[arg-type]
     except ValueError as e:
         raise ConfigError(f"init-model: {e}") from None
     typer.echo(f"model: {path}")

@@ -59,8 +59,9 @@ def run_pipeline(
             run_overlapped(cfg, config_path, overrides, quiet)
         else:
             run_stage = _stage_runner(cfg, config_path, overrides, quiet)
-            for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
-                run_iteration(cfg, it, run_stage, quiet, settle_heap and cfg.in_process)
+            with _resident(cfg.in_process):  # the policy, reference and AdamW state stay in memory
+                for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
+                    run_iteration(cfg, it, run_stage, quiet, settle_heap and cfg.in_process)
     print_summary(cfg)
 
 
@@ -116,17 +117,27 @@ def run_lane(lane: str, config_path: Path, overrides: list[str], quiet: bool) ->
     SAY_PREFIX = f"[{lane}] "
     # stages of the other side (the learn lane's top-up rounds) run as processes with their side
     run_stage = _stage_runner(cfg, config_path, overrides, quiet, in_process=LANES[lane])
-    for it in range(cfg.iterations + 1):
-        for stage_class in pipeline():
-            if stage_class.name not in LANES[lane] or not stage_class.runs_at(cfg, it):
-                continue
-            stage = stage_class(cfg, it)
-            if stage.name == "generate":
-                await_policy(cfg, it)
-            if stage.name == "advantage":
-                await_folder(cfg, it, layout.SCORES)
-                top_up(stage, run_stage, quiet)
-            run_stage(stage)
+    with _resident(cfg.in_process):
+        for it in range(cfg.iterations + 1):
+            for stage_class in pipeline():
+                if stage_class.name not in LANES[lane] or not stage_class.runs_at(cfg, it):
+                    continue
+                stage = stage_class(cfg, it)
+                if stage.name == "generate":
+                    await_policy(cfg, it)
+                if stage.name == "advantage":
+                    await_folder(cfg, it, layout.SCORES)
+                    top_up(stage, run_stage, quiet)
+                run_stage(stage)
+
+
+def _resident(in_process: bool) -> contextlib.AbstractContextManager[None]:
+    """With `in_process`: models and the optimizer state this process writes or reads stay in
+    memory while the run goes on, and are copied from there instead of re-read while their files
+    are unchanged (models/resident.py); the files are still written and stay the interface."""
+    from rlhf_batch.models import resident
+
+    return resident.keep() if in_process else contextlib.nullcontext()
 
 
 def run_topup(config_path: Path, overrides: list[str], it: int, quiet: bool = False) -> None:

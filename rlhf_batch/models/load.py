@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rlhf_batch.errors import ModelError
+from rlhf_batch.models import resident
 from rlhf_batch.runtime.device import resolve_device, resolve_dtype
 from rlhf_batch.store.fs import local_dir, run_path
 from rlhf_batch.store.modeldir import check_model_dir, refuse_removed
-
-if TYPE_CHECKING:
-    pass
 
 
 def _needs_remote_code(p: Path) -> bool:
@@ -112,11 +110,13 @@ def load_model(
 
     torch_dtype = resolve_dtype(dtype, dev)
     try:
-        key = _template_key(p, kind, str(torch_dtype), dev, trust_remote_code)
+        # templates only in a process that loads models again and again (resident.keep)
+        key = _template_key(p, kind, str(torch_dtype), dev, trust_remote_code) if resident.enabled() else None
         if key in _TEMPLATES:
             model = _TEMPLATES[key].load(p, dev)  # its config attends as the first load's
             check_loaded(model, {}, p, what)
             return model
+        resident.DISK_READS["model"] += 1
         model, info = cls.from_pretrained(  # type: ignore[misc]  # a tuple with output_loading_info
             p,
             dtype=torch_dtype,
@@ -124,6 +124,8 @@ def load_model(
             trust_remote_code=trust_remote_code,
             local_files_only=True,
             output_loading_info=True,
+            # off the CPU: the files are read straight to the device (no CPU copy of the model)
+            **({"device_map": dev} if dev != "cpu" else {}),
         )
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         raise ModelError(f"{what}: cannot load {p} ({_first_line(e)})") from None
@@ -135,22 +137,24 @@ def load_model(
     model.to(dev)  # type: ignore[arg-type]  # transformers types .to() oddly
     model.eval()
     use_matmul_attention(model)
-    if key is not None and (template := _Template.of(model, p)) is not None:
+    if key is not None and (template := _Template.of(model, p, dev)) is not None:
         _TEMPLATES[key] = template
     return model
 
 
 # ---------------------------------------------------------------- models of a known shape
 #
-# A process that loads models of one config again and again (`run` in one process: each
-# iteration's policy in generate and in train) builds the model once. The first load goes
-# through `from_pretrained`; if every tensor it holds is exactly the file's (same name, the
-# file's values in the loaded dtype; the tensors the files lack are tied to ones they have),
-# it is kept as a template without weights (on the meta device). A later load of a directory
-# with the same config.json, generation_config.json and weight names, shapes and dtypes (its
-# safetensors headers) copies the template and takes the weights from that directory's files
-# (~2 ms instead of ~8 ms for the demo's model). Models over TEMPLATE_MAX_BYTES, models with
-# remote code and anything else load as before.
+# A process that loads models of one config again and again (`run` with `in_process`, a lane:
+# models/resident.keep) builds the model once. The first load goes through `from_pretrained`; if
+# every tensor it holds is exactly the file's (same name, the file's values in the loaded dtype;
+# the tensors the files lack are tied to ones they have), it is kept as a template without
+# weights (on the meta device). A later load of a directory with the same config.json,
+# generation_config.json and weight names, shapes and dtypes (its safetensors headers) copies
+# the template and takes the weights from that directory's files, or from memory when the
+# process holds them (models/resident.py): ~2 ms instead of ~8 ms for the demo's model. Making
+# a template reads the files a second time and compares them (1-2 s for a 162 MB model on a
+# loaded 2-core CPU): a stage process, which loads each model once, makes none. Models over
+# TEMPLATE_MAX_BYTES, models with remote code and anything else load as before.
 
 _TEMPLATES: dict[tuple[Any, ...], _Template] = {}
 # Above this, loading is the weights' I/O, which a template does not save, and making one (the
@@ -218,9 +222,10 @@ class _Template:
         self.module, self.dtypes, self.buffers = module, dtypes, buffers
 
     @classmethod
-    def of(cls, model: Any, p: Path) -> _Template | None:
-        """The template of `model` just loaded from `p`, or None when its tensors are not
-        exactly the files' (a renamed or converted weight, a weight the files lack untied)."""
+    def of(cls, model: Any, p: Path, device: str = "cpu") -> _Template | None:
+        """The template of `model` just loaded from `p` (to `device`), or None when its tensors
+        are not exactly the files' (a renamed or converted weight, a weight the files lack
+        untied). The files' tensors it read are kept (resident.py) on `device`."""
         import torch
 
         state = model.state_dict()  # [name -> tensor], tied weights under each name
@@ -242,13 +247,22 @@ class _Template:
         }
         module = copy.deepcopy(model, memo)
         buffers = {k: b.detach().clone() for k, b in model.named_buffers() if k not in state}  # not saved
+        resident.put_weights(p, {k: t.to(device) for k, t in files.items()})
         return cls(module, {k: state[k].dtype for k in files}, buffers)
 
     def load(self, p: Path, device: str) -> Any:
         """A copy of the template holding `p`'s weights (the key saw the same names, shapes and
-        dtypes in its files: only the tied tensors are missing until `tie_weights`)."""
+        dtypes in its files: only the tied tensors are missing until `tie_weights`), taken from
+        memory when the process keeps them (resident.py), else read from the files (and kept)."""
         model = copy.deepcopy(self.module)
-        weights = {k: t.to(self.dtypes[k]) for k, t in _read_weights(p, device).items()}
+        source = resident.weights(p)  # a copy of what this process keeps, or None
+        if source is None:
+            resident.DISK_READS["model"] += 1
+            source = _read_weights(p, device)
+            resident.put_weights(p, source)  # on the CPU a packed copy; on a device, kept: copied below
+            if device != "cpu":
+                source = {k: t.clone() for k, t in source.items()}
+        weights = {k: t.to(device=device, dtype=self.dtypes[k]) for k, t in source.items()}
         model.load_state_dict(weights, strict=False, assign=True)
         for name, b in self.buffers.items():
             owner, _, attr = name.rpartition(".")
@@ -275,9 +289,31 @@ def check_loaded(model: Any, info: dict[str, Any], p: Path, what: str) -> None:
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ModelError(f"{what}: {p} lacks the weight {missing[0]}{more}; the files are incomplete")
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise ModelError(f"{what}: {p} has non-finite values (NaN or inf) in {name}")
+    floats = [
+        (n, t)
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.is_floating_point() and t.numel()
+    ]
+    if not floats:
+        return
+    # the least and greatest value of each tensor: a NaN makes both NaN, an inf one of them (one
+    # pass over the weights, ~6x faster than isfinite(t).all()), then one host sync for the model
+    with torch.no_grad():
+        ends = torch.stack(
+            [torch.stack(torch.aminmax(t.detach())).float().to(floats[0][1].device) for _, t in floats]
+        )
+        finite = torch.isfinite(ends).all(dim=1)
+    if not bool(finite.all()):
+        name = floats[int((~finite).nonzero()[0, 0])][0]
+        raise ModelError(f"{what}: {p} has non-finite values (NaN or inf) in {name}")
+
+
+def keep_written(model: Any, p: Path) -> None:
+    """`model` was just saved to the model directory `p` (train's policy): when this process
+    keeps weights (resident.py), keep its tensors that the files hold (if they are what the
+    files' headers say), so that the next load of `p` copies them instead of reading the files."""
+    if resident.enabled():
+        resident.put_weights(p, model.state_dict())
 
 
 def vocab_signature(tok: Any) -> tuple[int, int]:

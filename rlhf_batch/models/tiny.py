@@ -20,6 +20,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 PadMode = Literal["separate", "eos", "none"]
+DTYPES = ("float32", "bfloat16", "float16")  # init-model --dtype
 # Named shapes for init-model --shape: the size options of init_model. qwen2.5-0.5b is the
 # architecture of Qwen/Qwen2.5-0.5B(-Instruct) (494M parameters, tied embeddings), random weights
 # and the char-level tokenizer padded to its vocabulary.
@@ -80,18 +81,25 @@ def init_model(
     pad: PadMode = "separate",
     seed: int = 0,
     max_positions: int = 2048,
+    dtype: str = "float32",
 ) -> Path:
-    """Build a random-initialised causal LM (or a 1-label reward model) and its tokenizer."""
+    """Build a random-initialised causal LM (or a 1-label reward model) and its tokenizer. The
+    weights are drawn in float32 and saved in `dtype` (float32, bfloat16 or float16: rounded
+    from the float32 draw), which config.json records; train saves its policies in it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a one-file model
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     tok = build_tokenizer(pad, vocab_size)
     cfg = model_config(tok, arch, hidden, layers, heads, kv_heads, intermediate, reward, max_positions)
     torch.manual_seed(seed)
     cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
     model = cls.from_config(cfg, dtype=torch.float32)
+    if dtype != "float32":
+        model = model.to(getattr(torch, dtype))
     out = Path(out_dir)
     if out.exists():  # the user's own directory: write into it
         model.save_pretrained(out, safe_serialization=True)

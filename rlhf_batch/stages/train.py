@@ -74,6 +74,8 @@ class Train(Stage):
             ident.pop("lora", None)
         if not self.cfg.train.sequences_per_step:  # likewise for steps cut by tokens
             ident["train"].pop("sequences_per_step", None)
+        if self.cfg.train.optimizer_state_dtype == "float32":  # likewise for the carried moments
+            ident["train"].pop("optimizer_state_dtype", None)
         ident["train"]["total_steps"] = train_schedule.identity(self.cfg, self.iteration, self.force)
         return ident
 
@@ -323,7 +325,8 @@ def _save(
     weights, optim = checkpoint.gather(trainer.model, trainer.optimizer) if trainer.sharded else (None, None)
     if trainer.rank == 0:
         state = trainer.optimizer.state_dict() if optim is None else optim
-        train_carry.save(sdir / layout.OPTIMIZER_DIR, state, trainer.model, optimizer_extra)
+        moments = cfg.train.optimizer_state_dtype
+        train_carry.save(sdir / layout.OPTIMIZER_DIR, state, trainer.model, optimizer_extra, moments)
         model = trainer.model if weights is None else _unsharded(cfg, start, weights)
         checkpointing = cfg.train.gradient_checkpointing and weights is None
         for name, p in model.named_parameters():  # never a complete stage with broken weights
@@ -481,16 +484,22 @@ def _unsharded(cfg: Config, start: str, weights: dict[str, Any]) -> Any:
 def _write_policy(model: Any, tok: Any, out: Path, dtype: Any, gradient_checkpointing: bool) -> None:
     """save_pretrained + tokenizer (a LoRA policy: its adapter, then the merged weights), written
     as one directory (atomic.write_dir_atomic)."""
+    from rlhf_batch.models.load import keep_written
+
     for stale in out.parent.glob(".policy.tmp-*"):  # a killed writer's
         shutil.rmtree(stale, ignore_errors=True)
     model.config.use_cache = True
     if gradient_checkpointing:
         _activation_checkpointing(model, False)
 
+    saved: list[Any] = []
+
     def write(tmp: Path) -> None:
         merged = lora.save_adapter(model, tmp)
         merged.eval().to(dtype).save_pretrained(tmp)
         tok.save_pretrained(tmp)
         write_weights_digest(tmp)  # the policy's fingerprint (store/modeldir.model_fingerprint)
+        saved[:] = [merged]
 
     atomic.write_dir_atomic(out, write, fault="train:policy")
+    keep_written(saved[0], out)  # a process running the next stages copies it instead of reading it

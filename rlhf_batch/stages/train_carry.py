@@ -101,7 +101,19 @@ def restore(trainer: Any, path: Path, weight_decay: float) -> None:
         group["weight_decay"] = weight_decay
 
 
-def save(root: Path, state_dict: dict[str, Any], model: Any, extra: dict[str, Any]) -> None:
-    """Rank 0: the end-of-iteration state, written atomically to `root`."""
+def save(
+    root: Path, state_dict: dict[str, Any], model: Any, extra: dict[str, Any], moments_dtype: str = "float32"
+) -> None:
+    """Rank 0: the end-of-iteration state, written atomically to `root`, its moments in
+    `moments_dtype` (train.optimizer_state_dtype); kept in memory for the next iteration when
+    this process keeps it (models/resident.py)."""
+    import torch
+
     names = optim_state.param_names(model)
-    atomic.write_dir_atomic(root, lambda tmp: optim_state.save(tmp, state_dict, names, extra))
+    dtype = None if moments_dtype == "float32" else getattr(torch, moments_dtype)
+    extra = {**extra, "moments_dtype": moments_dtype} if dtype is not None else extra
+    written: list[dict[str, Any]] = []
+    atomic.write_dir_atomic(
+        root, lambda tmp: written.append(optim_state.save(tmp, state_dict, names, extra, dtype))
+    )
+    optim_state.keep_written(root, written[-1])

@@ -37,6 +37,14 @@ ROWS = {  # benchmark script -> the rows it must append
         "train LoRA tokens/s",
         "train LoRA trainable parameters",
     ],
+    "bench_fixed_costs.py": [
+        "stage-process model load",
+        "in-process reload",
+        "in-process optimizer reload",
+        "optimizer state save",
+        "demo in-process",
+        "demo bytes written per iteration",
+    ],
     # TRL's side runs only where .venv-trl exists (make trl); make test does not install it
     "bench_learning.py": ["learning: mean score by iteration", "learning: best score", "learning: wall time"],
     "bench_staleness.py": [

@@ -40,11 +40,14 @@ def test_a_model_loads_in_the_dtype_asked_for(tiny_model: Path) -> None:
 
 @pytest.fixture
 def no_templates() -> Any:
-    """No template of an earlier test's model: each test sees which loads make one."""
+    """No template of an earlier test's model: each test sees which loads make one, in a process
+    that keeps models (the only one that makes templates)."""
     from rlhf_batch.models import load as models
+    from rlhf_batch.models import resident
 
     models._TEMPLATES.clear()
-    yield
+    with resident.keep():
+        yield
     models._TEMPLATES.clear()
 
 
@@ -226,3 +229,22 @@ def test_own_memory_moves_parameters_out_of_the_checkpoint_files_mapping(tiny_mo
     assert not any(_in_mapping_of(p, file) for p in params)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # same values
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # still tied
+
+
+def test_a_process_that_keeps_no_models_makes_no_template(tmp_path: Path) -> None:
+    """A stage process loads each model once: the template (a second read of the files and a
+    comparison of every tensor) would be pure cost there."""
+    from rlhf_batch.models import load as models
+    from rlhf_batch.models import resident
+    from rlhf_batch.models.tiny import init_model
+
+    models._TEMPLATES.clear()
+    a = init_model(tmp_path / "a", seed=1)
+    reads = resident.DISK_READS["model"]
+    models.load_model(str(a), "m", dtype="float32")
+    models.load_model(str(a), "m", dtype="float32")
+    assert models._TEMPLATES == {} and resident.DISK_READS["model"] == reads + 2
+    with resident.keep():  # as `run` with in_process
+        models.load_model(str(a), "m", dtype="float32")
+        assert len(models._TEMPLATES) == 1
+    models._TEMPLATES.clear()
