@@ -192,7 +192,9 @@ def head_ops(stage: str, tokens: int, entropy: bool = False, before: bool = Fals
     dev, bf16 = "meta", torch.bfloat16
     train = stage == "train"
     hidden = torch.empty(tokens, HIDDEN, device=dev, dtype=bf16, requires_grad=train)
-    weight = torch.empty(VOCAB, HIDDEN, device=dev, dtype=torch.float32 if train else bf16, requires_grad=train)
+    weight = torch.empty(
+        VOCAB, HIDDEN, device=dev, dtype=torch.float32 if train else bf16, requires_grad=train
+    )
     targets = torch.zeros(tokens, dtype=torch.long, device=dev)
     with _passes_of_before() if before else contextlib.nullcontext():
         chunk = 512 if before else default_chunk_size(VOCAB, True, dev)
