@@ -21,7 +21,9 @@ model while it decodes. Per call it takes one of two routes:
   masks.
 
 `prefix_attention`, the other attention function here, is score's for responses run after
-their shared prompts (`forward.shared_prefix_logprobs`): each prompt's keys held once.
+their shared prompts (`forward.shared_prefix_logprobs`): each prompt's keys held once. It merges
+two attentions by their log-sum-exp (`attend_with_lse`), which a fused kernel returns: torch's
+CPU flash kernel, on CUDA the flash or memory-efficient one (`lse_kernel`).
 
 On a CPU with bf16 units (AMD EPYC, AVX512-BF16), a bf16 causal forward + backward of [14, 8,
 286, 64] takes ~65 ms this way against ~100 ms in SDPA's flash kernel on one thread (43-49

@@ -8,8 +8,11 @@ back-propagates `world * loss`. Gradients are synchronised only on the last micr
 
 Metrics per step: the loss terms are summed over micro-batches and ranks (they already carry
 the global normaliser); clip_fraction, kl_approx, kl_to_ref, entropy and ratio_mean are
-token-weighted means, i.e. the masked means over all the step's real tokens; ess is computed
-once over all the step's sequences (from their log importance weights, on every rank).
+token-weighted means, i.e. the masked means over all the step's real tokens (the entropy, when
+`entropy_coef` is 0 and it is only a metric: over the step's first micro-batch, the only one that
+computes it); ess is computed once over all the step's sequences (from their log importance
+weights, on every rank). A micro-batch reads nothing back from the device: the metrics are summed
+there and read once a step.
 """
 
 from __future__ import annotations
