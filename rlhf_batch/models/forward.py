@@ -315,9 +315,13 @@ def batched_logprobs(
                     pad_id=pad_id,
                     max_tokens=max_tokens,
                 )
-                for i, lp in zip(rows, lps, strict=True):
-                    if len(response_ids[i]):
-                        out[i] = lp.cpu().numpy()
+                kept = [k for k, i in enumerate(rows) if len(response_ids[i])]
+                if kept:  # one copy to the host for the chunk (a device waits once, not per row)
+                    flat = torch.cat([lps[k] for k in kept]).cpu().numpy()
+                    for k, piece in zip(
+                        kept, np.split(flat, np.cumsum([len(lps[k]) for k in kept])[:-1]), strict=True
+                    ):
+                        out[rows[k]] = piece
                 if progress is not None:
                     progress(sum(lengths[i] for i in rows))
             return out

@@ -82,7 +82,7 @@ class StepMetrics:
         logp: torch.Tensor,
         old: torch.Tensor,
         weight: float,
-        entropy: bool,
+        entropy: bool = True,
     ) -> None:
         """One micro-batch's metrics, on the device (read once a step, by `reduce`); `entropy`:
         whether its entropy was computed (its tokens count towards the entropy's mean)."""
