@@ -12,7 +12,7 @@ RUN_DIR ?= runs/demo
 WHEELS ?= wheels
 GPU_PYTHON_VERSION ?= 3.11
 
-.PHONY: setup airflow trackio vllm trl s3 test test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check clean
+.PHONY: setup airflow trackio vllm trl s3 test test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check gpu-bench clean
 
 setup: $(VENV)/.installed
 
@@ -109,6 +109,11 @@ wheels: setup
 
 gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py --wheels $(WHEELS) --out gpu_check
+
+# On the same GPU machine: score and train at the Qwen2.5-0.5B shape (128 prompts x 8 x 1024 new
+# tokens) beside a TRL-style anchor, fixed costs apart (benchmarks/gpu_bench.py; at most ~8 min)
+gpu-bench:
+	$(PYTHON) benchmarks/gpu_bench.py --wheels $(WHEELS) --out gpu_bench
 
 clean:
 	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) $(TRL_VENV) $(S3_VENV) .venv-gpu runs .pytest_cache

@@ -58,8 +58,9 @@ def _run(cmd: list[str], what: str, env: dict[str, str] | None = None, timeout: 
     return p.stdout
 
 
-def install(args: argparse.Namespace) -> int:
-    """Install the project from --wheels into --venv (offline), then run the check there."""
+def install(args: argparse.Namespace, script: str = __file__) -> int:
+    """Install the project from --wheels into --venv (offline), then run `script` (this check, or
+    another benchmark sharing these arguments: gpu_bench.py) there with --no-install."""
     venv, wheels = Path(args.venv), str(args.wheels)
     py = str(venv / "bin" / "python")
     if not Path(py).exists():
@@ -71,7 +72,7 @@ def install(args: argparse.Namespace) -> int:
     _run([*pip, str(wheel[-1])], f"pip install from {wheels} (offline)")
     _run([*pip, "--no-deps", "--force-reinstall", str(wheel[-1])], "pip install of the project's wheel")
     rest = [a for a in sys.argv[1:] if a not in ("--wheels", wheels)]
-    return subprocess.run([py, __file__, "--no-install", *rest]).returncode
+    return subprocess.run([py, script, "--no-install", *rest]).returncode
 
 
 def make_venv(venv: Path) -> None:

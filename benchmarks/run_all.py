@@ -24,6 +24,7 @@ BENCHMARKS = (
     "bench_generate.py",
     "bench_advantage.py",
     "bench_train.py",
+    "bench_proxies.py",
 )
 
 

@@ -173,7 +173,7 @@ class _LinearLogprobs(torch.autograd.Function):
         lp = hidden.new_empty(n, dtype=torch.float32)  # [N]
         lse = torch.empty_like(lp)  # [N] log sum_j exp(x_j)
         ent = torch.empty_like(lp) if with_entropy else lp.new_zeros(0)  # [N] or [0]
-        rows = pass_rows(w.shape[0])
+        rows = pass_rows(w.shape[0], hidden.device.type)
         buf = _Buffers(min(chunk, n), w, rows)
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
@@ -201,9 +201,11 @@ class _LinearLogprobs(torch.autograd.Function):
         acc = torch.promote_types(ctx.weight_dtype, torch.float32)  # the weight gradient's sum
         grad_h = torch.empty_like(hidden) if need_h else None  # [N, H]
         grad_w = grad_b = part = None
-        rows = max(1, min(n, ctx.block_bytes // max(1, v * w.element_size())))  # rows of a block
+        dev = hidden.device.type
+        block_bytes = ctx.block_bytes if dev == "cpu" else max(ctx.block_bytes, 2 * DEVICE_PASS_BYTES)
+        rows = max(1, min(n, block_bytes // max(1, v * w.element_size())))  # rows of a block
         chunk = min(chunk, rows)  # the logits recomputed at once: within a block
-        passes = pass_rows(v)
+        passes = pass_rows(v, dev)
         buf = _Buffers(chunk, w, passes)
         for b0 in range(0, n, rows):
             b1 = min(n, b0 + rows)
@@ -255,12 +257,22 @@ class _LinearLogprobs(torch.autograd.Function):
 # 65-row chunks, 222 -> 205 at 256). A small vocabulary takes more rows per pass, up to
 # PASS_ELEMENTS logits: passes of 16 rows of the demo's 105 cost their calls (a train step's
 # forward 6.3 -> 5.4 ms with whole-chunk passes).
+#
+# On an accelerator (any device but a CPU) a pass is one kernel launch per op however many rows
+# it covers, and a [16, V] pass leaves most of its cores idle: there a pass holds as many rows as
+# fit `DEVICE_PASS_BYTES` of float32 logits (441 rows of a 151,936 vocabulary) and a backward
+# block's logit gradients twice that many bytes in the head's dtype (bf16: 1766 rows, four
+# passes). At 151,936 in bf16 that holds ~1.5 GB at once in backward, ~0.8 GB in forward.
 PASS_ROWS = 16
 PASS_ELEMENTS = 1 << 19  # 16 rows of a 32k vocabulary
+DEVICE_PASS_BYTES = 256 << 20
 
 
-def pass_rows(vocab: int) -> int:
-    """Rows per float32 pass of `_LinearLogprobs` for a head of `vocab` outputs."""
+def pass_rows(vocab: int, device_type: str = "cpu") -> int:
+    """Rows per float32 pass of `_LinearLogprobs` for a head of `vocab` outputs on a device of
+    type `device_type` ("cpu": the cache-sized passes above; else sized by DEVICE_PASS_BYTES)."""
+    if device_type != "cpu":
+        return max(PASS_ROWS, DEVICE_PASS_BYTES // (4 * max(1, vocab)))
     return max(PASS_ROWS, PASS_ELEMENTS // max(1, vocab))
 
 

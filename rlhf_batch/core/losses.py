@@ -114,7 +114,10 @@ def _validate(
         raise ValueError(f"eps_low/eps_high must be >= 0, got {eps_low}, {eps_high}")
     if dual_clip is not None and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    if denominator is not None and not bool(torch.as_tensor(denominator) > 0):
+    # a number is checked on the host; a tensor (on a device: a host sync) only when one is passed
+    if denominator is not None and not (
+        bool(denominator > 0) if isinstance(denominator, torch.Tensor) else denominator > 0
+    ):
         raise ValueError(f"denominator must be > 0, got {denominator}")
 
 

@@ -21,7 +21,9 @@ model while it decodes. Per call it takes one of two routes:
   masks.
 
 `prefix_attention`, the other attention function here, is score's for responses run after
-their shared prompts (`forward.shared_prefix_logprobs`): each prompt's keys held once.
+their shared prompts (`forward.shared_prefix_logprobs`): each prompt's keys held once. It merges
+two attentions by their log-sum-exp (`attend_with_lse`), which a fused kernel returns: torch's
+CPU flash kernel, on CUDA the flash or memory-efficient one (`lse_kernel`).
 
 On a CPU with bf16 units (AMD EPYC, AVX512-BF16), a bf16 causal forward + backward of [14, 8,
 286, 64] takes ~65 ms this way against ~100 ms in SDPA's flash kernel on one thread (43-49
@@ -269,14 +271,16 @@ def attend_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of query [b, H, q, D] over key / value [b, KV, L, D] (H a multiple of
     KV; causal: query i sees keys 0..i) -> (out [b, H, q, D] in the query's dtype, the log of each
-    query's softmax normaliser [b, H, q] float32). `fused` (default: on a CPU): torch's CPU
-    flash-attention kernel, which returns both; else float32 matmuls over slices of the queries
-    whose scores stay within `MAX_SCORES` elements."""
-    if query.device.type == "cpu" if fused is None else fused:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, scale=scale
+    query's softmax normaliser [b, H, q] float32). `fused` None: the kernel `lse_kernel` picks
+    for the device; True: that device's fused kernel; False: float32 matmuls over slices of the
+    queries whose scores stay within `MAX_SCORES` elements (any device)."""
+    kernel = lse_kernel(query, key, causal) if fused is not False else "matmul"
+    if kernel == "matmul" and fused:
+        raise ValueError(
+            f"no fused attention kernel returns the log-sum-exp here: {query.device}, {query.dtype}"
         )
-        return out, lse
+    if kernel != "matmul":
+        return fused_attention_lse(kernel, query, key, value, causal, scale)
     b, h, q, _ = query.shape
     length = key.shape[2]
     g = h // key.shape[1]
@@ -293,6 +297,57 @@ def attend_with_lse(
         outs.append(((scores - lse[..., None]).exp() @ v).to(query.dtype))
         lses.append(lse)
     return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+def lse_kernel(query: torch.Tensor, key: torch.Tensor, causal: bool, capability: int | None = None) -> str:
+    """The kernel `attend_with_lse` runs: "cpu_flash" (torch's CPU flash kernel, any dtype), on
+    CUDA "flash" (bf16 / fp16, head dim a multiple of 8 up to 256, compute capability >= 8:
+    `capability`, the major version, read from the device when None) or "efficient" (the
+    memory-efficient kernel: float32 too, head dim a multiple of 8 up to 128), else "matmul". Each
+    fused one reads only the blocks at or below the diagonal of a causal square and returns
+    the log-sum-exp; a causal call whose queries are not its keys (q != L) takes the matmuls
+    on CUDA (the kernels' causal mask is aligned top-left there)."""
+    dev, d = query.device.type, query.shape[-1]
+    if dev == "cpu":
+        return "cpu_flash"
+    if dev not in ("cuda", "meta") or (causal and query.shape[2] != key.shape[2]) or d % 8:
+        return "matmul"
+    if capability is None:
+        capability = torch.cuda.get_device_capability(query.device)[0] if dev == "cuda" else 8
+    if query.dtype in (torch.bfloat16, torch.float16) and d <= 256 and capability >= 8:
+        return "flash"
+    if query.dtype in (torch.bfloat16, torch.float16, torch.float32) and d <= 128:
+        return "efficient"
+    return "matmul"
+
+
+def fused_attention_lse(
+    kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_with_lse` through one fused aten kernel (`lse_kernel`) -> (out [b, H, q, D],
+    lse [b, H, q] float32). The CUDA kernels take as many key heads as query heads (keys and
+    values are repeated per group, [b, H, L, D]); the memory-efficient one pads its
+    log-sum-exp to a multiple of 32 queries, cut here. (The CUDA ops also run on the meta
+    device, which checks shapes without a GPU.)"""
+    if kernel == "cpu_flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale
+        )
+        return out, lse
+    g = query.shape[1] // key.shape[1]
+    if g > 1:
+        key, value = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)  # [b, H, L, D]
+    if kernel == "flash":
+        res = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, 0.0, causal, False, scale=scale
+        )
+    elif kernel == "efficient":
+        res = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, True, 0.0, causal, scale=scale
+        )
+    else:
+        raise ValueError(f"unknown attention kernel {kernel!r}")
+    return res[0], res[1][..., : query.shape[2]].float()
 
 
 def merge_attention_(

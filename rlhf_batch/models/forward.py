@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from rlhf_batch.core.batching import token_budget_batches
-from rlhf_batch.core.logprobs import chunked_logprobs, plain_linear
+from rlhf_batch.core.logprobs import chunked_logprobs, pass_rows, plain_linear
 from rlhf_batch.models.attention import PromptPrefix, prefix_attention_for
 
 # Config keys of models whose logits are not plain `lm_head(hidden)` (Gemma 2/3, Cohere, Granite).
@@ -55,10 +55,53 @@ def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[
     return torch.from_numpy(ids).to(device), torch.from_numpy(real.astype(np.int64)).to(device)
 
 
-def response_mask(seq_lens: torch.Tensor, prompt_lens: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, width] bool: True at positions t whose next token (t + 1) is a response token."""
-    pos = torch.arange(width, device=seq_lens.device)[None, :]  # [1, W]
-    return (pos >= prompt_lens[:, None] - 1) & (pos < seq_lens[:, None] - 1)  # [B, W]
+def response_positions(
+    seq_lens: np.ndarray, prompt_lens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host-side indices of right-padded rows (seq_lens [B], prompt_lens [B] >= 1) -> (select
+    [N]: flat positions into [B, L] (L = longest row) of the hidden states that predict response
+    tokens, row k's j-th at k L + prompt_k - 1 + j; place [N]: their flat positions into [B, T]
+    (T = longest response), k T + j; mask [B, T] bool), N = the response tokens, row by row."""
+    seq, plen = np.asarray(seq_lens, np.int64), np.asarray(prompt_lens, np.int64)  # [B]
+    resp = seq - plen  # [B]
+    width, length = int(resp.max(initial=0)), int(seq.max(initial=0))
+    rows = np.repeat(np.arange(len(seq)), resp)  # [N]
+    j = np.arange(len(rows)) - np.repeat(np.cumsum(resp) - resp, resp)  # [N] position in its response
+    mask = np.arange(width)[None, :] < resp[:, None]  # [B, T]
+    return rows * length + plen[rows] - 1 + j, rows * width + j, mask
+
+
+def padded_logprobs(
+    model: Any,
+    ids: torch.Tensor,
+    select: torch.Tensor,
+    place: torch.Tensor,
+    width: int,
+    temperature: float = 1.0,
+    *,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`response_logprobs` on the device side: right-padded ids [B, L] and `select`, `place` [N]
+    (`response_positions`, on the model's device) -> logp [B, width] float32 (0 past each row's
+    response) and, if asked, entropy [B, width]. No host sync: every shape is known already."""
+    # No attention mask: rows are right-padded, so under causal attention no real position sees a
+    # pad (pads come after it), and the attention kernel runs its causal form, skipping the
+    # blocks above the diagonal, instead of reading a [B, 1, L, L] mask. Pad positions' outputs
+    # are never used.
+    b = ids.shape[0]
+    out = model.get_decoder()(input_ids=ids)
+    hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1]).index_select(
+        0, select
+    )  # [N, H]
+    targets = ids.reshape(-1).index_select(0, select + 1)  # [N]: the token after each position
+    head = output_head(model)
+    vocab = int(model.config.get_text_config().vocab_size)
+    chunk = chunk_size or default_chunk_size(vocab, plain_linear(head), ids.device.type)
+    lp, ent = chunked_logprobs(hidden, head, targets, temperature, chunk, with_entropy)  # [N]
+    logp = lp.new_zeros(b * width).index_copy(0, place, lp).view(b, width)  # [B, T]
+    entropy = lp.new_zeros(b * width).index_copy(0, place, ent).view(b, width) if ent is not None else None
+    return logp, entropy
 
 
 def response_logprobs(
@@ -78,28 +121,16 @@ def response_logprobs(
     (LM-head rows at a time) defaults to `default_chunk_size(vocab)`.
     """
     device = next(model.parameters()).device
-    ids, _ = pad_right(seqs, pad_id, device)  # [B, L]
-    seq_lens = torch.as_tensor([len(s) for s in seqs], device=device)  # [B]
-    p_lens = torch.as_tensor(list(prompt_lens), device=device)  # [B]
-    if bool((p_lens < 1).any()):
+    p_lens = np.asarray(list(prompt_lens), np.int64)  # [B]
+    if (p_lens < 1).any():
         raise ValueError("every sequence needs at least one prompt token")
-    sel = response_mask(seq_lens, p_lens, ids.shape[1] - 1)  # [B, L-1]
-    targets = ids[:, 1:][sel]  # [N]
-    # No attention mask: rows are right-padded, so under causal attention no real position sees a
-    # pad (pads come after it), and the attention kernel runs its causal form, skipping the
-    # blocks above the diagonal, instead of reading a [B, 1, L, L] mask. Pad positions' outputs
-    # are never used.
-    out = model.get_decoder()(input_ids=ids)
-    hidden, head = out.last_hidden_state[:, :-1][sel], output_head(model)  # [N, H]
-    vocab = int(model.config.get_text_config().vocab_size)
-    chunk = chunk_size or default_chunk_size(vocab, linear=plain_linear(head))
-    lp, ent = chunked_logprobs(hidden, head, targets, temperature, chunk, with_entropy)  # [N]
-    r_lens = seq_lens - p_lens  # [B]
-    width = int(r_lens.max()) if len(seqs) else 0
-    mask = torch.arange(width, device=device)[None, :] < r_lens[:, None]  # [B, T]
-    logp = lp.new_zeros(mask.shape).masked_scatter(mask, lp)  # [B, T]
-    entropy = lp.new_zeros(mask.shape).masked_scatter(mask, ent) if ent is not None else None
-    return logp, mask, entropy
+    ids, _ = pad_right(seqs, pad_id, device)  # [B, L]
+    select, place, mask = response_positions(np.fromiter(map(len, seqs), np.int64, len(seqs)), p_lens)
+    sel, put = (torch.from_numpy(x).to(device) for x in (select, place))  # [N] each
+    logp, entropy = padded_logprobs(
+        model, ids, sel, put, mask.shape[1], temperature, chunk_size=chunk_size, with_entropy=with_entropy
+    )
+    return logp, torch.from_numpy(mask).to(device), entropy
 
 
 # ---------------------------------------------------------------- shared prompts
@@ -121,7 +152,7 @@ def can_share_prefix(model: Any) -> bool:
     )
 
 
-def default_chunk_size(vocab_size: int, linear: bool = True) -> int:
+def default_chunk_size(vocab_size: int, linear: bool = True, device_type: str = "cpu") -> int:
     """LM-head rows per chunk. A plain linear head (`linear`, `core.logprobs.linear_logprobs`):
     512, enough for its matmul to run near the peak (its float32 passes run over a few rows at a
     time whatever the chunk: core.logprobs.pass_rows), or up to 4096 where 2^21 logits hold more
@@ -130,7 +161,13 @@ def default_chunk_size(vocab_size: int, linear: bool = True) -> int:
     against 225 at 65; vocab 151936 x 896, 266 against 504 at 55 rows / 1332 against 2963 at 32.
     Its logits take [512, V] in the head's dtype (33 MB at vocab 32000 in bf16, 156 MB at 151936).
     Any other head (a logit transform, LoRA, a quantized layer) runs its float32 passes over the
-    whole chunk: 2^21 logits (8 MB in float32), at least 32 rows and at most 4096."""
+    whole chunk: 2^21 logits (8 MB in float32), at least 32 rows and at most 4096.
+
+    On an accelerator (`device_type` not "cpu") a plain linear head's chunk is one float32 pass
+    (`pass_rows`, sized by a byte budget: 441 rows at vocab 151,936), between 256 and 65536 rows:
+    each op of a pass is one kernel launch over all its rows."""
+    if linear and device_type != "cpu":
+        return max(256, min(65536, pass_rows(vocab_size, device_type)))
     if linear:
         return min(4096, max(512, (1 << 21) // max(1, vocab_size)))
     return max(32, min(4096, (1 << 21) // max(1, vocab_size)))
@@ -158,7 +195,7 @@ def shared_prefix_logprobs(
     """
     device = next(model.parameters()).device
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    chunk = default_chunk_size(head.weight.shape[0], linear=plain_linear(head))
+    chunk = default_chunk_size(head.weight.shape[0], plain_linear(head), device.type)
     keys, values, last = _prefill(
         decoder, prompts, pad_id, max_tokens, device
     )  # [layers][n][kvh, P, d], [n, H]
@@ -278,9 +315,13 @@ def batched_logprobs(
                     pad_id=pad_id,
                     max_tokens=max_tokens,
                 )
-                for i, lp in zip(rows, lps, strict=True):
-                    if len(response_ids[i]):
-                        out[i] = lp.cpu().numpy()
+                kept = [k for k, i in enumerate(rows) if len(response_ids[i])]
+                if kept:  # one copy to the host for the chunk (a device waits once, not per row)
+                    flat = torch.cat([lps[k] for k in kept]).cpu().numpy()
+                    for k, piece in zip(
+                        kept, np.split(flat, np.cumsum([len(lps[k]) for k in kept])[:-1]), strict=True
+                    ):
+                        out[rows[k]] = piece
                 if progress is not None:
                     progress(sum(lengths[i] for i in rows))
             return out

@@ -248,9 +248,14 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 
 
 def micro_batch(s: TrainRows, rows: Sequence[int], device: Any) -> Any:
-    """Rows -> TensorDict [B] of right-padded input_ids [B, L], old/ref log-probs [B, T], ..."""
+    """Rows -> TensorDict of right-padded input_ids [B, L], old/ref log-probs [B, T], ... and the
+    LM head's positions (`forward.response_positions`: `select`, `place` [N]), all made on the
+    host from the lengths it knows, then copied to `device` in one go: on CUDA from pinned memory
+    without waiting (nothing in a micro-batch reads a device value back to the host)."""
     import torch
     from tensordict import TensorDict
+
+    from rlhf_batch.models.forward import response_positions
 
     rows = list(rows)
     seq, resp = s.seq_lens[rows], s.resp_lens[rows]  # [B], [B]
@@ -262,7 +267,7 @@ def micro_batch(s: TrainRows, rows: Sequence[int], device: Any) -> Any:
         old[k, : resp[k]] = s.old[s.resp_off[i] : s.resp_off[i + 1]]
         if s.ref is not None:
             ref[k, : resp[k]] = s.ref[s.resp_off[i] : s.resp_off[i + 1]]
-    mask = np.arange(t)[None, :] < resp[:, None]  # [B, T]
+    select, place, mask = response_positions(seq, s.prompt_lens[rows])  # [N], [N], [B, T]
     extra = {}
     if s.behavior is not None:  # truncated importance sampling: the engine's log-probs too
         beh = np.zeros((b, t), np.float32)  # [B, T]
@@ -278,14 +283,19 @@ def micro_batch(s: TrainRows, rows: Sequence[int], device: Any) -> Any:
         **({} if s.ref is None else {"ref_logprobs": ref}),
         "advantages": s.adv[rows],
         "mask": mask,
+        "select": select,
+        "place": place,
     }
     return TensorDict(
-        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in data.items()}, batch_size=[b]
-    ).to(device)
+        _to_device({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in data.items()}, device)
+    )
 
 
-def sequences(td: Any) -> tuple[list[list[int]], list[int]]:
-    """A micro-batch TensorDict -> (token lists, prompt lengths) for forward.response_logprobs."""
-    lens = td["seq_lens"].tolist()
-    seqs = [row[:n] for row, n in zip(td["input_ids"].tolist(), lens, strict=True)]
-    return seqs, td["prompt_lens"].tolist()
+def _to_device(tensors: dict[str, Any], device: Any) -> dict[str, Any]:
+    """Host tensors -> the same on `device`; to CUDA through pinned memory, asynchronously (the
+    copies are ordered on the stream before any kernel that reads them)."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return {k: v.to(device) for k, v in tensors.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in tensors.items()}

@@ -8,8 +8,11 @@ back-propagates `world * loss`. Gradients are synchronised only on the last micr
 
 Metrics per step: the loss terms are summed over micro-batches and ranks (they already carry
 the global normaliser); clip_fraction, kl_approx, kl_to_ref, entropy and ratio_mean are
-token-weighted means, i.e. the masked means over all the step's real tokens; ess is computed
-once over all the step's sequences (from their log importance weights, on every rank).
+token-weighted means, i.e. the masked means over all the step's real tokens (the entropy, when
+`entropy_coef` is 0 and it is only a metric: over the step's first micro-batch, the only one that
+computes it); ess is computed once over all the step's sequences (from their log importance
+weights, on every rank). A micro-batch reads nothing back from the device: the metrics are summed
+there and read once a step.
 """
 
 from __future__ import annotations
@@ -20,31 +23,38 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlhf_batch.config import TrainConfig
 from rlhf_batch.core.losses import grpo_loss
 from rlhf_batch.errors import StageError
-from rlhf_batch.models.forward import response_logprobs
-from rlhf_batch.stages.train_data import Step, TrainRows, lr_factor, micro_batch, sequences
+from rlhf_batch.models.forward import padded_logprobs
+from rlhf_batch.stages.train_data import Step, TrainRows, lr_factor, micro_batch
 
 LOSSES = ("loss", "loss_objective", "loss_kl_to_ref", "loss_kl_to_inference", "loss_entropy")
 TOKEN_MEANS = ("clip_fraction", "kl_approx", "kl_to_ref", "entropy", "ratio_mean")
 
 
 class LogProbs(torch.nn.Module):
-    """The policy as DDP sees it: (token lists, prompt lengths) -> (logp, mask, entropy) [B, T]."""
+    """The policy as DDP sees it: (ids [B, L], select [N], place [N], mask [B, T]) -> (logp,
+    entropy or None) [B, T] (`forward.padded_logprobs`)."""
 
     def __init__(self, model: Any, temperature: float, pad_id: int):
         super().__init__()
         self.model, self.temperature, self.pad_id = model, temperature, pad_id
 
-    def forward(self, seqs: list[list[int]], prompt_lens: list[int]) -> tuple[torch.Tensor, ...]:
-        logp, mask, ent = response_logprobs(
-            self.model, seqs, prompt_lens, self.temperature, pad_id=self.pad_id, with_entropy=True
+    def forward(
+        self,
+        ids: torch.Tensor,
+        select: torch.Tensor,
+        place: torch.Tensor,
+        mask: torch.Tensor,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return padded_logprobs(  # type: ignore[no-any-return]
+            self.model, ids, select, place, mask.shape[1], self.temperature, with_entropy=with_entropy
         )
-        assert ent is not None
-        return logp, mask, ent  # [B, T] each
 
 
 def _all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -59,32 +69,52 @@ class StepMetrics:
     """Sums of one step's micro-batch metrics on this rank; `reduce` combines all ranks."""
 
     def __init__(self, device: Any):
-        self.sums = torch.zeros(len(LOSSES) + len(TOKEN_MEANS) + 1, dtype=torch.float64, device=device)
+        # the loss terms, the token means' sums, the entropy's tokens, the tokens
+        self.sums = torch.zeros(len(LOSSES) + len(TOKEN_MEANS) + 2, dtype=torch.float64, device=device)
         self.log_w: list[torch.Tensor] = []
+        self.has_tokens: list[torch.Tensor] = []
         self.tokens_run = 0  # response tokens that ran, all ranks (set by `reduce`)
 
-    def add(self, out: Any, mask: torch.Tensor, logp: torch.Tensor, old: torch.Tensor, weight: float) -> None:
+    def add(
+        self,
+        out: Any,
+        mask: torch.Tensor,
+        logp: torch.Tensor,
+        old: torch.Tensor,
+        weight: float,
+        entropy: bool = True,
+    ) -> None:
+        """One micro-batch's metrics, on the device (read once a step, by `reduce`); `entropy`:
+        whether its entropy was computed (its tokens count towards the entropy's mean)."""
         n = mask.sum().double() * weight  # []
         losses = [getattr(out, k).detach().double() * weight for k in LOSSES]
-        means = [getattr(out, k).double() * n for k in TOKEN_MEANS]
-        self.sums += torch.stack([*losses, *means, n])  # [K]
+        means = [getattr(out, k).double() * (n if k != "entropy" or entropy else 0.0) for k in TOKEN_MEANS]
+        self.sums += torch.stack([*losses, *means, n if entropy else n.new_zeros(()), n])  # [K]
         if weight:
-            log_w = torch.where(mask, logp.detach() - old, 0.0).sum(-1)  # [B]
-            self.log_w.append(log_w[mask.any(-1)].double())  # [B']
+            self.log_w.append(torch.where(mask, logp.detach() - old, 0.0).sum(-1))  # [B]
+            self.has_tokens.append(mask.any(-1))  # [B]
 
     def reduce(self) -> dict[str, float | None]:
         """The step's metrics over all ranks; token means and ESS are None when no token ran."""
         sums = _all_reduce(self.sums).tolist()
         self.tokens_run = int(sums[-1])
         out: dict[str, float | None] = dict(zip(LOSSES, sums[: len(LOSSES)], strict=True))
-        means = sums[len(LOSSES) : -1]
-        out.update({k: v / sums[-1] if sums[-1] else None for k, v in zip(TOKEN_MEANS, means, strict=True)})
+        means, counts = (
+            sums[len(LOSSES) : -2],
+            dict(zip(TOKEN_MEANS, [sums[-1]] * len(TOKEN_MEANS), strict=True)),
+        )
+        counts["entropy"] = sums[-2]  # the tokens whose entropy was computed (Trainer.step)
+        out.update({k: v / counts[k] if counts[k] else None for k, v in zip(TOKEN_MEANS, means, strict=True)})
         out["ess"] = self._ess()
         return out
 
     def _ess(self) -> float | None:
         """(sum w)^2 / (n sum w^2) over the step's sequences, w = exp(log_w), shifted by the max."""
-        log_w = torch.cat(self.log_w) if self.log_w else self.sums.new_zeros(0)  # [n]
+        log_w = (
+            torch.cat(self.log_w)[torch.cat(self.has_tokens)].double()
+            if self.log_w
+            else self.sums.new_zeros(0)
+        )  # [n]
         top = log_w.max() if len(log_w) else self.sums.new_tensor(-1e300)  # []
         top = _all_reduce(top.clone(), "max")
         w = torch.exp(log_w - top)  # [n], <= 1
@@ -120,11 +150,15 @@ class Trainer:
             return contextlib.nullcontext()
         return self.net.no_sync()  # type: ignore[operator]
 
-    def forward(self, td: Any) -> tuple[torch.Tensor, ...]:
-        seqs, prompt_lens = sequences(td)
+    def forward(self, td: Any, with_entropy: bool = True) -> tuple[torch.Tensor, Any, Any]:
+        """A micro-batch (`micro_batch`) -> logp [B, T] float32, mask [B, T], entropy [B, T]
+        float32 (None without `with_entropy`)."""
+        mask = td["mask"]
         with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16, enabled=self.bf16):
-            logp, mask, ent = self.net(seqs, prompt_lens)  # [B, T] each
-        return logp.float(), mask, ent.float()
+            logp, ent = self.net(
+                td["input_ids"], td["select"], td["place"], mask, with_entropy
+            )  # [B, T] each
+        return logp.float(), mask, (ent.float() if ent is not None else None)
 
     def _step_casts(self) -> Any:
         """A context around a whole step that keeps autocast's bf16 copies of the weights: autocast
@@ -147,22 +181,24 @@ class Trainer:
         with self._step_casts():
             for j, (rows, weight) in enumerate(work):
                 td = micro_batch(self.data, rows, self.device)
-                last = j == len(work) - 1
-                with self._accumulate(last):
-                    logp, mask, ent = self.forward(td)  # [B, T] each
+                # the entropy: for the loss when it has a term, else for the metric, sampled from
+                # the step's first micro-batch (rank 0's first, whatever the number of ranks)
+                entropy = bool(tc.entropy_coef) or (self.rank == 0 and j == 0 and weight > 0)
+                with self._accumulate(j == len(work) - 1):
+                    logp, mask, ent = self.forward(td, entropy)  # [B, T] each
                     out = grpo_loss(
                         logp,
                         td["old_logprobs"],
                         td["advantages"],
                         mask,
                         ref_logprobs=td.get("ref_logprobs", None),
-                        entropy=ent if tc.entropy_coef else ent.detach(),
+                        entropy=ent if tc.entropy_coef or ent is None else ent.detach(),
                         denominator=denominator,
                         behavior_logprobs=td.get("behavior_logprobs", None),
                         **self.loss_kwargs,
                     )
                     (out.loss * (weight * self.world)).backward()  # type: ignore[no-untyped-call]
-                metrics.add(out, mask, logp, td["old_logprobs"], weight)
+                metrics.add(out, mask, logp, td["old_logprobs"], weight, entropy)
         if not work:  # no row of the step can move the loss (train_data): AdamW steps on zeros
             # (every trainable parameter: one that its rows would have left without a gradient,
             # a mixture-of-experts expert no token reached, takes this step too)
@@ -209,8 +245,11 @@ def recompute_old(trainer: Trainer, steps: list[Step]) -> None:
         for rows, weight in step.for_rank(trainer.rank, trainer.world):
             if not weight:
                 continue
-            logp, mask, _ = trainer.forward(micro_batch(data, rows, trainer.device))  # [B, T]
-            for k, i in enumerate(rows):
-                flat[data.resp_off[i] : data.resp_off[i + 1]] = logp[k][mask[k]]
+            td = micro_batch(data, rows, trainer.device)
+            logp, _, _ = trainer.forward(td, with_entropy=False)  # [B, T]
+            at = np.concatenate([np.arange(data.resp_off[i], data.resp_off[i + 1]) for i in rows])  # [N]
+            flat.index_copy_(
+                0, torch.from_numpy(at).to(flat.device), logp.view(-1).index_select(0, td["place"])
+            )
     data.behavior = data.old  # what truncated importance sampling weighs against
     data.old = _all_reduce(flat).cpu().numpy()
