@@ -62,7 +62,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
     if os.environ.get(STRICT_SKIPS_ENV) == "1" and _refused_skips:
         terminalreporter.write_line(
-            f"{len(_refused_skips)} skip(s) not on the allow-list (tests/conftest.py ALLOWED_SKIPS):", red=True
+            f"{len(_refused_skips)} skip(s) not on the allow-list (tests/conftest.py ALLOWED_SKIPS):",
+            red=True,
         )
         for line in _refused_skips:
             terminalreporter.write_line(f"  {line}")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-TESTS = '''
+TESTS = """
 import pytest
 
 def test_runs():
@@ -18,7 +18,7 @@ def test_runs():
 
 def test_machine_without_a_gpu():
     pytest.skip("no CUDA GPU on this machine")
-'''
+"""
 
 
 def pytest_in(tmp_path: Path, extra: str, strict: bool) -> subprocess.CompletedProcess[str]:
@@ -33,10 +33,10 @@ def pytest_in(tmp_path: Path, extra: str, strict: bool) -> subprocess.CompletedP
 
 def test_an_allowed_skip_passes_and_any_other_fails_the_strict_session(tmp_path: Path) -> None:
     assert pytest_in(tmp_path, "", strict=True).returncode == 0
-    wrong = '''
+    wrong = """
 def test_needs_a_venv():
     pytest.skip("trackio is not installed: run `make trackio`")
-'''
+"""
     res = pytest_in(tmp_path, wrong, strict=True)
     assert res.returncode == 1, res.stdout
     assert "test_needs_a_venv: trackio is not installed" in res.stdout

@@ -428,8 +428,10 @@ def exit_now(code: int) -> None:
 def run_cli() -> None:
     """The command line: user errors become one line on stderr and exit code 1 (usage errors: 2)."""
     from rlhf_batch.errors import UserError
+    from rlhf_batch.runtime import env
 
     try:
+        env.check()
         # without standalone mode, typer returns (not raises) the code of an Exit, e.g. 130 for Ctrl-C
         code = app(standalone_mode=False, prog_name="rlhf-batch")
         if code == 130:
@@ -454,17 +456,24 @@ def run_cli() -> None:
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except OSError as e:  # a full disk under a write not made through rlhf_batch.store.atomic
-        import errno
+    except OSError as e:  # a file this user cannot read or write, a full disk, a path too long
+        from rlhf_batch.errors import os_error_line
 
         _store_error(e)
-        if os.environ.get("RLHF_BATCH_DEBUG") or e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        if os.environ.get("RLHF_BATCH_DEBUG"):
             raise
-        print(f"error: {e.filename or 'write'}: {e.strerror}; free disk space and run again", file=sys.stderr)
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
         sys.exit(1)
     except Exception as e:
         _store_error(e)
+        if type(e).__module__.lstrip("_") == "duckdb" and not os.environ.get("RLHF_BATCH_DEBUG"):
+            print(f"error: {_first_line(e)}", file=sys.stderr)  # a file DuckDB cannot read
+            sys.exit(1)
         raise
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def _store_error(e: BaseException) -> None:

@@ -144,7 +144,7 @@ def read_file(p: Path) -> pa.Table:
         if p.suffix in (".jsonl", ".json"):
             import pyarrow.json as pj
 
-            return pj.read_json(p) if p.stat().st_size else pa.table({})
+            return _utf8(p, pj.read_json(p)) if p.stat().st_size else pa.table({})
         if p.suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -152,6 +152,15 @@ def read_file(p: Path) -> pa.Table:
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
     raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl, .json or .parquet)")
+
+
+def _utf8(p: Path, t: pa.Table) -> pa.Table:
+    """`t` when its text is valid UTF-8 (Arrow's JSON reader does not check strings)."""
+    try:
+        t.validate(full=True)
+    except pa.ArrowInvalid:
+        raise StageError(f"{p}: not UTF-8 text (JSON Lines must be UTF-8)") from None
+    return t
 
 
 def _starts_with(p: Path, token: bytes) -> bool:
