@@ -520,6 +520,15 @@ def _check_run_dir(run_dir: str, where: str) -> None:
             return
 
 
+def check_groups(cfg: Config) -> None:
+    """Group advantages need groups: one response per prompt has zero variance, every advantage 0."""
+    if cfg.generate.num_generations < 2:
+        raise ConfigError(
+            f"'generate.num_generations' is {cfg.generate.num_generations}: a group of one response has "
+            "zero variance, so every advantage is 0 and train learns nothing; set it >= 2"
+        )
+
+
 def check_config(
     path: str | Path | None, overrides: list[str] | None = None
 ) -> tuple[Config | None, list[str]]:

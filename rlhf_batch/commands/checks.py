@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlhf_batch.config import check_groups
 from rlhf_batch.errors import ConfigError, ModelError, StageError, UserError
 
 
@@ -50,7 +51,30 @@ def validate(cfg: Any) -> tuple[list[str], list[str]]:
         check(lambda: _check_rewards(cfg, "eval", columns["eval"]))
     if cfg.lora.enabled:
         check(lambda: _check_lora(cfg))
+    check(lambda: check_groups(cfg))
+    check(lambda: _check_devices(cfg))
     return ok, list(dict.fromkeys(problems))  # eval's functions may be score's: each problem once
+
+
+def _check_devices(cfg: Any) -> str | None:
+    """The CUDA devices `device`, generate.device and train.device name exist on this machine."""
+    wanted = {"device": cfg.device, "generate.device": cfg.generate.device, "train.device": cfg.train.device}
+    wanted = {k: v for k, v in wanted.items() if v.startswith("cuda")}
+    if not wanted:
+        return None
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problems = []
+    for key, value in wanted.items():
+        ids = [int(i) for i in value.removeprefix("cuda").lstrip(":").split(",") if i] or [0]
+        if max(ids) >= have:
+            problems.append(f"{key}: {value!r} needs CUDA GPU {max(ids)}; this machine has {have}")
+    if problems:
+        err = ConfigError(problems[0])
+        err.problems = problems  # type: ignore[attr-defined]
+        raise err
+    return ", ".join(f"{k} {v}" for k, v in wanted.items())
 
 
 def _check_model(path: str, what: str) -> str:

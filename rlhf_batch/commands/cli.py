@@ -314,7 +314,7 @@ def sql(
 
 @app.command()
 def status(target: TargetArg = None, run_dir: RunDirOpt = None, config: ConfigOpt = None) -> None:
-    """Per iteration and stage: complete / partial / missing, rows, start-up and work seconds, tokens/s,
+    """Per iteration and stage: complete / stale / partial / missing, rows, start-up and work seconds, tokens/s,
     mean reward, KL, lengths, and train's health (ok, or the thresholds crossed)."""
     from rlhf_batch.commands.runs import run_dir_of
     from rlhf_batch.observe.status import print_status
@@ -391,7 +391,10 @@ def init_prompts(
 ) -> None:
     """Write the procedural demo task's prompt set (no download)."""
     from rlhf_batch.data.demo import write_prompts
+    from rlhf_batch.errors import ConfigError
 
+    if n < 1:
+        raise ConfigError(f"--n: must be >= 1 prompt, got {n}")
     typer.echo(f"prompts: {write_prompts(out, n, seed)}")
 
 
