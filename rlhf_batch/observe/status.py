@@ -32,6 +32,7 @@ def print_status(run_dir: str | Path) -> None:
         ]
     finally:
         con.close()
+    rows = _stale_downstream(rows)
     table = [("iter", "stage", "state", "rows", "startup_s", "work_s", "tok/s", "stale", "details"), *rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]  # details: not padded
     print(f"run: {root}")
@@ -109,6 +110,21 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
     )
     stale = str((m or {}).get("staleness", "-")) if stage == "rollouts" else "-"
     return state, str(rows) if files or m else "-", *timing_cells(m), stale, ", ".join(details)
+
+
+def _stale_downstream(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """A complete stage after a stale one of its iteration (rollouts, scores, advantages, train) is
+    stale too: `run` redoes the stale one, then it."""
+    out, first_stale = [], {}
+    for row in rows:
+        it, label, state, *rest = row
+        if label in STATUS_STAGES[:4] and state == "stale":
+            first_stale.setdefault(it, label)
+        elif label in STATUS_STAGES[:4] and state == "complete" and it in first_stale:
+            details = f"inputs changed since: {first_stale[it]} (stale)"
+            row = (it, label, "stale", *rest[:-1], ", ".join(x for x in (details, rest[-1]) if x))
+        out.append(row)
+    return out
 
 
 def changed_inputs(root: Path, it: int, stage: str, topup: int, m: dict[str, Any]) -> list[str]:
