@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.config import check_groups
-from rlhf_batch.errors import ConfigError, ModelError, StageError, UserError
+from rlhf_batch.errors import ConfigError, ModelError, UserError
 
 
 def validate(cfg: Any) -> tuple[list[str], list[str]]:
@@ -101,13 +101,13 @@ def _check_prompts(g: Any, key: str, columns: dict[str, list[str] | None], stage
     columns reward functions will see in `columns[stage]`."""
     from rlhf_batch.data.prompt_files import describe
     from rlhf_batch.data.prompt_ids import given_ids, repeat_numbers
-    from rlhf_batch.data.prompts import carried_table, check_path, prompt_values, read_table
+    from rlhf_batch.data.prompts import carried_table, prompt_set_problems, prompt_values
 
     where = describe(g.prompts)
-    check_path(g.prompts, key)
-    table = read_table(g.prompts)
-    if table.num_rows == 0:
-        raise StageError(f"{where}: the prompt file is empty")
+    table, problems = prompt_set_problems(g, key)  # what generate checks, every problem listed
+    if problems:
+        raise _Many(problems)
+    assert table is not None
     values = prompt_values(table, g, where)
     ids = given_ids(table, g.id_column, where)
     columns[stage] = carried_table(table, g).column_names

@@ -111,7 +111,11 @@ def _in_split(rel: Path, split: str) -> bool:
 def read_prompt_table(spec: Any) -> pa.Table:
     """Every source of the prompt set, read and concatenated in order; errors name the file."""
     paths = sources(spec)
-    tables = [read_file(p) for p in paths]
+    return concat(paths, [read_file(p) for p in paths])
+
+
+def concat(paths: list[Path], tables: list[pa.Table]) -> pa.Table:
+    """The tables of the sources `paths`, in order, as one; a source whose columns do not fit is named."""
     if len(tables) == 1:
         return tables[0]
     try:

@@ -115,7 +115,8 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
 def _stale_downstream(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
     """A complete stage after a stale one of its iteration (rollouts, scores, advantages, train) is
     stale too: `run` redoes the stale one, then it."""
-    out, first_stale = [], {}
+    out: list[tuple[str, ...]] = []
+    first_stale: dict[str, str] = {}
     for row in rows:
         it, label, state, *rest = row
         if label in STATUS_STAGES[:4] and state == "stale":
