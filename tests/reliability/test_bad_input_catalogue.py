@@ -366,3 +366,116 @@ def test_status_calls_stages_stale_once_an_input_is_redone(ctx: Ctx, capfd, monk
     assert " complete " in rows["rollouts"] and " complete " in rows["scores"], rows
     assert " stale " in rows["advantages"] and "inputs changed since: iter=0000/scores" in rows["advantages"]
     assert " stale " in rows["train"] and "inputs changed since: advantages (stale)" in rows["train"]
+
+
+# ---------------------------------------------------------------- validate finds what generate refuses
+def _jsonl(ctx: Ctx, name: str, rows: list[object]) -> str:
+    return ctx.write(name, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _msgs(*pairs: tuple[object, object]) -> list[dict[str, object]]:
+    return [{"role": role, "content": content} for role, content in pairs]
+
+
+GOOD = {"prompt": "x*1="}
+# name -> (the prompt set: file name -> rows, or text), what validate's lines name (one line each)
+PROMPT_SETS: dict[str, tuple[dict[str, list[object] | str], list[list[str]]]] = {
+    "null_prompt": ({"p.jsonl": [GOOD, {"prompt": None}]}, [["row 1: column 'prompt' is null or empty"]]),
+    "empty_prompt": ({"p.jsonl": [{"prompt": ""}, GOOD]}, [["row 0: column 'prompt' is null or empty"]]),
+    "trl_null_content": (
+        {"p.jsonl": [{"prompt": _msgs(("user", "hi"))}, {"prompt": _msgs(("system", "s"), ("user", None))}]},
+        [["row 1: message 1 of 'prompt' (user) has null content"]],
+    ),
+    "missing_role": (
+        {"p.jsonl": [{"prompt": _msgs(("user", "hi"))}, {"prompt": [{"content": "hi"}]}]},
+        [["row 1: message 0 of 'prompt' has no role"]],
+    ),
+    "empty_message_list": (
+        {"p.jsonl": [{"prompt": _msgs(("user", "hi"))}, {"prompt": []}]},
+        [["row 1: 'prompt' must be a list of {role, content}"]],
+    ),
+    "unknown_role": (
+        {"p.jsonl": [{"prompt": _msgs(("wizard", "abracadabra"), ("user", "hi"))}]},
+        [["row 0: message 0 of 'prompt' has role 'wizard'", "roles are system, user, assistant"]],
+    ),
+    "mixed_plain_and_chat_shards": (
+        {"a.jsonl": [GOOD], "b.jsonl": [{"messages": _msgs(("user", "hi"))}]},
+        [["b.jsonl: chat prompts, while", "a.jsonl holds text prompts"]],
+    ),
+    "three_bad_files": (
+        {"a.jsonl": "{not json\n", "b.jsonl": "[1, 2\n", "c.jsonl": "{\n"},
+        [
+            ["a.jsonl: cannot read prompts"],
+            ["b.jsonl: cannot read prompts"],
+            ["c.jsonl: cannot read prompts"],
+        ],
+    ),
+    "empty_file_in_a_list": ({"a.jsonl": [GOOD], "b.jsonl": ""}, [["b.jsonl: the prompt file is empty"]]),
+    "several_bad_rows": (
+        {"p.jsonl": [{"prompt": ""}, GOOD, {"prompt": None}]},
+        [["row 0: column 'prompt' is null or empty"], ["row 2: column 'prompt' is null or empty"]],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PROMPT_SETS))
+def test_validate_lists_every_problem_generate_refuses(
+    name: str, ctx: Ctx, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`validate` exits 1 with one `error:` line per problem; `generate` refuses the same set with
+    one line, its first problem (counting the others)."""
+    from tests.reliability.test_bad_inputs import cli
+
+    files, lines = PROMPT_SETS[name]
+    paths = [
+        ctx.write(f, rows) if isinstance(rows, str) else _jsonl(ctx, f, rows) for f, rows in files.items()
+    ]
+    config = ctx.config(generate={"prompts": paths if len(paths) > 1 else paths[0], "num_generations": 2})
+    code, err = cli(capfd, monkeypatch, ["validate", config])
+    assert code == 1 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == len(lines), err
+    for line, named in zip(errors, lines, strict=True):
+        assert all(text in line for text in named), (line, named)
+    first = assert_refused(ctx, capfd, monkeypatch, ["generate", config, "-q"], lines[0])
+    assert (f"and {len(lines) - 1} more problems" in first) == (len(lines) > 1), first
+
+
+# ---------------------------------------------------------------- the base model's weights
+def test_replaced_base_weights_are_refused_not_mixed(ctx: Ctx, capfd, monkeypatch) -> None:  # noqa: ANN001
+    """The initial policy's weights replaced between two commands of one run (same config.json,
+    same file size): the next stage that reads them refuses with one line; a copy with the same
+    bytes (new mtime) is read again and accepted."""
+    from rlhf_batch.store.modeldir import BASE_WEIGHTS
+    from tests.reliability.test_bad_inputs import _edit_weights, cli, model_copy
+
+    policy = model_copy(ctx, "base", lambda p: None)
+    config = ctx.config(policy_model=policy)
+    ctx.copy("rollouts")
+    code, err = cli(capfd, monkeypatch, ["score", config, "-q"])  # reads the reference: the base
+    assert code == 0, err
+    record = json.loads((ctx.run / BASE_WEIGHTS).read_text())
+    weights = Path(policy) / "model.safetensors"
+    assert record[str(Path(policy).resolve())]["model.safetensors"]["bytes"] == weights.stat().st_size
+    same = weights.read_bytes()
+    weights.write_bytes(same)  # same bytes, new mtime: hashed again, accepted
+    code, err = cli(capfd, monkeypatch, ["score", config, "-q", "--force"])
+    assert code == 0, err
+    shutil.rmtree(layout.folder(ctx.run, 0, "scores"))
+
+    def scale(tensors: dict) -> None:
+        name = next(k for k in tensors if k.endswith("weight") and tensors[k].ndim == 2)
+        tensors[name] = tensors[name] * 2
+
+    _edit_weights(scale)(Path(policy))
+    assert weights.stat().st_size == len(same)
+    assert_refused(
+        ctx,
+        capfd,
+        monkeypatch,
+        ["score", config, "-q"],
+        [
+            f"ref_model: the weights of {policy} changed since this run read them (model.safetensors",
+            BASE_WEIGHTS,
+        ],
+    )
