@@ -469,6 +469,7 @@ def test_replaced_base_weights_are_refused_not_mixed(ctx: Ctx, capfd, monkeypatc
 
     _edit_weights(scale)(Path(policy))
     assert weights.stat().st_size == len(same)
+    (ctx.run / layout.LOCK).unlink()  # the earlier commands' lock: it names their pid
     assert_refused(
         ctx,
         capfd,
