@@ -71,10 +71,11 @@ $(S3_VENV)/.installed: constraints-s3.txt
 	$(S3_VENV)/bin/python -m pip install --quiet -c constraints-s3.txt 'moto[server]'
 	touch $@
 
-# pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure
+# pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure; a skip whose
+# reason is not on the allow-list (ALLOWED_SKIPS in tests/conftest.py) is (RLHF_BATCH_STRICT_SKIPS);
 # then a short random-kill soak (6 kills; `make soak` runs 24)
 test: setup airflow trackio vllm s3
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	RLHF_BATCH_STRICT_SKIPS=1 $(PY) -m pytest -q -ra $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	RLHF_BATCH_SOAK_KILLS=6 $(PY) -m pytest -q -m soak tests/reliability/test_soak.py
 
 test-fast: setup s3

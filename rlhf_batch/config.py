@@ -490,6 +490,7 @@ def load_config(
             len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         )
     _resolve_paths(cfg, base)
+    _check_run_dir(cfg.run_dir, where)
     if resolve_models:
         _resolve_hub_ids(cfg)
     cfg.score.reward_paths = [str(base / Path(d).expanduser()) for d in cfg.score.reward_paths]
@@ -503,6 +504,32 @@ def load_config(
     if found is not None:
         found[start:] = [f"{where}: {m}" for m in found[start:]]
     return cfg
+
+
+def _check_run_dir(run_dir: str, where: str) -> None:
+    """A local run_dir must be able to become a folder: no name over 255 bytes, no file on its way."""
+    if "://" in run_dir:
+        return
+    path = Path(run_dir)
+    if long := [n for n in path.parts if len(os.fsencode(n)) > 255]:
+        _fail(f"{where}: 'run_dir' has a name of {len(os.fsencode(long[0]))} bytes; at most 255 per folder")
+        return
+    for p in (path, *path.parents):
+        try:
+            if p.exists() and not p.is_dir():
+                _fail(f"{where}: 'run_dir' {run_dir}: {p} is a file, not a folder")
+                return
+        except OSError:  # a folder this user cannot look into: the command names it when it gets there
+            return
+
+
+def check_groups(cfg: Config) -> None:
+    """Group advantages need groups: one response per prompt has zero variance, every advantage 0."""
+    if cfg.generate.num_generations < 2:
+        raise ConfigError(
+            f"'generate.num_generations' is {cfg.generate.num_generations}: a group of one response has "
+            "zero variance, so every advantage is 0 and train learns nothing; set it >= 2"
+        )
 
 
 def check_config(

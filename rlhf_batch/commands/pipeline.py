@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rlhf_batch.config import Config, load_config
+from rlhf_batch.config import Config, check_groups, load_config
 from rlhf_batch.errors import StageError, UserError
 from rlhf_batch.runtime.procgroup import die_with
 from rlhf_batch.stages.executor import execute
@@ -52,6 +52,7 @@ def run_pipeline(
         from rlhf_batch.models.lora import check_targets
 
         check_targets(cfg)  # before any stage: a misspelt module fails now, not at train
+        check_groups(cfg)
 
         if cfg.max_staleness:  # overlapped: two lanes, each a process (lanes.py)
             from rlhf_batch.commands.lanes import run_overlapped
@@ -147,6 +148,8 @@ def run_topup(config_path: Path, overrides: list[str], it: int, quiet: bool = Fa
     from rlhf_batch.stages.registry import get
     from rlhf_batch.store.lock import stage_lock
 
+    if it < 0:
+        raise UserError(f"--iter must be >= 0, got {it}")
     cfg = load_config(config_path, overrides)
     with stage_lock(cfg.run_dir), _env(LOCK_ENV, lock_id(cfg.run_dir)):
         if cfg.in_process:

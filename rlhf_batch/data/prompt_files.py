@@ -111,7 +111,11 @@ def _in_split(rel: Path, split: str) -> bool:
 def read_prompt_table(spec: Any) -> pa.Table:
     """Every source of the prompt set, read and concatenated in order; errors name the file."""
     paths = sources(spec)
-    tables = [read_file(p) for p in paths]
+    return concat(paths, [read_file(p) for p in paths])
+
+
+def concat(paths: list[Path], tables: list[pa.Table]) -> pa.Table:
+    """The tables of the sources `paths`, in order, as one; a source whose columns do not fit is named."""
     if len(tables) == 1:
         return tables[0]
     try:
@@ -144,7 +148,7 @@ def read_file(p: Path) -> pa.Table:
         if p.suffix in (".jsonl", ".json"):
             import pyarrow.json as pj
 
-            return pj.read_json(p) if p.stat().st_size else pa.table({})
+            return _utf8(p, pj.read_json(p)) if p.stat().st_size else pa.table({})
         if p.suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -152,6 +156,15 @@ def read_file(p: Path) -> pa.Table:
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
     raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl, .json or .parquet)")
+
+
+def _utf8(p: Path, t: pa.Table) -> pa.Table:
+    """`t` when its text is valid UTF-8 (Arrow's JSON reader does not check strings)."""
+    try:
+        t.validate(full=True)
+    except pa.ArrowInvalid:
+        raise StageError(f"{p}: not UTF-8 text (JSON Lines must be UTF-8)") from None
+    return t
 
 
 def _starts_with(p: Path, token: bytes) -> bool:

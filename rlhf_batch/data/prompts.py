@@ -19,9 +19,9 @@ from typing import Any
 import pyarrow as pa
 
 from rlhf_batch.config import Config, GenerateConfig
-from rlhf_batch.data.prompt_files import describe, read_prompt_table, sources
+from rlhf_batch.data.prompt_files import concat, describe, read_file, read_prompt_table, sources
 from rlhf_batch.data.prompt_ids import check_distinct, given_ids, hashed_id, repeat_numbers
-from rlhf_batch.errors import StageError
+from rlhf_batch.errors import StageError, UserError
 from rlhf_batch.store.schemas import ROLLOUTS
 
 
@@ -49,10 +49,16 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any, batch: int | None = None, 
     """The prompts of the file, or (`batch` given) those of batch `batch` of the run's prompt order
     (iteration K's round 0 takes batch K unless top-up rounds took batches before it: topup.py).
     Prompt ids are decided over the whole file (prompt_ids.py); errors name file rows."""
-    table = read_table(cfg.prompts)
+    table, problems = prompt_set_problems(cfg)
+    if problems:
+        more = (
+            f" (and {len(problems) - 1} more problems: `rlhf-batch validate` lists them)"
+            if problems[1:]
+            else ""
+        )
+        raise StageError(problems[0] + more)
+    assert table is not None
     where = describe(cfg.prompts)
-    if table.num_rows == 0:
-        raise StageError(f"{where}: the prompt file is empty")
     given = given_ids(table, cfg.id_column, where)
     repeats = None if given is not None else repeat_numbers(prompt_values(table, cfg, where))
     taken: dict[str, Any] = {}
@@ -68,13 +74,98 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any, batch: int | None = None, 
         ids = [hashed_id(t, repeats[r]) for t, r in zip(texts, rows, strict=True)]
     check_distinct(ids, rows, where)
     carried = carried_table(table, cfg)
-    for name in carried.column_names:
-        if ROLLOUTS.get_field_index(name) >= 0:
-            raise StageError(f"{where}: column '{name}' clashes with a rollouts column; rename it")
     tokens = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
     out = _limit(Prompts(ids, texts, tokens, carried), cfg, tokenizer, where, rows)
     out.batch = taken
     return out
+
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # others: rendered wrong, or not at all
+MAX_ROW_PROBLEMS = 10  # rows named one by one; the rest counted
+
+
+def prompt_set_problems(
+    cfg: GenerateConfig, key: str = "generate.prompts"
+) -> tuple[pa.Table | None, list[str]]:
+    """Every problem `generate` refuses the prompt set `cfg.prompts` for, before tokenizing (one
+    line each; `validate` lists them all, generate stops at the first): each source readable and
+    not empty, all sources of one form (text or chat), then over the whole set a prompt column,
+    no null or empty prompt, well-formed chat messages with known roles, good ids, no column
+    that clashes with a rollouts column. Also the set as one table (None when a source fails)."""
+    paths = sources(cfg.prompts, key)
+    problems: list[str] = []
+    tables: list[pa.Table] = []
+    forms: dict[str, Path] = {}  # form -> its first source
+    for p in paths:
+        try:
+            t = read_file(p)
+        except UserError as e:
+            problems.append(str(e))
+            continue
+        tables.append(t)
+        if t.num_rows == 0:
+            problems.append(f"{p}: the prompt file is empty")
+        else:
+            forms.setdefault("chat" if chat_column(t, cfg) else "text", p)
+    if len(forms) > 1:
+        problems.append(
+            f"{forms['chat']}: chat prompts, while {forms['text']} holds text prompts; a prompt set is of one form"
+        )
+    if problems:
+        return None, problems
+    try:
+        table = concat(paths, tables)
+    except UserError as e:
+        return None, [str(e)]
+    where = describe(cfg.prompts)
+    problems = _row_problems(table, cfg, where)
+    try:
+        given_ids(table, cfg.id_column, where)
+    except UserError as e:
+        problems.append(str(e))
+    if chat_column(table, cfg) or cfg.prompt_column in table.column_names:
+        for name in carried_table(table, cfg).column_names:
+            if ROLLOUTS.get_field_index(name) >= 0:
+                problems.append(f"{where}: column '{name}' clashes with a rollouts column; rename it")
+    return table, problems
+
+
+def _row_problems(table: pa.Table, cfg: GenerateConfig, where: str) -> list[str]:
+    """The prompt column's problems, one per bad row (the first MAX_ROW_PROBLEMS, then a count)."""
+    chat = chat_column(table, cfg)
+    if not chat and cfg.prompt_column not in table.column_names:
+        return [str(no_prompt_column(table, cfg, where))]
+    column = chat or cfg.prompt_column
+    col = table.column(column)
+    if not chat and not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        return [
+            f"{where}: column '{column}' must hold strings or chat messages (a list of {{role, content}}), "
+            f"not {col.type}"
+        ]
+    check = _message_problem if chat else _text_problem
+    bad = [
+        f"{where}: row {i}: {problem}" for i, v in enumerate(col.to_pylist()) if (problem := check(v, column))
+    ]
+    if len(bad) > MAX_ROW_PROBLEMS:
+        bad = [*bad[:MAX_ROW_PROBLEMS], f"{where}: {len(bad) - MAX_ROW_PROBLEMS} more rows like these"]
+    return bad
+
+
+def _text_problem(text: Any, column: str) -> str:
+    return "" if text else f"column '{column}' is null or empty"
+
+
+def _message_problem(messages: Any, column: str) -> str:
+    if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        return f"'{column}' must be a list of {{role, content}}"
+    for j, m in enumerate(messages):
+        if m["role"] is None:
+            return f"message {j} of '{column}' has no role"
+        if m["content"] is None:  # rendered as an empty turn otherwise
+            return f"message {j} of '{column}' ({m['role']}) has null content"
+        if m["role"] not in CHAT_ROLES:
+            return f"message {j} of '{column}' has role {m['role']!r}; roles are {', '.join(CHAT_ROLES)}"
+    return ""
 
 
 def carried_table(table: pa.Table, cfg: GenerateConfig) -> pa.Table:
@@ -172,11 +263,7 @@ def _texts(
                 f"{where}: column '{cfg.prompt_column}' must hold strings or chat messages "
                 f"(a list of {{role, content}}), not {col.type}"
             )
-        texts = col.to_pylist()
-        for i, t in enumerate(texts):
-            if t is None or not t:
-                raise StageError(f"{where}: row {rows[i]}: column '{cfg.prompt_column}' is null or empty")
-        return texts, False
+        return col.to_pylist(), False  # checked: prompt_set_problems
     raise no_prompt_column(table, cfg, where)
 
 
@@ -190,17 +277,10 @@ def no_prompt_column(table: pa.Table, cfg: GenerateConfig, where: str) -> StageE
 def _chat_texts(table: pa.Table, column: str, tokenizer: Any, where: str, rows: list[int]) -> list[str]:
     if not getattr(tokenizer, "chat_template", None):
         raise StageError(f"{where}: chat prompts ('{column}') need a tokenizer with a chat template")
-    out = []
-    for i, messages in enumerate(table.column(column).to_pylist()):
-        if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            raise StageError(f"{where}: row {rows[i]}: '{column}' must be a list of {{role, content}}")
-        for j, m in enumerate(messages):
-            if m["content"] is None:  # rendered as an empty turn otherwise
-                raise StageError(
-                    f"{where}: row {rows[i]}: message {j} of '{column}' ({m['role']}) has null content"
-                )
-        out.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    return out
+    return [  # the messages are checked: prompt_set_problems
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        for messages in table.column(column).to_pylist()
+    ]
 
 
 def _limit(p: Prompts, cfg: GenerateConfig, tokenizer: Any, where: str, rows: list[int]) -> Prompts:

@@ -16,10 +16,11 @@ def start_policy(cfg: Config, iteration: int) -> str:
     the policy train of the iteration before wrote (which must be complete)."""
     from rlhf_batch.errors import StageError
     from rlhf_batch.store.manifests import manifest
-    from rlhf_batch.store.modeldir import check_model_dir, removed_record
+    from rlhf_batch.store.modeldir import check_base_weights, check_model_dir, removed_record
 
     _check_iteration(iteration)
     if iteration == 0:
+        check_base_weights(cfg.run_dir, cfg.policy_model, "policy_model")
         if cfg.lora.init_adapter:
             from rlhf_batch.models.lora import initial_policy
 

@@ -102,14 +102,30 @@ def existing_run(run_dir: str | Path) -> Path:
 
 
 def connect(run_dir: str | Path) -> Any:
-    """A DuckDB connection with the run's views, sandboxed to reading below RUN_DIR."""
+    """A DuckDB connection with the run's views, sandboxed to reading below RUN_DIR. A committed
+    file DuckDB cannot read (corrupt, no permission) is one line naming it."""
     import duckdb
+
+    root = existing_run(run_dir)
+    con = duckdb.connect(":memory:")
+    try:
+        _views(con, root)
+    except duckdb.Error as e:
+        con.close()
+        raise UserError(f"{root}: cannot read the run ({first_line(e)})") from None
+    return con
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an error (DuckDB's later lines quote the SQL)."""
+    return next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+
+
+def _views(con: Any, root: Path) -> None:
     import pyarrow as pa
 
     from rlhf_batch.store import schemas
 
-    root = existing_run(run_dir)
-    con = duckdb.connect(":memory:")
     register(con, root)
     for setting in ("enable_progress_bar", "autoinstall_known_extensions", "autoload_known_extensions"):
         con.execute(f"SET {setting} = false")
@@ -136,7 +152,6 @@ def connect(run_dir: str | Path) -> Any:
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
-    return con
 
 
 def _read_parts(files: list[str], keys: list[str], extra: str = "") -> str:
@@ -197,6 +212,11 @@ def run_sql(
         raise ConfigError(f"--format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if not timeout >= 0:
         raise ConfigError(f"--timeout: must be >= 0 seconds, got {timeout}")
+    if query is not None:
+        try:
+            query.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 on the command line
+            raise UserError("sql: the query is not UTF-8 text") from None
     con = connect(run_dir)
     try:
         if query is None:

@@ -102,7 +102,10 @@ def write_report(
     out = fs.run_path(out) if out else run_dir / "report"
     if out.exists() and not out.is_dir():
         raise StageError(f"--out {out}: is a file; the report needs a directory")
-    fs.makedirs(out)
+    try:
+        fs.makedirs(out)
+    except OSError as e:
+        raise StageError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
     data = collect(run_dir)
     data["health"] = _health(run_dir, data["iters"])
     plots = _plots(data, out)

@@ -1,4 +1,4 @@
-"""`rlhf-batch status`: per iteration and stage, complete / partial / missing, rows, timing, the
+"""`rlhf-batch status`: per iteration and stage, complete / stale / partial / missing, rows, timing, the
 staleness of the policy that sampled the rollouts and headline numbers, read from the manifests
 and the stage folders."""
 
@@ -15,7 +15,7 @@ STATUS_STAGES = ("rollouts", "scores", "advantages", "train", "eval")  # eval: o
 
 
 def print_status(run_dir: str | Path) -> None:
-    """Per iteration and stage: complete / partial / missing, rows, start-up and work seconds and
+    """Per iteration and stage: complete / stale / partial / missing, rows, start-up and work seconds and
     tokens/s of the run that completed it (its manifest's `timing`), on rollouts rows the
     staleness of their sampling policy (`stale`: 0 in lock-step), and headline numbers."""
     root = existing_run(run_dir)
@@ -32,6 +32,7 @@ def print_status(run_dir: str | Path) -> None:
         ]
     finally:
         con.close()
+    rows = _stale_downstream(rows)
     table = [("iter", "stage", "state", "rows", "startup_s", "work_s", "tok/s", "stale", "details"), *rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]  # details: not padded
     print(f"run: {root}")
@@ -82,6 +83,9 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
             details = [f"{k} {_fmt(v)}" for k, v in values.items()]
         except duckdb.Error as e:  # a damaged file must not hide the other stages
             details = [f"unreadable ({one_line(e)})"]
+    if m and (changed := changed_inputs(root, it, stage, topup, m)):
+        state = "stale"  # an input was redone since (--force upstream): `run` redoes this stage
+        details.insert(0, f"inputs changed since: {', '.join(changed)}")
     if stage == "advantages" and m:
         c = m.get("counts", {})
         details.append(f"kept {c.get('groups_out', '?')}/{c.get('groups_total', '?')} groups")
@@ -106,6 +110,49 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
     )
     stale = str((m or {}).get("staleness", "-")) if stage == "rollouts" else "-"
     return state, str(rows) if files or m else "-", *timing_cells(m), stale, ", ".join(details)
+
+
+def _stale_downstream(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """A complete stage after a stale one of its iteration (rollouts, scores, advantages, train) is
+    stale too: `run` redoes the stale one, then it."""
+    out: list[tuple[str, ...]] = []
+    first_stale: dict[str, str] = {}
+    for row in rows:
+        it, label, state, *rest = row
+        if label in STATUS_STAGES[:4] and state == "stale":
+            first_stale.setdefault(it, label)
+        elif label in STATUS_STAGES[:4] and state == "complete" and it in first_stale:
+            details = f"inputs changed since: {first_stale[it]} (stale)"
+            row = (it, label, "stale", *rest[:-1], ", ".join(x for x in (details, rest[-1]) if x))
+        out.append(row)
+    return out
+
+
+def changed_inputs(root: Path, it: int, stage: str, topup: int, m: dict[str, Any]) -> list[str]:
+    """The inputs of a complete stage that are no longer what it read (the run's own folders, as
+    the stages fingerprint them): scores' rollouts (their key), advantages' rollouts and scores
+    (their manifests' bytes), train's advantages and, after iteration 0, the previous train."""
+    from rlhf_batch.store import layout, manifests
+
+    def key(folder: Path) -> Any:
+        return (manifests.manifest(folder) or {}).get("key")
+
+    inputs = m.get("inputs") or {}
+    changed = []
+    if stage == "scores" and isinstance(r := inputs.get("rollouts"), dict):
+        changed += ["rollouts"] * (r.get("key") != key(layout.folder(root, it, "rollouts", topup)))
+    if stage == "advantages":
+        for name, was in inputs.items():
+            path = root / name / layout.MANIFEST
+            if name.startswith("iter=") and was != (
+                manifests.file_fingerprint(path) if path.exists() else None
+            ):
+                changed.append(name)
+    if stage == "train":
+        changed += ["advantages"] * (inputs.get("advantages") != key(layout.folder(root, it, "advantages")))
+        if it > 0 and "policy" in inputs and inputs["policy"] != key(layout.folder(root, it - 1, "train")):
+            changed.append(f"iter={it - 1:04d}/train")
+    return changed
 
 
 def _health(con: Any, it: int) -> list[str]:

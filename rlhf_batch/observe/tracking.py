@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlhf_batch.store import manifests
 from rlhf_batch.store.fs import local_side
 from rlhf_batch.store.layout import METRICS_FILE
 
@@ -157,6 +156,8 @@ def headline(sdir: Path, manifest: dict[str, Any]) -> dict[str, float]:
     """A stage's numbers: the manifest's counts and a few of its values, plus means read from
     the parts (rollouts: response length; scores: score, reward, kl_sum; train: loss)."""
     import pyarrow.compute as pc
+
+    from rlhf_batch.store import manifests  # pyarrow: not needed to log (trackio's venv has none)
 
     out: dict[str, float] = {}
     for group in ("prompt_counts", "counts"):

@@ -65,7 +65,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from rlhf_batch.config import Config
+from rlhf_batch.config import Config, check_groups
 from rlhf_batch.core.batching import aligned_chunks
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.runtime import faults
@@ -91,6 +91,7 @@ class Advantage(Stage):
     def inputs(self) -> dict[str, Any]:
         if self.iteration < 0:
             raise StageError(f"--iter must be >= 0, got {self.iteration}")
+        check_groups(self.cfg)
         self.window = _window(self.cfg, self.iteration)
         self.rounds = topup_rounds(self.cfg, self.iteration)
         inputs = {

@@ -123,9 +123,14 @@ def read_rows(path: Path) -> pa.Table:
     try:
         if suffix == ".parquet":
             return pq.read_table(path)
-        return pajson.read_json(path, read_options=pajson.ReadOptions(block_size=1 << 26))
+        t = pajson.read_json(path, read_options=pajson.ReadOptions(block_size=1 << 26))
     except (pa.ArrowInvalid, OSError) as e:
         raise SchemaError(f"{path}: cannot read ({str(e).splitlines()[0]})") from None
+    try:
+        t.validate(full=True)  # Arrow's JSON reader does not check that strings are UTF-8
+    except pa.ArrowInvalid:
+        raise SchemaError(f"{path}: not UTF-8 text (JSON Lines must be UTF-8)") from None
+    return t
 
 
 def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:

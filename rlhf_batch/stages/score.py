@@ -73,7 +73,7 @@ from rlhf_batch.stages.executor import execute
 from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_model
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.manifests import manifest, read_complete
-from rlhf_batch.store.modeldir import model_fingerprint
+from rlhf_batch.store.modeldir import check_base_weights, model_fingerprint
 from rlhf_batch.store.schemas import ROLLOUTS, SCORES, with_extra
 
 
@@ -93,6 +93,7 @@ class Score(Stage):
                 f"{self.rdir}: rollouts are not complete; run generate (or import) for iteration {it}"
             )
         self.rollouts_manifest = rollouts_manifest
+        check_base_weights(cfg.run_dir, cfg.ref, "ref_model")
         self.ctl = kl_controller_for(cfg, it)
         self.kl_coef = self.ctl.value if cfg.score.kl_in_reward else 0.0
         return {

@@ -3,6 +3,7 @@ reader never sees half a file and a kill leaves either the old state or the new 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_batch.errors import StageError
+from rlhf_batch.errors import ADVICE, StageError
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.store import fs
 from rlhf_batch.store.layout import tmp_name
@@ -37,12 +38,14 @@ def fsync(fd: int) -> None:
 
 def write_error(path: Path, e: BaseException) -> StageError:
     """A failed write (disk full, file too large, no permission) as a one-line error naming the file."""
-    reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0]
+    code = e.errno if isinstance(e, OSError) else None
+    reason = os.strerror(code) if code else str(e).splitlines()[0]
     if not isinstance(e, OSError) and _disk_full(path):  # torch.save: "[enforce fail at inline_...]"
-        reason = os.strerror(28)  # ENOSPC
-    return StageError(
-        f"{path}: cannot write ({reason}); free disk space and run again, finished work is kept"
-    )
+        reason, code = os.strerror(28), 28  # ENOSPC
+    if code == errno.ENOENT:
+        return StageError(f"{path}: cannot write: the folder {path.parent} does not exist")
+    advice = ADVICE.get(code or -1, "fix it and run again")
+    return StageError(f"{path}: cannot write ({reason}); {advice}, finished work is kept")
 
 
 def _disk_full(path: Path) -> bool:

@@ -33,7 +33,9 @@ LOCK_ENV = "RLHF_BATCH_RUN_LOCKED"  # set by `run` for its stage processes: it h
 
 
 def stale_after() -> float:
-    return float(os.environ.get("RLHF_BATCH_LOCK_STALE_S", 4 * HEARTBEAT_S))
+    from rlhf_batch.runtime.env import seconds
+
+    return seconds("RLHF_BATCH_LOCK_STALE_S", 4 * HEARTBEAT_S)
 
 
 def lock_id(run_dir: str | Path) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 from rlhf_batch.errors import ModelError
 from rlhf_batch.runtime.hub import hub_revision
 from rlhf_batch.store import layout
-from rlhf_batch.store.fs import is_remote, run_path
+from rlhf_batch.store.fs import is_remote, makedirs, run_path
 
 
 def check_model_dir(path: str, what: str) -> Path:
@@ -113,3 +113,51 @@ def removed_record(path: str | Path) -> dict[str, Any] | None:
     if isinstance(fp, dict) and str(fp.get("path", "")).endswith(f"/{p.parent.name}/{p.name}"):
         fp["path"] = str(p if is_remote(p) else p.absolute())
     return {**data, "fingerprint": fp}
+
+
+BASE_WEIGHTS = "base_weights.json"  # RUN_DIR/: the initial policy's and reference's weights, hashed once
+
+
+def check_base_weights(run_dir: str | Path, path: str, what: str) -> None:
+    """The weights of a model the run did not write (the initial policy, the reference) are those
+    it began with: their sha256 is recorded in RUN_DIR/BASE_WEIGHTS the first time a stage reads
+    them, with each file's size and mtime; later a file whose size and mtime are unchanged is not
+    read again, and one whose bytes changed (same config) is refused with one line, not mixed."""
+    p = check_model_dir(path, what)
+    if is_remote(p) or removed_record(p) is not None:
+        return
+    from rlhf_batch.store.atomic import write_json_atomic
+    from rlhf_batch.store.manifests import read_json
+
+    record_path = run_path(run_dir) / BASE_WEIGHTS
+    record = read_json(record_path) if record_path.exists() else {}
+    was = record.get(str(p.resolve()), {})
+    now: dict[str, Any] = {}
+    for q in sorted(p.glob("*.safetensors")):
+        st = q.stat()
+        seen = was.get(q.name)
+        same = seen is not None and (seen["bytes"], seen["mtime_ns"]) == (st.st_size, st.st_mtime_ns)
+        now[q.name] = (
+            seen if same else {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(q)}
+        )
+    if was and {k: v["sha256"] for k, v in was.items()} != {k: v["sha256"] for k, v in now.items()}:
+        changed = sorted(
+            k for k in {*was, *now} if (was.get(k) or {}).get("sha256") != (now.get(k) or {}).get("sha256")
+        )
+        raise ModelError(
+            f"{what}: the weights of {p} changed since this run read them ({', '.join(changed)}; recorded in "
+            f"{record_path}); a run uses one base model: put the weights back, or use a new run_dir"
+        )
+    if now != was:
+        makedirs(record_path.parent)
+        write_json_atomic(record_path, {**record, str(p.resolve()): now})
+
+
+def _sha256(q: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(q, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from rlhf_batch.core.kl import (
     AdaptiveKLController,
     ConstantKLController,
+    bounded_k3,
     controller_from_state,
     kl_estimate,
     kl_shaped_reward,
@@ -206,3 +207,16 @@ def test_prop_adaptive_moves_towards_target_within_clip(
     # |multiplier - 1| <= 0.2 * n / horizon (before the floor at 0)
     assert abs(new - beta) <= beta * 0.2 * n / 1000 * (1 + 1e-12) + 1e-300
     assert math.isfinite(new)
+
+
+def test_k3_keeps_float32_precision_near_equal_log_probs() -> None:
+    """k3 = exp(d) - d - 1 near d = 0 in float32. By Taylor, exp(d) - d - 1 = d^2/2 + d^3/6 + O(d^4).
+    d = float32(1e-4) = 9.99999974737875e-05: d^2/2 = 4.99999974737875e-09, d^3/6 = 1.6667e-13,
+    k3 = 5.0001664e-09; d = -float32(1e-4): 5.0e-09 - 1.6667e-13 = 4.9998331e-09. Through expm1
+    the float32 result is within ~3e-4 relative (expm1(d) - d loses ~12 of 24 bits); written as
+    exp(d) - d - 1, exp(d) = 1.0001 rounds to a float32 spaced 1.2e-7 apart, and the result is 0."""
+    d = torch.tensor([1e-4, -1e-4], dtype=torch.float32)
+    want = [5.0001664e-09, 4.9998331e-09]
+    for got in (bounded_k3(d), kl_estimate(torch.zeros(2), d, "k3")):  # d = ref_logp - logp
+        assert got.dtype == torch.float32
+        assert got.tolist() == pytest.approx(want, rel=1e-3)

@@ -135,7 +135,7 @@ def test_order_is_the_same_after_a_kill_in_a_topup_round_of_an_extended_run(
     env = {
         **os.environ,
         faults.FAULT_ENV: "rollouts:part-0:done",
-        "PYTHONPATH": str(Path(__file__).parents[1]),
+        "PYTHONPATH": str(Path(__file__).parents[2]),
     }
     cmd = [
         sys.executable,

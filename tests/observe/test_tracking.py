@@ -22,7 +22,7 @@ from rlhf_batch.errors import ConfigError
 from rlhf_batch.observe import tracking
 from rlhf_batch.store import layout, manifests
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRACKIO_PY = ROOT / ".venv-trackio" / "bin" / "python"
 
 

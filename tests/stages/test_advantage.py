@@ -672,3 +672,30 @@ def test_closing_the_stage_gives_duckdb_memory_back(tmp_path: Path) -> None:
     stage.close()
     assert _rss_mb() - before < (peak - before) / 4
     advantage._close_db()
+
+
+def test_groups_sql_drops_a_group_whose_task_scores_are_equal_though_its_rewards_differ() -> None:
+    """advantage_groups.sql on a hand-made pool: with a KL-shaped reward (reward = score - beta*KL)
+    a group of equal task scores has rewards that differ by the KL term alone; it carries no
+    signal about the task and is dropped as zero_variance, like a group of equal rewards. A
+    group whose scores differ is kept; with drop_zero_variance off all three are kept."""
+    import duckdb
+
+    from rlhf_batch.sql import sql_text
+
+    con = duckdb.connect(":memory:")
+    con.execute(
+        "CREATE TEMP TABLE pool AS SELECT * FROM (VALUES "
+        "('kl_only', 0, false, 0.9, 1.0, true), ('kl_only', 0, false, 0.8, 1.0, true), "
+        "('equal', 0, false, 0.5, 0.5, true), ('equal', 0, false, 0.5, 0.5, true), "
+        "('task', 0, false, 1.0, 1.0, true), ('task', 0, false, 0.0, 0.0, true)"
+        ") AS t(prompt_id, iter, truncated, reward, score, used)"
+    )
+
+    def dropped(drop_zero_variance: bool) -> dict[str, str | None]:
+        params = {"iter": 0, "ddof": 1, "min_group_size": 2, "drop_zero_variance": drop_zero_variance}
+        con.execute(sql_text("advantage_groups"), params)
+        return dict(con.execute("SELECT prompt_id, dropped FROM groups ORDER BY prompt_id").fetchall())
+
+    assert dropped(True) == {"equal": "zero_variance", "kl_only": "zero_variance", "task": None}
+    assert dropped(False) == {"equal": None, "kl_only": None, "task": None}

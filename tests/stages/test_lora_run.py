@@ -20,7 +20,7 @@ from rlhf_batch.models.load import load_model
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LORA = {"enabled": True, "r": 4, "alpha": 8}
 TRAIN = {"lr": 1e-2, "tokens_per_step": 64}
 
