@@ -95,6 +95,9 @@ class GenerateConfig:
     prompts_per_part: int = knob(256, "generate")  # resume granularity: one part per this many prompts
     engine: Literal["hf", "vllm"] = knob("hf", "generate")  # hf: the built-in sampler; vllm: vllm.LLM
     python: str = knob("")  # interpreter `run` starts the generate stage with (e.g. .venv-vllm/bin/python)
+    # vllm: false sends one request per prompt with n = G samples (faster; a row then depends on
+    # its group, reproducible for a fixed engine); true: one request and seed per rollout
+    seed_per_rollout: bool = knob(True, "generate")
     tensor_parallel_size: int = knob(1, "generate")  # vllm: GPUs one engine spans
     gpu_memory_utilization: float = knob(0.9)  # vllm: share of GPU memory the engine may take
     max_model_len: int = knob(0, "generate")  # vllm: context length to reserve KV cache for; 0: the model's
@@ -121,6 +124,11 @@ class GenerateConfig:
             "generate.engine",
             "= 'vllm' needs top_k = 0 and top_p = 1: vLLM's log-probs are those after its top-k/top-p filter, "
             "the behaviour log-probs here are those before it (use engine = 'hf' to filter)",
+        )
+        _need(
+            self.seed_per_rollout or self.engine == "vllm",
+            "generate.seed_per_rollout",
+            "= false is for engine = 'vllm' (the hf sampler always seeds each rollout)",
         )
         _need(self.tensor_parallel_size >= 1, "generate.tensor_parallel_size", "must be >= 1")
         _need(0 < self.gpu_memory_utilization <= 1, "generate.gpu_memory_utilization", "must be in (0, 1]")
@@ -416,6 +424,8 @@ class Config:
                 table = {g.name: getattr(value, g.name) for g in fields if stage in g.metadata["decides"]}
                 if table.get("batch_size") == "auto" and not self.samples_on_cuda():
                     table["batch_size"] = CPU_BATCH_SIZE  # "auto" on a CPU: the old default, same identity
+                if table.get("seed_per_rollout") is True:
+                    del table["seed_per_rollout"]  # recorded only when off: older identities stay
                 if table:
                     out[f.name] = table
             elif stage in f.metadata["decides"]:
