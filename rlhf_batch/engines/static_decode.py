@@ -194,8 +194,17 @@ def capture(step: Callable[[], None]) -> Callable[[], None]:
         step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError as e:  # an op the model cannot capture: decode eagerly (recording ran nothing)
+        import warnings
+
+        warnings.warn(
+            f"generate: the decode step cannot be a CUDA graph ({str(e).splitlines()[0]}); decoding eagerly",
+            stacklevel=2,
+        )
+        return step
     return graph.replay
 
 

@@ -93,3 +93,13 @@ def test_a_batch_that_runs_out_of_memory_is_halved(make_config, monkeypatch) -> 
     )
     with pytest.raises(StageError, match="does not fit in the device's memory"):
         eng.sample(PROMPTS[:1], SEEDS[:1], Bar())
+
+
+def test_auto_on_a_cpu_keeps_the_identity_of_batch_size_64(make_config) -> None:  # noqa: ANN001
+    """Folders written before "auto" (default 64) are not refused: on a CPU "auto" is recorded as
+    64, and seed_per_rollout only when off."""
+    _, cfg = make_config(generate={"batch_size": "auto"})
+    ident = cfg.identity("generate")["generate"]
+    assert ident["batch_size"] == 64 and "seed_per_rollout" not in ident
+    _, cfg = make_config(generate={"batch_size": "auto", "engine": "vllm", "seed_per_rollout": False})
+    assert cfg.identity("generate")["generate"]["seed_per_rollout"] is False
