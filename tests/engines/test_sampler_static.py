@@ -52,6 +52,7 @@ def same_rows(a: list, b: list, tol: float = 1e-5) -> None:
     assert worst < tol, worst
 
 
+@pytest.mark.slow  # 64 + 10 sample calls: ~54 s on 2 busy cores
 def test_static_rows_do_not_depend_on_the_batch(model, rows) -> None:  # noqa: ANN001
     prompts, seeds = rows
     full = sample(model, prompts, seeds, max_new_tokens=6, decode="static", **OPTS)
