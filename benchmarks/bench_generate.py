@@ -219,26 +219,90 @@ def vllm_worker(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+class HostSyncs:
+    """Counts the Tensor calls that make the host wait for the device's values (`item`, `tolist`,
+    `cpu`, `nonzero`, `__bool__`) while `active`; `install` patches them, `remove` puts them back."""
+
+    NAMES = ("item", "tolist", "cpu", "nonzero", "__bool__")
+
+    def __init__(self) -> None:
+        self.count, self.active, self.saved = 0, False, {}
+
+    def install(self) -> None:
+        import torch
+
+        for name in self.NAMES:
+            real = self.saved[name] = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._wrap(real))
+
+    def _wrap(self, real: Any) -> Any:
+        def call(t: Any, *a: Any, **k: Any) -> Any:
+            self.count += self.active
+            return real(t, *a, **k)
+
+        return call
+
+    def remove(self) -> None:
+        import torch
+
+        for name, real in self.saved.items():
+            setattr(torch.Tensor, name, real)
+
+
+def timed_decode(model: Any, prompts: list[list[int]], steps: int, path: str, device: str) -> dict[str, Any]:
+    """One batch through `sampler.sample` on `path` (static / dynamic) for `steps` tokens a row (no
+    stop token): seconds from the end of the prefill's forward (a forward hook) to the return, and
+    the host syncs counted inside the decode loop (until the static path reads its results back)."""
+    import torch
+
+    from rlhf_batch.engines import static_decode
+    from rlhf_batch.engines.sampler import sample
+
+    marks: list[float] = []
+    syncs = HostSyncs()
+
+    def on_forward(*a: Any) -> None:
+        marks.append(time.perf_counter())
+        syncs.active = True
+
+    real_results = static_decode.Loop.results
+
+    def results(loop: Any) -> Any:
+        syncs.active = False
+        return real_results(loop)
+
+    hook = model.register_forward_hook(on_forward)
+    static_decode.Loop.results = results  # type: ignore[method-assign]
+    syncs.install()
+    try:
+        sample(model, prompts, list(range(len(prompts))), max_new_tokens=steps, pad_id=1, decode=path)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - marks[0]
+    finally:
+        syncs.remove()
+        hook.remove()
+        static_decode.Loop.results = real_results  # type: ignore[method-assign]
+    return {"seconds": seconds, "syncs_per_step": syncs.count / max(1, steps - 1), "path": path}
+
+
 def decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """The hf engine's steady-state decode: one batch of `batch` rows (the workload's first rows,
     left-padded to the longest prompt) through `sampler.sample` for `steps` tokens each (no stop
-    token, so every row runs every step), in `dtype`. The clock starts when the prefill's forward
-    returns (a forward hook) and stops when sample returns: `steps` samplings and `steps - 1`
-    decode forwards. Also what a step reads: weights and the KV cache, and its FLOPs."""
+    token, so every row runs every step), in `dtype`, on the sampler's `path` (default: dynamic,
+    the CPU's). The clock starts when the prefill's forward returns (a forward hook) and stops when
+    sample returns: `steps` samplings and `steps - 1` decode forwards; host syncs counted inside
+    the loop. Also what a step reads: weights and the KV cache, and its FLOPs."""
     import torch
 
-    from rlhf_batch.engines.sampler import sample
     from rlhf_batch.models.load import load_model
 
     torch.manual_seed(0)
     w = make_workload(spec["rows"], spec["vocab"], tiny=spec["tiny"], cap=CAP).head(spec["batch"])
     model = load_model(spec["model"], "policy", device="cpu", dtype=spec["dtype"])
-    marks: list[float] = []
-    hook = model.register_forward_hook(lambda *a: marks.append(time.perf_counter()))
     steps, b = spec["steps"], len(w)
-    sample(model, w.prompt_ids, list(range(b)), max_new_tokens=steps, pad_id=1)
-    seconds = time.perf_counter() - marks[0]
-    hook.remove()
+    timed = timed_decode(model, w.prompt_ids, steps, spec.get("path", "dynamic"), "cpu")
+    seconds = timed["seconds"]
     c = model.config
     layers, kv_heads, heads = c.num_hidden_layers, c.num_key_value_heads, c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -258,6 +322,8 @@ def decode_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "flops_per_token": 2 * (body + head) + 4 * layers * heads * head_dim * ctx,
         "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+        "syncs_per_step": timed["syncs_per_step"],
+        "path": timed["path"],
     }
 
 
@@ -287,6 +353,27 @@ def decode_row(results: Path, d: dict[str, Any], dtype: str, peaks: dict[str, fl
     )
 
 
+def paths_row(results: Path, paths: dict[str, dict[str, Any]], dtype: str) -> None:
+    """The sampler's two decode paths on the same batch: steady-state tokens/s and the host syncs
+    per step inside the loop (the static path's target: 0 on every device)."""
+    d, s = paths["dynamic"], paths["static"]
+    tps_d, tps_s = d["tokens"] / d["seconds"], s["tokens"] / s["seconds"]
+    append_row(
+        results,
+        f"generate decode loop, static vs dynamic path, {dtype}",
+        f"hf engine, steady state after the prefill: batch {d['batch']}, {d['steps']} tokens per row, "
+        f"{d['threads']} threads; host syncs per step inside the loop (Tensor.item/tolist/cpu/nonzero/"
+        f"__bool__ calls): static {s['syncs_per_step']:.2f}, dynamic {d['syncs_per_step']:.2f}",
+        "decode tokens/s (static / dynamic)",
+        f"{tps_s:.0f}",
+        f"{tps_d:.0f}",
+        f"{tps_s / tps_d:.2f}x",
+        target="0 syncs per step (static)",
+        met=s["syncs_per_step"] == 0,
+    )
+
+
+PATHS = ("dynamic", "static")
 WORKERS = {"run": worker, "vllm": vllm_worker, "decode": decode_worker}
 
 
@@ -354,7 +441,9 @@ def main() -> None:
     dtypes = ["bfloat16", "float32"] if common.machine().endswith(", bf16 units") else ["float32"]
     for dtype in dtypes:  # the dtype `auto` picks here first
         spec = {**base, "dtype": dtype, "batch": 16 if tiny else 64, "steps": 4 if tiny else 32}
-        decode_row(args.results, common.run_worker("bench_generate.py", "decode", spec), dtype, peaks)
+        paths = {p: common.run_worker("bench_generate.py", "decode", {**spec, "path": p}) for p in PATHS}
+        decode_row(args.results, paths["dynamic"], dtype, peaks)
+        paths_row(args.results, paths, dtype)
     # the tiny model has head_dim 16, which vLLM's CPU attention refuses: the tiny run uses head_dim 64
     vbase = {**base, "model": str(common.model_dir(True, spec=TINY_VLLM))} if tiny else base
     v = run_vllm({**vbase, "eager": tiny})

@@ -6,7 +6,7 @@
 
 It installs the project offline from the wheel folder as benchmarks/gpu_check.py does (its
 `install`), builds a Qwen2.5-0.5B-shaped random policy with `rlhf-batch init-model --shape` saved
-in bf16 (float32 where init-model has no --dtype), generates 128 prompts x 8 samples x 1024 new
+in bf16 (`init-model --dtype bfloat16`), generates 128 prompts x 8 samples x 1024 new
 tokens with the generate stage (random weights rarely sample an end token: responses run to the
 limit), then scores and trains on those rows in this process:
 
@@ -87,12 +87,8 @@ def prepare(args: argparse.Namespace, work: Path, size: dict[str, Any]) -> dict[
     import gpu_check
 
     policy = work / "policy"
-    try:
-        gpu_check.cli("init-model", str(policy), "--shape", args.shape, "--dtype", "bfloat16")
-        saved = "bfloat16"
-    except gpu_check.Failure:  # an init-model without --dtype: float32 files
-        gpu_check.cli("init-model", str(policy), "--shape", args.shape)
-        saved = "float32"
+    gpu_check.cli("init-model", str(policy), "--shape", args.shape, "--dtype", "bfloat16")
+    saved = "bfloat16"
     gpu_check.cli("init-prompts", str(work / "prompts.jsonl"), "--n", str(size["prompts"]))
     (work / "config.toml").write_text(
         f'run_dir = "{work / "run"}"\npolicy_model = "{policy}"\ndevice = "{args.device}"\n'

@@ -70,6 +70,9 @@ def _need_side(device: str, threads: int, table: str) -> None:
     _need(threads >= 0, f"{table}.threads", "must be >= 0 (0: the run's threads)")
 
 
+CPU_BATCH_SIZE = 64  # generate.batch_size = "auto" on a CPU (without RLHF_BATCH_GENERATE_MEMORY)
+
+
 @dataclass
 class GenerateConfig:
     # a file (.jsonl, .json, .parquet), a datasets dir, a dir of shards, a glob, a hub dataset id
@@ -87,10 +90,14 @@ class GenerateConfig:
     temperature: float = knob(1.0, "generate", "import", "score", "train")
     top_p: float = knob(1.0, "generate")
     top_k: int = knob(0, "generate")  # 0: no top-k filtering
-    batch_size: int = knob(64, "generate")  # rows (prompt x sample) decoded together
+    # rows (prompt x sample) decoded together; "auto": from free device memory on CUDA, 64 on a CPU
+    batch_size: int | Literal["auto"] = knob("auto", "generate")
     prompts_per_part: int = knob(256, "generate")  # resume granularity: one part per this many prompts
     engine: Literal["hf", "vllm"] = knob("hf", "generate")  # hf: the built-in sampler; vllm: vllm.LLM
     python: str = knob("")  # interpreter `run` starts the generate stage with (e.g. .venv-vllm/bin/python)
+    # vllm: false sends one request per prompt with n = G samples (faster; a row then depends on
+    # its group, reproducible for a fixed engine); true: one request and seed per rollout
+    seed_per_rollout: bool = knob(True, "generate")
     tensor_parallel_size: int = knob(1, "generate")  # vllm: GPUs one engine spans
     gpu_memory_utilization: float = knob(0.9)  # vllm: share of GPU memory the engine may take
     max_model_len: int = knob(0, "generate")  # vllm: context length to reserve KV cache for; 0: the model's
@@ -107,7 +114,9 @@ class GenerateConfig:
         _need(self.temperature > 0, "generate.temperature", "must be > 0")
         _need(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
         _need(self.top_k >= 0, "generate.top_k", "must be >= 0")
-        _need(self.batch_size >= 1, "generate.batch_size", "must be >= 1")
+        _need(
+            self.batch_size == "auto" or self.batch_size >= 1, "generate.batch_size", "must be >= 1 or 'auto'"
+        )
         _need(self.prompts_per_part >= 1, "generate.prompts_per_part", "must be >= 1")
         _need(self.max_prompt_tokens >= 1, "generate.max_prompt_tokens", "must be >= 1")
         _need(
@@ -115,6 +124,11 @@ class GenerateConfig:
             "generate.engine",
             "= 'vllm' needs top_k = 0 and top_p = 1: vLLM's log-probs are those after its top-k/top-p filter, "
             "the behaviour log-probs here are those before it (use engine = 'hf' to filter)",
+        )
+        _need(
+            self.seed_per_rollout or self.engine == "vllm",
+            "generate.seed_per_rollout",
+            "= false is for engine = 'vllm' (the hf sampler always seeds each rollout)",
         )
         _need(self.tensor_parallel_size >= 1, "generate.tensor_parallel_size", "must be >= 1")
         _need(0 < self.gpu_memory_utilization <= 1, "generate.gpu_memory_utilization", "must be in (0, 1]")
@@ -411,11 +425,24 @@ class Config:
             if dataclasses.is_dataclass(value):
                 fields = dataclasses.fields(value)
                 table = {g.name: getattr(value, g.name) for g in fields if stage in g.metadata["decides"]}
+                if table.get("batch_size") == "auto" and not self.samples_on_cuda():
+                    table["batch_size"] = CPU_BATCH_SIZE  # "auto" on a CPU: the old default, same identity
+                if table.get("seed_per_rollout") is True:
+                    del table["seed_per_rollout"]  # recorded only when off: older identities stay
                 if table:
                     out[f.name] = table
             elif stage in f.metadata["decides"]:
                 out[f.name] = value
         return out
+
+    def samples_on_cuda(self) -> bool:
+        """Whether the sample side (generate's device, else the run's) is a CUDA device."""
+        device = self.generate.device or self.device
+        if device == "auto":
+            from rlhf_batch.runtime.device import resolve_device
+
+            device = resolve_device(device)
+        return device.startswith("cuda")
 
     def validate(self) -> None:
         _need(self.iterations >= 1, "iterations", "must be >= 1")

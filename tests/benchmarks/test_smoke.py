@@ -21,6 +21,7 @@ ROWS = {  # benchmark script -> the rows it must append
     "bench_generate.py": [
         "generate tokens/s",
         "generate decode vs its limit, float32",  # bf16 too where the CPU has bf16 units
+        "generate decode loop, static vs dynamic path, float32",
         "generate tokens/s, vllm engine",
         "generate start-up, vllm engine",
     ],

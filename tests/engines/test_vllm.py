@@ -7,6 +7,8 @@ cores: the tests are few, and marked slow.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -143,3 +145,46 @@ def test_the_demo_learns_with_the_vllm_engine_as_with_hf(tmp_path: Path) -> None
     assert 0.4 < gain_vllm / gain_hf < 2.5, (hf, vllm)  # the same climb, up to sampling noise
     m = manifests.manifest(layout.folder(tmp_path / "vllm", 2, layout.ROLLOUTS))
     assert m is not None and m["engine"] == "vllm"
+
+
+KEPT_ALIVE = """
+import json, sys
+from rlhf_batch.config import load_config
+from rlhf_batch.engines import vllm as ve
+
+if __name__ == "__main__":
+    a, G = sys.argv[1], 3
+    cfg = load_config(None, ["dtype=float32", "generate.engine=vllm", "generate.enforce_eager=true",
+                             "generate.max_new_tokens=6", "generate.temperature=0.9",
+                             "generate.seed_per_rollout=false"])
+    rows = [p for p in ([5, 6, 7], [8, 9, 10, 11]) for _ in range(G)]
+    seeds = [11, 12, 13, 21, 22, 23]
+    first = ve.shared_engine(a, cfg)
+    fresh = ve.sample_rows(first, rows, seeds, cfg.generate, {0})  # the engine's first requests
+    ve.sample_rows(first, rows[::-1], seeds, cfg.generate, {0})  # other work in between
+    kept = ve.shared_engine(a, cfg)  # the next stage run on the same policy
+    again = ve.sample_rows(kept, rows, seeds, cfg.generate, {0})
+    requests = len(ve._groups(rows, cfg.generate.seed_per_rollout))
+    print(json.dumps({"same": kept is first, "requests": requests, "fresh": fresh, "again": again}))
+"""
+
+
+def test_a_kept_alive_engine_samples_as_a_fresh_one(tmp_path: Path, model64: Path) -> None:
+    """One request per prompt (n = G, seed_per_rollout = false); the engine a stage run left
+    running is reused by the next one on the same policy and samples what it sampled fresh."""
+    need_vllm()
+    script = tmp_path / "kept.py"
+    script.write_text(KEPT_ALIVE)
+    res = subprocess.run(
+        [str(VLLM_PY), str(script), str(model64)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["same"] and out["requests"] == 2
+    assert out["again"] == out["fresh"]  # tokens, log-probs and finish reasons alike
+    assert all(len(r[0]) == len(r[1]) >= 1 for r in out["fresh"])
