@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import ConfigError, UserError
-from rlhf_batch.observe.health import view_sql
+from rlhf_batch.observe.health import create_view
 from rlhf_batch.sql import NAN_SAFE, quote
 from rlhf_batch.store.fs import is_remote, register, run_path
 
@@ -131,7 +131,7 @@ def connect(run_dir: str | Path) -> Any:
             con.unregister("_empty")
     _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
     _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
-    con.execute("CREATE VIEW health AS " + view_sql())  # over metrics
+    create_view(con)  # health, over metrics
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")

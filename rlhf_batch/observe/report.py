@@ -67,7 +67,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         if time := _stage_times(run_dir, it):
             row["time"] = time
         per_iter.append(row)
-    return {"iters": per_iter, "steps": pa.concat_tables(steps) if steps else None, "last": last}
+    steps_table = pa.concat_tables(steps, promote_options="default") if steps else None  # LATER_COLUMNS
+    return {"iters": per_iter, "steps": steps_table, "last": last}
 
 
 def _stage_times(run_dir: Path, it: int) -> dict[str, dict[str, float]]:

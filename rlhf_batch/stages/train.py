@@ -59,6 +59,18 @@ if TYPE_CHECKING:
     from rlhf_batch.stages.train_step import Trainer
 
 
+# the objective's keys at these values leave the identity as it was before they existed
+OBJECTIVE_DEFAULTS = {
+    "ratio_level": "token",
+    "seq_eps_low": 3e-4,
+    "seq_eps_high": 4e-4,
+    "loss": "ppo",
+    "cispo_max": 5.0,
+    "tis_mode": "truncate",
+    "tis_low": 0.0,
+}
+
+
 class Train(Stage):
     """No parts: the policy dir, metrics.parquet and the manifest, with checkpoints meanwhile."""
 
@@ -74,6 +86,9 @@ class Train(Stage):
             ident.pop("lora", None)
         if not self.cfg.train.sequences_per_step:  # likewise for steps cut by tokens
             ident["train"].pop("sequences_per_step", None)
+        for key, default in OBJECTIVE_DEFAULTS.items():  # and for the token-level PPO objective
+            if ident["train"].get(key) == default:
+                ident["train"].pop(key)
         ident["train"]["total_steps"] = train_schedule.identity(self.cfg, self.iteration, self.force)
         return ident
 
@@ -418,6 +433,16 @@ def _loss_kwargs(cfg: Config) -> dict[str, Any]:
         "norm_const": norm_const(cfg),
         "kl_to_inference_coef": tc.kl_to_inference_coef,
         "tis_cap": tc.tis_cap,
+        "ratio_level": tc.ratio_level,
+        "loss_type": tc.loss,
+        "cispo_max": tc.cispo_max,
+        "tis_mode": tc.tis_mode,
+        "tis_low": tc.tis_low,
+        **(
+            {"eps_low": tc.seq_eps_low, "eps_high": tc.seq_eps_high or tc.seq_eps_low}
+            if tc.ratio_level == "sequence"
+            else {}
+        ),
     }
 
 

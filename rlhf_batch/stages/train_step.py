@@ -29,7 +29,7 @@ from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.stages.train_data import Step, TrainRows, lr_factor, micro_batch, sequences
 
 LOSSES = ("loss", "loss_objective", "loss_kl_to_ref", "loss_kl_to_inference", "loss_entropy")
-TOKEN_MEANS = ("clip_fraction", "kl_approx", "kl_to_ref", "entropy", "ratio_mean")
+TOKEN_MEANS = ("clip_fraction", "kl_approx", "kl_to_ref", "entropy", "ratio_mean", "tis_masked")
 
 
 class LogProbs(torch.nn.Module):
