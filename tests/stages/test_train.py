@@ -416,6 +416,36 @@ def test_tis_cap_recomputes_old_and_weights_tokens_by_the_capped_behaviour_ratio
     assert row["loss_objective"] == pytest.approx(-1.5, abs=1e-5)
 
 
+def test_masked_importance_sampling_drops_tokens_and_reports_their_share(make_config, tiny_model: Path) -> None:
+    # three 1-token responses, A = 1; behaviour ln 1, ln 2, ln 4 below the policy: the recomputed
+    # anchor gives r = 1 and w = 1, 2, 4; tis_mode "mask", band [0, 3] (tis_cap unset: 3): weights
+    # 1, 2, 0. token_mean objective = -(1 + 2 + 0) / 3 = -1; 1 token of 3 masked.
+    # (truncation at 3 instead: -(1 + 2 + 3) / 3 = -2)
+    shifts = [0.0, -math.log(2), -math.log(4)]
+    table = make_table(tiny_model, [3, 3, 3], [1, 1, 1], advantages=[1.0, 1.0, 1.0], old_shift=shifts)
+    _, cfg = make_config(train_toml(lr=0.0, max_tokens_per_batch=6, tis_mode="mask"))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    row = metrics(cfg.run_dir).to_pylist()[0]
+    assert row["loss_objective"] == pytest.approx(-1.0, abs=1e-5)
+    assert row["tis_masked"] == pytest.approx(1 / 3, abs=1e-6)
+
+
+def test_sequence_ratio_is_the_rows_geometric_mean_in_train(make_config, tiny_model: Path) -> None:
+    # two rows of 2 response tokens, behaviour 0.0002 and 0.001 below the policy on every token
+    # (stored, not recomputed): s = e^0.0002 = 1.0002 (inside [1 - 3e-4, 1 + 4e-4]) and
+    # e^0.001 = 1.0010005 (> 1.0004, A = 1: the clip binds on row 1's 2 tokens: clip_fraction 0.5).
+    # seq_mean_token_mean objective = -(1.0002 + 1.0004) / 2 = -1.0003
+    table = make_table(tiny_model, [3, 3], [2, 2], advantages=[1.0, 1.0], old_shift=[-2e-4, -1e-3])
+    keys = {"lr": 0.0, "ratio_level": "sequence", "aggregation": "seq_mean_token_mean"}
+    _, cfg = make_config(train_toml(**keys))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    row = metrics(cfg.run_dir).to_pylist()[0]
+    assert row["loss_objective"] == pytest.approx(-1.0003, abs=2e-6)
+    assert row["clip_fraction"] == pytest.approx(0.5)
+
+
 def test_a_stale_run_trains_with_the_decoupled_objective_by_default(make_config, tiny_model: Path) -> None:
     # max_staleness = 1, no train keys set: recompute_old (the anchor is the policy: r = 1) and the
     # weight min(exp(old - behaviour), 5). Row 1's behaviour is ln 8 below: w = 8 -> 5; row 0's w = 1.
