@@ -36,6 +36,7 @@ from rlhf_batch.core.objectives import (
     TIS_MODES,
     cispo_tokens,
     is_weights,
+    row_stats,
     sequence_log_ratio,
 )
 
@@ -62,6 +63,7 @@ class GRPOLossOutput(TensorClass):
     entropy: torch.Tensor  # masked mean of entropy
     ratio_mean: torch.Tensor  # masked mean of the token ratio (of the sequence ratio: ratio_level "sequence")
     tis_masked: torch.Tensor  # share of real tokens the importance-sampling mask drops (tis_mode mask modes)
+    row_stats: torch.Tensor  # [B, len(objectives.ROW_STATS)] per-row diagnostics (objectives.row_stats)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -274,6 +276,7 @@ def grpo_loss(
     else:
         loss_tok = _clipped_objective(obj_ratio, adv, eps_low, eps_high, dual_clip)  # [B, T]
     masked = torch.zeros_like(mask)  # [B, T]
+    weights: torch.Tensor | None = None  # [B, T] when importance sampling weighs the tokens
     if tis_cap > 0:
         assert behavior_logprobs is not None
         d = torch.where(mask, old - behavior_logprobs.detach().to(dtype), 0.0)  # [B, T], masked before exp
@@ -306,4 +309,14 @@ def grpo_loss(
         entropy=entropy_metric,
         ratio_mean=masked_mean(obj_ratio, mask),
         tis_masked=masked_mean(masked.to(dtype), mask),
+        row_stats=row_stats(
+            obj_ratio,
+            weights,
+            binds,
+            masked,
+            entropy,
+            logprobs,
+            old if behavior_logprobs is None else behavior_logprobs.detach(),
+            mask,
+        ),
     )

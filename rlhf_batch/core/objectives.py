@@ -61,3 +61,50 @@ def is_weights(
         raise ValueError(f"unknown tis mode {mode!r}; expected one of {TIS_MODES}")
     keep = (w >= low) & (w <= cap)  # [B, T]
     return torch.where(keep, w, 0.0), mask & ~keep
+
+
+# one row of train's per-rollout diagnostics (iter=K/train/rollout_stats.parquet), in this order
+ROW_STATS = (
+    "ratio_mean",  # mean over the row's tokens of the ratio the objective weighs (GSPO: the row's)
+    "ratio_max",
+    "is_weight",  # mean engine/trainer importance weight applied (1: none; 0 on masked tokens)
+    "clipped_tokens",  # tokens where the clip (CISPO: the weight's cap) binds
+    "masked_tokens",  # tokens the importance-sampling mask dropped
+    "entropy_mean",  # nan: no entropy given
+    "logprob_diff_max",  # max |trainer log-prob - behaviour log-prob|
+)
+
+
+def row_stats(
+    ratio: torch.Tensor,
+    weights: torch.Tensor | None,
+    binds: torch.Tensor,
+    masked: torch.Tensor,
+    entropy: torch.Tensor | None,
+    logp: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """[B, len(ROW_STATS)] detached per-row statistics over each row's real tokens (a row with
+    none: 0, its maxima included)."""
+    n = mask.sum(-1).clamp(min=1).to(logp.dtype)  # [B]
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, x, 0.0).sum(-1) / n  # [B]
+
+    def top(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(mask, x, float("-inf")).amax(-1).clamp(min=0.0)  # [B], x >= 0 here
+
+    ratio, logp = ratio.detach(), logp.detach()  # [B, T]
+    diff = torch.where(mask, logp - behaviour.to(logp.dtype), 0.0).abs()  # [B, T]
+    ent = mean(entropy.detach().to(logp.dtype)) if entropy is not None else torch.full_like(n, float("nan"))  # fmt: skip
+    cols = [
+        mean(ratio),
+        top(ratio),
+        mean(weights) if weights is not None else torch.ones_like(n),
+        (binds & mask).sum(-1),
+        (masked & mask).sum(-1),
+        ent,
+        top(diff),
+    ]
+    return torch.stack([c.to(logp.dtype) for c in cols], -1)  # [B, 7]

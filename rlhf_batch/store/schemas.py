@@ -88,6 +88,22 @@ METRICS = pa.schema(
     ]
 )
 
+ROLLOUT_STATS = pa.schema(  # train's diagnostics per rollout and epoch (core.objectives.ROW_STATS)
+    [
+        ("rollout_id", pa.string()),
+        ("epoch", pa.int32()),
+        ("step", pa.int32()),
+        ("tokens", pa.int32()),  # response tokens
+        ("ratio_mean", pa.float64()),
+        ("ratio_max", pa.float64()),
+        ("is_weight", pa.float64()),
+        ("clipped_tokens", pa.int32()),
+        ("masked_tokens", pa.int32()),
+        ("entropy_mean", pa.float64()),
+        ("logprob_diff_max", pa.float64()),
+    ]
+)
+
 EVAL = pa.schema(  # the rollouts columns of the held-out samples, then their reward and correctness
     [
         *ROLLOUTS,

@@ -266,7 +266,26 @@ def test_train_writes_policy_metrics_and_manifest(make_config, tiny_model: Path)
     counts = m["counts"]  # 48 tokens x 2 epochs
     assert (m["rows"], counts["steps"], counts["sequences"], counts["tokens"]) == (6, 6, 12, 96)
     # no checkpoint left; the AdamW state the next iteration continues from
-    assert sorted(p.name for p in sdir.iterdir()) == ["_manifest.json", "metrics.parquet", "optimizer"]
+    assert sorted(p.name for p in sdir.iterdir()) == [
+        "_manifest.json",
+        "metrics.parquet",
+        "optimizer",
+        "rollout_stats.parquet",
+    ]
+    # one diagnostics row per rollout and epoch; step 0's rollouts ran on the behaviour policy:
+    # ratio 1, |trainer - behaviour| ~ 0, weight 1, nothing clipped or masked
+    stats = pq.read_table(sdir / "rollout_stats.parquet").to_pylist()
+    assert len(stats) == 2 * counts["sequences"] and {r["epoch"] for r in stats} == {0, 1}
+    for epoch in (0, 1):  # every rollout once an epoch (make_table's ids)
+        ids = sorted(r["rollout_id"] for r in stats if r["epoch"] == epoch)
+        assert ids == sorted(f"0000-p{i // 4}-{i % 4}" for i in range(12))
+    assert sum(r["tokens"] for r in stats) == counts["tokens"]
+    for r in (r for r in stats if r["step"] == 0):
+        assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and r["ratio_max"] == pytest.approx(
+            1.0, abs=1e-5
+        )
+        assert r["logprob_diff_max"] < 1e-5 and r["is_weight"] == 1.0
+        assert (r["clipped_tokens"], r["masked_tokens"]) == (0, 0) and r["entropy_mean"] > 0
     assert sorted(p.name for p in (sdir / "optimizer").iterdir()) == [
         "optimizer.json",
         "optimizer.safetensors",
@@ -416,7 +435,9 @@ def test_tis_cap_recomputes_old_and_weights_tokens_by_the_capped_behaviour_ratio
     assert row["loss_objective"] == pytest.approx(-1.5, abs=1e-5)
 
 
-def test_masked_importance_sampling_drops_tokens_and_reports_their_share(make_config, tiny_model: Path) -> None:
+def test_masked_importance_sampling_drops_tokens_and_reports_their_share(
+    make_config, tiny_model: Path
+) -> None:
     # three 1-token responses, A = 1; behaviour ln 1, ln 2, ln 4 below the policy: the recomputed
     # anchor gives r = 1 and w = 1, 2, 4; tis_mode "mask", band [0, 3] (tis_cap unset: 3): weights
     # 1, 2, 0. token_mean objective = -(1 + 2 + 0) / 3 = -1; 1 token of 3 masked.
@@ -760,6 +781,15 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
         max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(ref.run_dir, 0)))
         < 1e-6
     )
+    # the per-rollout diagnostics: the checkpoint carried the killed run's, so every step's are there
+    resumed, uninterrupted = (
+        pq.read_table(layout.folder(d, 0, "train") / "rollout_stats.parquet").to_pylist()
+        for d in (cfg.run_dir, ref.run_dir)
+    )
+    assert len(resumed) == 48 and [r["rollout_id"] for r in resumed] == [
+        r["rollout_id"] for r in uninterrupted
+    ]
+    assert [r["step"] for r in resumed] == list(range(48))
 
 
 def test_gradient_checkpointing_gives_the_same_steps(make_config, tiny_model: Path, tmp_path: Path) -> None:
