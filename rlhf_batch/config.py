@@ -141,6 +141,9 @@ class ScoreConfig:
     # the token budget changes no result (up to rounding): a resume may lower it after an OOM
     max_tokens_per_batch: int = knob(8192)  # token budget of a forward batch
     rows_per_part: int = knob(2048, "score", "import")
+    # on-policy distillation: a model (local dir or hub id) whose log-probs of every sampled token
+    # score writes as `teacher_logprobs`; it must share the policy's tokenizer. "": none
+    teacher_model: str = knob("", "score")
 
     def validate(self) -> None:
         _need(self.reward_timeout >= 0, "score.reward_timeout", "must be >= 0 (0: no limit)")
@@ -502,6 +505,7 @@ PATH_KEYS = (
     "policy_model",
     "ref_model",
     "reward_model",
+    "score.teacher_model",
     "generate.prompts",
     "eval.prompts",
     "lora.init_adapter",
@@ -665,7 +669,13 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
     return value
 
 
-MODEL_KEYS = ("policy_model", "ref_model", "reward_model")
+MODEL_KEYS = ("policy_model", "ref_model", "reward_model", "score.teacher_model")
+
+
+def _key_node(cfg: Config, key: str) -> tuple[Any, str]:
+    """(the object holding dotted `key`, its last name): `score.teacher_model` -> (cfg.score, ...)."""
+    *tables, last = key.split(".")
+    return (getattr(cfg, tables[0]) if tables else cfg), last
 
 
 PROMPT_KEYS = ("generate.prompts", "eval.prompts")
@@ -691,10 +701,11 @@ def _resolve_hub_ids(cfg: Config) -> None:
     from rlhf_batch.runtime.hub import resolve_hub_model
 
     for key in MODEL_KEYS:
-        value = getattr(cfg, key)
+        node, last = _key_node(cfg, key)
+        value = getattr(node, last)
         if value and not Path(value).is_absolute() and _hub(key, value):
             try:
-                setattr(cfg, key, resolve_hub_model(value, key))
+                setattr(node, last, resolve_hub_model(value, key))
             except UserError as e:  # a model not in the cache: recorded while checking
                 if (found := _PROBLEMS.get()) is None:
                     raise
@@ -702,7 +713,7 @@ def _resolve_hub_ids(cfg: Config) -> None:
 
 
 def _resolve_paths(cfg: Config, base: Path) -> None:
-    hub_ids = {v for k in MODEL_KEYS if _hub(k, v := getattr(cfg, k), base)}
+    hub_ids = {v for k in MODEL_KEYS if _hub(k, v := getattr(*_key_node(cfg, k)), base)}
 
     def fix(s: str, key: str = "") -> str:
         if not s or (s in hub_ids and not (base / s).exists()) or (key in PROMPT_KEYS and _hub(key, s, base)):

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_batch.config import Config, load_config
-from rlhf_batch.errors import ConfigError
+from rlhf_batch.errors import ConfigError, UserError
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -207,3 +207,15 @@ def test_objective_keys_at_their_defaults_leave_the_train_identity_as_before() -
 
     cfg = Config()
     assert {k: getattr(cfg.train, k) for k in OBJECTIVE_DEFAULTS} == OBJECTIVE_DEFAULTS
+
+
+def test_the_teacher_model_path_is_relative_to_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "models").mkdir()  # a path whose first part exists is local, never a hub id
+    p = write(tmp_path, '[score]\nteacher_model = "models/teacher"\n')
+    assert load_config(p).score.teacher_model == str(tmp_path / "models/teacher")
+    # an org/name that is no local path: a hub id (not in the cache here: one line naming the key)
+    with pytest.raises(UserError, match="^score.teacher_model: 'org/teacher' is not a local directory"):
+        load_config(p, ["score.teacher_model=org/teacher"])
