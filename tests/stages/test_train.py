@@ -467,6 +467,21 @@ def test_sequence_ratio_is_the_rows_geometric_mean_in_train(make_config, tiny_mo
     assert row["clip_fraction"] == pytest.approx(0.5)
 
 
+def test_cispo_weighs_every_token_by_its_truncated_ratio_in_train(make_config, tiny_model: Path) -> None:
+    # behaviour stored 0.5 and 2.0 below the policy: r = e^0.5 = 1.648721 (row 0, 2 tokens) and
+    # e^2 = 7.389056 -> capped at cispo_max 5 (row 1, 1 token); A = 1, -1. Per token -w A logp with
+    # logp = behaviour + shift (the policy's own): token_mean over 3 tokens. The cap binds on 1 of 3.
+    table = make_table(tiny_model, [3, 3], [2, 1], advantages=[1.0, -1.0], old_shift=[-0.5, -2.0])
+    _, cfg = make_config(train_toml(lr=0.0, loss="cispo"))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    beh = table.column("behavior_logprobs").to_pylist()
+    terms = [-math.exp(0.5) * 1.0 * (b + 0.5) for b in beh[0]] + [-5.0 * -1.0 * (b + 2.0) for b in beh[1]]
+    row = metrics(cfg.run_dir).to_pylist()[0]
+    assert row["loss_objective"] == pytest.approx(sum(terms) / 3, abs=1e-5)
+    assert row["clip_fraction"] == pytest.approx(1 / 3)
+
+
 def test_a_stale_run_trains_with_the_decoupled_objective_by_default(make_config, tiny_model: Path) -> None:
     # max_staleness = 1, no train keys set: recompute_old (the anchor is the policy: r = 1) and the
     # weight min(exp(old - behaviour), 5). Row 1's behaviour is ln 8 below: w = 8 -> 5; row 0's w = 1.
