@@ -312,7 +312,9 @@ def fixed_costs_of_train(tr: Any, work: Path, fixed: dict[str, float]) -> None:
         train_carry.save(opt_dir, tr.optimizer.state_dict(), tr.model, {})
     names = optim_state.param_names(tr.model)
     with timed(fixed, "optimizer_load_s"):
-        tr.optimizer.load_state_dict(optim_state.load(opt_dir, names, False, device=next(tr.model.parameters()).device))
+        tr.optimizer.load_state_dict(
+            optim_state.load(opt_dir, names, False, device=next(tr.model.parameters()).device)
+        )
     from rlhf_batch.models.load import load_tokenizer
 
     tok = load_tokenizer(str(work / "policy"))

@@ -155,6 +155,9 @@ class ScoreConfig:
     # the token budget changes no result (up to rounding): a resume may lower it after an OOM
     max_tokens_per_batch: int = knob(8192)  # token budget of a forward batch
     rows_per_part: int = knob(2048, "score", "import")
+    # on-policy distillation: a model (local dir or hub id) whose log-probs of every sampled token
+    # score writes as `teacher_logprobs`; it must share the policy's tokenizer. "": none
+    teacher_model: str = knob("", "score")
 
     def validate(self) -> None:
         _need(self.reward_timeout >= 0, "score.reward_timeout", "must be >= 0 (0: no limit)")
@@ -233,6 +236,19 @@ class TrainConfig:
     # weight tokens by min(pi_old / pi_behaviour, cap) (TIS); 0: off. Unset: 0, or STALE_TIS_CAP
     # with max_staleness > 0 and recompute_old (resolve_objective)
     tis_cap: float | None = knob(None, "train")
+    # the objective (docs/stages.md "train"): the importance ratio of each token or of its row (GSPO,
+    # with its own clip range seq_eps_low / seq_eps_high), the clipped PPO surrogate or CISPO's
+    # truncated stop-gradient weight (cispo_max), and how the engine/trainer weight is bounded
+    ratio_level: Literal["token", "sequence"] = knob("token", "train")
+    seq_eps_low: float = knob(3e-4, "train")  # GSPO's clip range (its authors, verl's examples)
+    seq_eps_high: float = knob(4e-4, "train")
+    loss: Literal["ppo", "cispo"] = knob("ppo", "train")
+    cispo_max: float = knob(5.0, "train")  # CISPO's weight bound (TRL's epsilon_high for cispo, ScaleRL)
+    # truncate: min(w, tis_cap); mask: tokens with w outside [tis_low, tis_cap] dropped (ICE-POP);
+    # sequence_mask: rows whose product ratio leaves [tis_low, tis_cap] dropped. A mask mode with
+    # tis_cap unset: MASK_TIS_CAP (resolve_objective)
+    tis_mode: Literal["truncate", "mask", "sequence_mask"] = knob("truncate", "train")
+    tis_low: float = knob(0.0, "train")
     entropy_coef: float = knob(0.0, "train")
     # the old log-probs (the proximal anchor of the clip) recomputed by the trainer at the start of
     # the iteration instead of the behaviour ones; unset: on exactly when max_staleness > 0
@@ -262,8 +278,46 @@ class TrainConfig:
         _need(self.sequences_per_step >= 0, "train.sequences_per_step", "must be >= 0 (0: tokens_per_step)")
         _need(self.max_tokens_per_batch >= 1, "train.max_tokens_per_batch", "must be >= 1")
         _need(0 < self.max_padding <= 1, "train.max_padding", "must be in (0, 1]")
+        self._validate_objective()
         _need_side(self.device, self.threads, "train")
 
+    def _validate_objective(self) -> None:
+        """GSPO, CISPO and the importance-sampling modes: their bounds and their bad combinations."""
+        _need(self.seq_eps_low > 0, "train.seq_eps_low", "must be > 0")
+        _need(self.seq_eps_high >= 0, "train.seq_eps_high", "must be >= 0 (0: same as seq_eps_low)")
+        _need(self.cispo_max > 0, "train.cispo_max", "must be > 0")
+        _need(0 <= self.tis_low < 1, "train.tis_low", "must be in [0, 1) (the band's lower bound)")
+        seq, cispo = self.ratio_level == "sequence", self.loss == "cispo"
+        _need(
+            not (seq and cispo),
+            "train.loss",
+            "'cispo' weighs token ratios: it needs train.ratio_level = 'token'",
+        )
+        _need(
+            not (seq and self.aggregation != "seq_mean_token_mean"),
+            "train.ratio_level",
+            "'sequence' (GSPO) needs train.aggregation = 'seq_mean_token_mean', as its authors and verl aggregate",
+        )
+        _need(
+            not ((seq or cispo) and self.dual_clip),
+            "train.dual_clip",
+            "applies to the token-level PPO surrogate only (train.loss 'ppo', train.ratio_level 'token')",
+        )
+        _need(
+            self.tis_mode != "truncate" or self.tis_low == 0,
+            "train.tis_low",
+            "bounds the band of tis_mode 'mask' / 'sequence_mask'; truncation has no lower bound",
+        )
+        _need(
+            self.tis_mode == "truncate" or self.tis_cap != 0,
+            "train.tis_cap",
+            f"is the upper bound of tis_mode '{self.tis_mode}': leave it unset or set it >= 1",
+        )
+
+
+# The upper bound of the importance-weight band of the mask modes (tis_mode "mask" / "sequence_mask")
+# when tis_cap is unset: TRL's vllm_importance_sampling_clip_max default.
+MASK_TIS_CAP = 3.0
 
 # The truncation cap of the importance weight pi_old / pi_behaviour when rollouts may be stale
 # (max_staleness > 0). AReaL, whose decoupled objective this is, caps that weight at 5 in every
@@ -281,6 +335,8 @@ def resolve_objective(tc: TrainConfig, max_staleness: int) -> None:
     stale = max_staleness > 0
     if tc.recompute_old is None:
         tc.recompute_old = stale
+    if tc.tis_cap is None and tc.tis_mode != "truncate":
+        tc.tis_cap = MASK_TIS_CAP
     if tc.tis_cap is None:
         tc.tis_cap = STALE_TIS_CAP if stale and tc.recompute_old else 0.0
 
@@ -479,6 +535,7 @@ PATH_KEYS = (
     "policy_model",
     "ref_model",
     "reward_model",
+    "score.teacher_model",
     "generate.prompts",
     "eval.prompts",
     "lora.init_adapter",
@@ -669,7 +726,13 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
     return value
 
 
-MODEL_KEYS = ("policy_model", "ref_model", "reward_model")
+MODEL_KEYS = ("policy_model", "ref_model", "reward_model", "score.teacher_model")
+
+
+def _key_node(cfg: Config, key: str) -> tuple[Any, str]:
+    """(the object holding dotted `key`, its last name): `score.teacher_model` -> (cfg.score, ...)."""
+    *tables, last = key.split(".")
+    return (getattr(cfg, tables[0]) if tables else cfg), last
 
 
 PROMPT_KEYS = ("generate.prompts", "eval.prompts")
@@ -695,10 +758,11 @@ def _resolve_hub_ids(cfg: Config) -> None:
     from rlhf_batch.runtime.hub import resolve_hub_model
 
     for key in MODEL_KEYS:
-        value = getattr(cfg, key)
+        node, last = _key_node(cfg, key)
+        value = getattr(node, last)
         if value and not Path(value).is_absolute() and _hub(key, value):
             try:
-                setattr(cfg, key, resolve_hub_model(value, key))
+                setattr(node, last, resolve_hub_model(value, key))
             except UserError as e:  # a model not in the cache: recorded while checking
                 if (found := _PROBLEMS.get()) is None:
                     raise
@@ -706,7 +770,7 @@ def _resolve_hub_ids(cfg: Config) -> None:
 
 
 def _resolve_paths(cfg: Config, base: Path) -> None:
-    hub_ids = {v for k in MODEL_KEYS if _hub(k, v := getattr(cfg, k), base)}
+    hub_ids = {v for k in MODEL_KEYS if _hub(k, v := getattr(*_key_node(cfg, k)), base)}
 
     def fix(s: str, key: str = "") -> str:
         if not s or (s in hub_ids and not (base / s).exists()) or (key in PROMPT_KEYS and _hub(key, s, base)):

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_batch.config import Config, load_config
-from rlhf_batch.errors import ConfigError
+from rlhf_batch.errors import ConfigError, UserError
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -169,3 +169,53 @@ def test_keep_policies_must_outlast_the_staleness() -> None:
     with pytest.raises(ConfigError, match="'keep_policies' must be 0 or > max_staleness"):
         load_config(None, ["max_staleness=2", "keep_policies=2"])
     assert load_config(None, ["max_staleness=2", "keep_policies=3"]).keep_policies == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (["train.ratio_level=sequence"], "'train.ratio_level' 'sequence' (GSPO) needs train.aggregation"),
+        (["train.ratio_level=segment"], "'train.ratio_level' must be one of"),
+        (["train.loss=cispo", "train.ratio_level=sequence", "train.aggregation=seq_mean_token_mean"],
+         "'train.loss' 'cispo' weighs token ratios"),
+        (["train.loss=cispo", "train.dual_clip=3"], "'train.dual_clip' applies to the token-level PPO"),
+        (["train.loss=cispo", "train.cispo_max=0"], "'train.cispo_max' must be > 0"),
+        (["train.seq_eps_low=0"], "'train.seq_eps_low' must be > 0"),
+        (["train.tis_mode=mask", "train.tis_cap=0"], "'train.tis_cap' is the upper bound of tis_mode 'mask'"),
+        (["train.tis_low=0.5"], "'train.tis_low' bounds the band"),
+        (["train.tis_mode=mask", "train.tis_low=1"], "'train.tis_low' must be in [0, 1)"),
+        (["train.tis_mode=drop"], "'train.tis_mode' must be one of"),
+    ],
+)  # fmt: skip
+def test_objective_combinations_are_one_line_errors(overrides: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_objective_defaults_and_mask_cap() -> None:
+    cfg = load_config(None, [])
+    tc = cfg.train
+    assert (tc.ratio_level, tc.loss, tc.tis_mode, tc.tis_cap) == ("token", "ppo", "truncate", 0.0)
+    # a mask mode with tis_cap unset takes TRL's C_max default, 3
+    assert load_config(None, ["train.tis_mode=mask"]).train.tis_cap == 3.0
+    assert load_config(None, ["train.tis_mode=mask", "train.tis_cap=2"]).train.tis_cap == 2.0
+
+
+def test_objective_keys_at_their_defaults_leave_the_train_identity_as_before() -> None:
+    from rlhf_batch.stages.train import OBJECTIVE_DEFAULTS
+
+    cfg = Config()
+    assert {k: getattr(cfg.train, k) for k in OBJECTIVE_DEFAULTS} == OBJECTIVE_DEFAULTS
+
+
+def test_the_teacher_model_path_is_relative_to_the_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "models").mkdir()  # a path whose first part exists is local, never a hub id
+    p = write(tmp_path, '[score]\nteacher_model = "models/teacher"\n')
+    assert load_config(p).score.teacher_model == str(tmp_path / "models/teacher")
+    # an org/name that is no local path: a hub id (not in the cache here: one line naming the key)
+    with pytest.raises(UserError, match="^score.teacher_model: 'org/teacher' is not a local directory"):
+        load_config(p, ["score.teacher_model=org/teacher"])

@@ -30,6 +30,15 @@ import torch
 from tensordict import TensorClass
 
 from rlhf_batch.core.kl import bounded_k3
+from rlhf_batch.core.objectives import (
+    LOSS_TYPES,
+    RATIO_LEVELS,
+    TIS_MODES,
+    cispo_tokens,
+    is_weights,
+    row_stats,
+    sequence_log_ratio,
+)
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
@@ -52,7 +61,9 @@ class GRPOLossOutput(TensorClass):
     kl_approx: torch.Tensor  # masked mean of r - 1 - log r: k3 of KL(behaviour || current)
     kl_to_ref: torch.Tensor  # masked mean of k3(logp, ref)
     entropy: torch.Tensor  # masked mean of entropy
-    ratio_mean: torch.Tensor  # masked mean of the token ratio
+    ratio_mean: torch.Tensor  # masked mean of the token ratio (of the sequence ratio: ratio_level "sequence")
+    tis_masked: torch.Tensor  # share of real tokens the importance-sampling mask drops (tis_mode mask modes)
+    row_stats: torch.Tensor  # [B, len(objectives.ROW_STATS)] per-row diagnostics (objectives.row_stats)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -171,6 +182,15 @@ def _validate_terms(
         raise ValueError(f"tis_cap must be >= 0 and > 0 needs behavior_logprobs, got {tis_cap}")
 
 
+def _validate_objective(ratio_level: str, loss_type: str, tis_mode: str, cispo_max: float) -> None:
+    """The objective's names are known (config.py turns bad combinations into one-line errors)."""
+    for value, known in ((ratio_level, RATIO_LEVELS), (loss_type, LOSS_TYPES), (tis_mode, TIS_MODES)):
+        if value not in known:
+            raise ValueError(f"unknown {value!r}; expected one of {known}")
+    if loss_type == "cispo" and not cispo_max > 0:
+        raise ValueError(f"cispo_max must be > 0, got {cispo_max}")
+
+
 def _clipped_objective(
     ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float | None
 ) -> torch.Tensor:
@@ -201,6 +221,11 @@ def grpo_loss(
     denominator: float | torch.Tensor | None = None,
     behavior_logprobs: torch.Tensor | None = None,
     tis_cap: float = 0.0,
+    ratio_level: str = "token",
+    loss_type: str = "ppo",
+    cispo_max: float = 5.0,
+    tis_mode: str = "truncate",
+    tis_low: float = 0.0,
 ) -> GRPOLossOutput:
     """Clipped GRPO/PPO surrogate with optional dual clip, KL terms and entropy bonus.
 
@@ -222,10 +247,17 @@ def grpo_loss(
     entropy terms are added. With stale rollouts (``max_staleness`` > 0) the same two inputs make
     AReaL's decoupled PPO objective: ``old`` is the proximal anchor (the policy train starts
     from), ``behavior_logprobs`` the older policy that sampled the rows.
+
+    ``tis_mode`` "mask" / "sequence_mask" replace the truncation by a band ``[tis_low, tis_cap]``:
+    tokens (or whole rows, by their product ratio) outside it get weight 0 (``core.objectives``).
+    ``ratio_level="sequence"`` (GSPO) replaces ``r`` by the row's geometric-mean ratio;
+    ``loss_type="cispo"`` replaces the clipped surrogate by ``-sg(min(r, cispo_max)) * A * logp``
+    (``clip_fraction`` then counts the tokens whose weight is truncated).
     """
     eps_high = eps_low if eps_high is None else eps_high
     _validate(logprobs, mask, aggregation, norm_const, eps_low, eps_high, dual_clip, denominator)
     _validate_terms(ref_logprobs, kl_coef, entropy, entropy_coef, behavior_logprobs, tis_cap)
+    _validate_objective(ratio_level, loss_type, tis_mode, cispo_max)
     if logprobs.dtype in (torch.bfloat16, torch.float16):
         logprobs = logprobs.float()  # [B, T]
     dtype = logprobs.dtype
@@ -238,19 +270,36 @@ def grpo_loss(
 
     log_ratio = torch.where(mask, logprobs - old, 0.0)  # [B, T], masked before exp
     ratio = torch.exp(log_ratio)  # [B, T]
-    loss_tok = _clipped_objective(ratio, adv, eps_low, eps_high, dual_clip)  # [B, T]
+    # the ratio the objective weighs: the token's, or its row's (GSPO)
+    obj_ratio = (
+        ratio if ratio_level == "token" else torch.exp(sequence_log_ratio(logprobs, old, mask))
+    )  # [B, T]
+    if loss_type == "cispo":
+        loss_tok, binds = cispo_tokens(obj_ratio, logprobs, adv, mask, cispo_max)  # [B, T] each
+    else:
+        loss_tok = _clipped_objective(obj_ratio, adv, eps_low, eps_high, dual_clip)  # [B, T]
+    masked = torch.zeros_like(mask)  # [B, T]
+    weights: torch.Tensor | None = None  # [B, T] when importance sampling weighs the tokens
     if tis_cap > 0:
         assert behavior_logprobs is not None
         d = torch.where(mask, old - behavior_logprobs.detach().to(dtype), 0.0)  # [B, T], masked before exp
-        loss_tok = loss_tok * torch.clamp(torch.exp(d), max=tis_cap)  # [B, T]
+        weights, masked = is_weights(d, mask, tis_mode, tis_low, tis_cap)  # [B, T] each
+        loss_tok = loss_tok * weights  # [B, T]
     loss_objective = agg(loss_tok)  # []
 
     loss_kl_to_ref, kl_to_ref, loss_kl_to_inference, loss_entropy, entropy_metric = _penalties(
         logprobs, old, mask, agg, ref_logprobs, kl_coef, kl_to_inference_coef, entropy, entropy_coef
     )
     loss = loss_objective + loss_kl_to_ref + loss_kl_to_inference + loss_entropy  # []
-    ratio, log_ratio = ratio.detach(), log_ratio.detach()  # [B, T], metrics only below
-    binds = ((adv > 0) & (ratio > 1.0 + eps_high)) | ((adv < 0) & (ratio < 1.0 - eps_low))  # [B, T]
+    ratio, log_ratio, obj_ratio = (
+        ratio.detach(),
+        log_ratio.detach(),
+        obj_ratio.detach(),
+    )  # [B, T], metrics only
+    if loss_type == "ppo":
+        binds = ((adv > 0) & (obj_ratio > 1.0 + eps_high)) | (
+            (adv < 0) & (obj_ratio < 1.0 - eps_low)
+        )  # [B, T]
     return GRPOLossOutput(
         loss=loss,
         loss_objective=loss_objective,
@@ -261,5 +310,16 @@ def grpo_loss(
         kl_approx=masked_mean(ratio - 1.0 - log_ratio, mask),
         kl_to_ref=kl_to_ref,
         entropy=entropy_metric,
-        ratio_mean=masked_mean(ratio, mask),
+        ratio_mean=masked_mean(obj_ratio, mask),
+        tis_masked=masked_mean(masked.to(dtype), mask),
+        row_stats=row_stats(
+            obj_ratio,
+            weights,
+            binds,
+            masked,
+            entropy,
+            logprobs,
+            old if behavior_logprobs is None else behavior_logprobs.detach(),
+            mask,
+        ),
     )

@@ -25,12 +25,19 @@ THRESHOLDS = {
 }
 
 
-def view_sql() -> str:
-    """The health query (sql/health.sql) with THRESHOLDS written in; it reads a `metrics` view."""
-    text = sql_text("health")
+def view_sql(tis_masked: bool = True) -> str:
+    """The health query (sql/health.sql) with THRESHOLDS written in; it reads a `metrics` view
+    (`tis_masked`: whether that view has the column, which metrics written before it lack)."""
+    text = sql_text("health").replace("{tis_masked}", "tis_masked" if tis_masked else "NULL::DOUBLE")
     for name, value in THRESHOLDS.items():
         text = text.replace("{" + name + "}", repr(float(value)))
     return text
+
+
+def create_view(con: Any) -> None:
+    """The view `health` over the connection's `metrics` view."""
+    names = [d[0] for d in con.execute("SELECT * FROM metrics LIMIT 0").description]
+    con.execute("CREATE VIEW health AS " + view_sql("tis_masked" in names))
 
 
 def rows(con: Any) -> list[dict[str, Any]]:
@@ -59,7 +66,7 @@ def iteration_warning(run_dir: str | Path, it: int) -> str | None:
             f"CREATE VIEW metrics AS SELECT * FROM read_parquet([{', '.join(map(quote, files))}], "
             "hive_partitioning = true, hive_types = {'iter': INTEGER})"
         )
-        con.execute("CREATE VIEW health AS " + view_sql())
+        create_view(con)
         found = [r["warning"] for r in rows(con) if r["iter"] == it]
     finally:
         con.close()

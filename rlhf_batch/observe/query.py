@@ -1,12 +1,14 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with eight views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with nine views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
     scores      RUN_DIR/iter=*/scores/part-*.parquet and iter=*/topup=*/scores/part-*.parquet
     advantages  RUN_DIR/iter=*/advantages/part-*.parquet
     metrics     RUN_DIR/iter=*/train/metrics.parquet
+    rollout_stats  RUN_DIR/iter=*/train/rollout_stats.parquet: train's diagnostics per rollout and
+                epoch, joinable to rollouts on rollout_id
     eval        RUN_DIR/iter=*/eval/part-*.parquet: held-out samples with reward and correct
     eval_metrics  RUN_DIR/iter=*/eval/_manifest.json: (iter, data_source, metric, value)
     stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import ConfigError, UserError
-from rlhf_batch.observe.health import view_sql
+from rlhf_batch.observe.health import create_view
 from rlhf_batch.sql import NAN_SAFE, quote
 from rlhf_batch.store.fs import is_remote, register, run_path
 
@@ -47,6 +49,7 @@ VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schema
     "scores": ("iter=*/scores/part-*.parquet", "SCORES"),
     "advantages": ("iter=*/advantages/part-*.parquet", "ADVANTAGES"),
     "metrics": ("iter=*/train/metrics.parquet", "METRICS"),
+    "rollout_stats": ("iter=*/train/rollout_stats.parquet", "ROLLOUT_STATS"),
     "eval": ("iter=*/eval/part-*.parquet", "EVAL"),
 }
 TOPUP_VIEWS = ("rollouts", "scores")  # also the rows of the top-up rounds (iter=K/topup=RR/), column topup
@@ -147,7 +150,7 @@ def _views(con: Any, root: Path) -> None:
             con.unregister("_empty")
     _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
     _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
-    con.execute("CREATE VIEW health AS " + view_sql())  # over metrics
+    create_view(con)  # health, over metrics
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
@@ -166,14 +169,18 @@ def _read_parts(files: list[str], keys: list[str], extra: str = "") -> str:
 def listed(root: Path, pattern: str) -> list[str]:
     """The files of `pattern` (below `root`) that a complete folder's manifest lists: no part of a
     partial folder, no orphan part, no metrics of a train that did not finish."""
-    from rlhf_batch.store.layout import METRICS_FILE
+    from rlhf_batch.store.layout import METRICS_FILE, ROLLOUT_STATS_FILE
     from rlhf_batch.store.manifests import manifest
 
     out, parts = [], {}
     for f in sorted(root.glob(pattern)):
         if f.parent not in parts:
             m = manifest(f.parent)
-            parts[f.parent] = {p["file"] for p in m["parts"]} | {METRICS_FILE} if m is not None else set()
+            parts[f.parent] = (
+                {p["file"] for p in m["parts"]} | {METRICS_FILE, ROLLOUT_STATS_FILE}
+                if m is not None
+                else set()
+            )
         if f.name in parts[f.parent]:
             out.append(str(f))
     return out

@@ -67,7 +67,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
         if time := _stage_times(run_dir, it):
             row["time"] = time
         per_iter.append(row)
-    return {"iters": per_iter, "steps": pa.concat_tables(steps) if steps else None, "last": last}
+    steps_table = pa.concat_tables(steps, promote_options="default") if steps else None  # LATER_COLUMNS
+    return {"iters": per_iter, "steps": steps_table, "last": last}
 
 
 def _stage_times(run_dir: Path, it: int) -> dict[str, dict[str, float]]:
@@ -107,7 +108,7 @@ def write_report(
     except OSError as e:
         raise StageError(f"--out {out}: cannot make the folder ({e.strerror or e})") from None
     data = collect(run_dir)
-    data["health"] = _health(run_dir, data["iters"])
+    data["health"], data["mismatch"] = _health(run_dir, data["iters"])
     plots = _plots(data, out)
     examples = _examples(run_dir, data["last"], n_examples) if data["last"] is not None else []
     plots += _eval_plot(data, out) + _time_plot(data, out)
@@ -121,21 +122,34 @@ def write_report(
     return page
 
 
-def _health(run_dir: Path, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The health view's rows; each iteration's flags also go into its row (summary.json)."""
+# the rollouts whose trainer log-probs differ most from their behaviour log-probs (rollout_stats)
+MISMATCH_SQL = """
+SELECT s.iter, s.rollout_id, s.epoch, s.logprob_diff_max, s.ratio_max, s.is_weight, s.masked_tokens,
+       r.response
+FROM rollout_stats s LEFT JOIN rollouts r ON r.rollout_id = s.rollout_id
+ORDER BY s.logprob_diff_max DESC, s.iter, s.rollout_id, s.epoch LIMIT ?
+"""
+
+
+def _health(run_dir: Path, rows: list[dict[str, Any]], n: int = 5) -> tuple[list[dict[str, Any]], ...]:
+    """The health view's rows (each iteration's flags also go into its row: summary.json), and the
+    `n` rollouts of largest trainer/behaviour mismatch."""
     from rlhf_batch.observe.health import rows as health_rows
     from rlhf_batch.observe.query import connect
 
     con = connect(run_dir)
     try:
         found = health_rows(con)
+        cur = con.execute(MISMATCH_SQL, [n])
+        names = [d[0] for d in cur.description]
+        mismatch = [dict(zip(names, r, strict=True)) for r in cur.fetchall()]
     finally:
         con.close()
     flags = {r["iter"]: r["flags"] for r in found}
     for row in rows:
         if row["iter"] in flags:
             row["health"] = flags[row["iter"]]
-    return found
+    return found, mismatch
 
 
 def _plots(data: dict[str, Any], out: Path) -> list[str]:
@@ -365,10 +379,24 @@ table{{border-collapse:collapse}}pre{{margin:0;white-space:pre-wrap}}img{{margin
 <h1>rlhf-batch report</h1><p>{html.escape(str(run_dir))}</p>
 <h2>By iteration</h2><table><tr>{"".join(f"<th>{k}</th>" for k in keys)}</tr>{table}</table>
 <h2>Health</h2>{_health_html(data["health"])}
+<h2>Largest trainer/behaviour mismatch</h2>{_mismatch_html(data["mismatch"], cell)}
 <h2>Plots</h2>{imgs or "<p>nothing to plot yet</p>"}
 <h2>Best and worst responses (iteration {data["last"]})</h2>
 <table><tr><th></th><th>score</th><th>prompt</th><th>response</th></tr>{ex}</table></body></html>
 """
+
+
+def _mismatch_html(rows: list[dict[str, Any]], cell: Any) -> str:
+    """The rollouts of largest max |trainer - behaviour log-prob| (the rollout_stats view)."""
+    if not rows:
+        return "<p>no per-rollout train diagnostics yet</p>"
+    keys = ["iter", "rollout_id", "epoch", "logprob_diff_max", "ratio_max", "is_weight", "masked_tokens"]
+    body = "".join(
+        "<tr>" + "".join(f"<td>{cell(r[k])}</td>" for k in keys)
+        + f"<td><pre>{html.escape(r['response'] or '')}</pre></td></tr>"
+        for r in rows
+    )  # fmt: skip
+    return f"<table><tr>{''.join(f'<th>{k}</th>' for k in [*keys, 'response'])}</tr>{body}</table>"
 
 
 def _health_html(rows: list[dict[str, Any]]) -> str:

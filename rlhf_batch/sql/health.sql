@@ -1,6 +1,7 @@
 -- health: one row per trained iteration, its train diagnostics against the thresholds below
 -- (docs/inspecting.md "Run health" gives their sources). Reads the `metrics` view: one row per optimizer
--- step; a step that ran no token has null token means and ESS and is left out of them.
+-- step; a step that ran no token has null token means and ESS and is left out of them. {tis_masked}: the
+-- column, or NULL for metrics written before it existed (health.create_view).
 WITH limits AS (  -- health.THRESHOLDS, written in by health.view_sql()
     SELECT
         {clip_fraction} AS clip_limit,         -- median clip fraction of the iteration's steps above this
@@ -16,7 +17,8 @@ per_iter AS (
         median(clip_fraction) AS clip_fraction,
         avg((ess < (SELECT ess_limit FROM limits))::DOUBLE) AS low_ess_share,
         avg(entropy) AS entropy,
-        max(kl_approx) AS kl_approx_max
+        max(kl_approx) AS kl_approx_max,
+        avg({tis_masked}) AS tis_masked        -- mean share of tokens the importance-sampling mask dropped
     FROM metrics
     GROUP BY iter
 ),
@@ -31,7 +33,7 @@ checked AS (
     FROM per_iter p, limits l
 )
 SELECT
-    iter, steps, clip_fraction, low_ess_share, entropy, entropy_change, kl_approx_max,
+    iter, steps, clip_fraction, low_ess_share, entropy, entropy_change, kl_approx_max, tis_masked,
     [f FOR f IN [
         CASE WHEN clip_flag THEN 'clip_fraction' END,
         CASE WHEN ess_flag THEN 'ess' END,

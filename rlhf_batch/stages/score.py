@@ -70,7 +70,13 @@ from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
-from rlhf_batch.stages.score_checks import check_rollouts, check_tokenizers, config_vocab_size, same_model
+from rlhf_batch.stages.score_checks import (
+    check_rollouts,
+    check_teacher,
+    check_tokenizers,
+    config_vocab_size,
+    same_model,
+)
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.manifests import manifest, read_complete
 from rlhf_batch.store.modeldir import check_base_weights, model_fingerprint
@@ -81,7 +87,10 @@ class Score(Stage):
     name, folder, unit, unit_scale = "score", layout.SCORES, "tok", True
 
     def identity(self) -> dict[str, Any]:
-        return {**super().identity(), "ref_model": self.cfg.ref, "ref_logprobs": kl_used(self.cfg)}
+        ident = {**super().identity(), "ref_model": self.cfg.ref, "ref_logprobs": kl_used(self.cfg)}
+        if not self.cfg.score.teacher_model:  # no teacher: folders written before the key stay complete
+            ident["score"].pop("teacher_model", None)
+        return ident
 
     def inputs(self) -> dict[str, Any]:
         cfg, it = self.cfg, self.iteration
@@ -100,6 +109,7 @@ class Score(Stage):
             "rollouts": {k: self.rollouts_manifest[k] for k in ("key", "rows")},
             "ref_model": model_fingerprint(cfg.ref, "ref_model"),
             "reward_model": model_fingerprint(cfg.reward_model, "reward_model") if cfg.reward_model else None,
+            **teacher_input(cfg),
             "kl_controller": self.ctl.state_dict(),
             "kl_coef": self.kl_coef,
         }
@@ -133,7 +143,8 @@ class Score(Stage):
         rows, t = self.cfg.score.rows_per_part, self.rollouts
         lengths = pc.add(pc.list_value_length(t["prompt_ids"]), pc.list_value_length(t["response_ids"]))
         total = sum(int(pc.sum(lengths.slice(n * rows, rows)).as_py() or 0) for n in todo)
-        return total * (2 if self.cfg.reward_model else 1)  # the reward model reads every token once more
+        # the reward model and the teacher read every token once more
+        return total * (1 + bool(self.cfg.reward_model) + bool(self.cfg.score.teacher_model))
 
     def write_part(self, n: int, bar: Any) -> Part:
         rows = self.cfg.score.rows_per_part
@@ -149,6 +160,12 @@ class Score(Stage):
             else {"kl_coef": 0.0, "mean_kl_sum": None, "kl_controller": self.ctl.state_dict()}
         )
         return {**extra, "max_tokens_per_batch": self.cfg.score.max_tokens_per_batch}
+
+
+def teacher_input(cfg: Config) -> dict[str, Any]:
+    """The teacher's fingerprint among score's inputs (none without a teacher, as before)."""
+    teacher = cfg.score.teacher_model
+    return {"teacher_model": model_fingerprint(teacher, "score.teacher_model")} if teacher else {}
 
 
 def kl_used(cfg: Config) -> bool:
@@ -208,6 +225,16 @@ class Scorer:
         self.ref_tok = check_tokenizers(cfg, policies)
         self.vocab_size = config_vocab_size(cfg.ref)
         self._ref_model: Any = None
+        self.teacher: Any = None  # score.teacher_model, loaded when set
+        if cfg.score.teacher_model:
+            self.vocab_size = min(self.vocab_size, check_teacher(cfg, self.ref_tok))
+            self.teacher = load_model(
+                cfg.score.teacher_model,
+                "score.teacher_model",
+                device=self.device,
+                dtype=cfg.dtype,
+                trust_remote_code=cfg.trust_remote_code,
+            )
         self.rm = None
         if cfg.reward_model:
             from rlhf_batch.rewards.model import RewardModel
@@ -241,6 +268,8 @@ class Scorer:
             t[c].to_pylist() for c in ("rollout_id", "prompt_ids", "response_ids")
         )
         values, extra = self.rewards(t, rid, prompt_ids, response_ids)
+        if self.teacher is not None:
+            extra = {**extra, "teacher_logprobs": self.teacher_logprobs(prompt_ids, response_ids, progress)}
         if self.rm is not None:
             seqs = self.rm.sequences(t, prompt_ids, response_ids)
             values[RM_COLUMN] = self.rm.scores(seqs, self.cfg.score.max_tokens_per_batch, progress).tolist()
@@ -286,6 +315,22 @@ class Scorer:
         counts = {"rows": n, "tokens": int(r_len.sum()), "unscored": sum(s is None for s in score)}
         counts.update({f"unscored_{c}": sum(v is None for v in vals) for c, vals in values.items()})
         return table, counts
+
+    def teacher_logprobs(
+        self, prompt_ids: list[list[int]], response_ids: list[list[int]], progress: Any
+    ) -> pa.Array:
+        """list<float32> [B]: the teacher's log-probs of every sampled token (the definition of
+        models/forward.py at generate.temperature, as the reference's), one forward pass."""
+        lps = batched_logprobs(
+            self.teacher,
+            prompt_ids,
+            response_ids,
+            self.cfg.generate.temperature,
+            pad_id=int(self.ref_tok.pad_token_id),
+            max_tokens=self.cfg.score.max_tokens_per_batch,
+            progress=progress,
+        )
+        return pa.array([lp.tolist() for lp in lps], pa.list_(pa.float32()))
 
     def rewards(
         self, t: pa.Table, rid: list[str], prompt_ids: list[list[int]], response_ids: list[list[int]]

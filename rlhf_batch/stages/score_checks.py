@@ -114,3 +114,20 @@ def config_vocab_size(path: str) -> int:
     if not isinstance(size, int):
         raise ModelError(f"ref_model: {path}/config.json has no vocab_size")
     return size
+
+
+def check_teacher(cfg: Config, ref_tok: Any) -> int:
+    """score.teacher_model: its tokenizer has the vocabulary of the policy's (the reference's,
+    which check_tokenizers compared with the policies'); returns its vocab_size."""
+    teacher = cfg.score.teacher_model
+    tok = _tokenizer(teacher, "score.teacher_model", cfg)
+    if vocab_signature(tok) != vocab_signature(ref_tok):
+        raise ModelError(
+            f"score.teacher_model: the tokenizer of {teacher} differs from the policy's ({cfg.ref}); "
+            "on-policy distillation needs the teacher's log-probs of the policy's own token ids"
+        )
+    raw = json.loads((check_model_dir(teacher, "score.teacher_model") / "config.json").read_text())
+    size = raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
+    if not isinstance(size, int):
+        raise ModelError(f"score.teacher_model: {teacher}/config.json has no vocab_size")
+    return size

@@ -44,7 +44,7 @@ from rlhf_batch.models.policy import start_policy
 from rlhf_batch.observe import tracking
 from rlhf_batch.runtime import dist, faults
 from rlhf_batch.runtime.progress import Rate
-from rlhf_batch.stages import train_carry, train_schedule
+from rlhf_batch.stages import train_carry, train_schedule, train_stats
 from rlhf_batch.stages.base import Stage
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.stages.train_data import TrainRows, load_rows
@@ -57,6 +57,18 @@ if TYPE_CHECKING:
 
     from rlhf_batch.stages.train_data import Step
     from rlhf_batch.stages.train_step import Trainer
+
+
+# the objective's keys at these values leave the identity as it was before they existed
+OBJECTIVE_DEFAULTS = {
+    "ratio_level": "token",
+    "seq_eps_low": 3e-4,
+    "seq_eps_high": 4e-4,
+    "loss": "ppo",
+    "cispo_max": 5.0,
+    "tis_mode": "truncate",
+    "tis_low": 0.0,
+}
 
 
 class Train(Stage):
@@ -76,6 +88,9 @@ class Train(Stage):
             ident["train"].pop("sequences_per_step", None)
         if self.cfg.train.optimizer_state_dtype == "float32":  # likewise for the carried moments
             ident["train"].pop("optimizer_state_dtype", None)
+        for key, default in OBJECTIVE_DEFAULTS.items():  # and for the token-level PPO objective
+            if ident["train"].get(key) == default:
+                ident["train"].pop(key)
         ident["train"]["total_steps"] = train_schedule.identity(self.cfg, self.iteration, self.force)
         return ident
 
@@ -199,7 +214,7 @@ class TrainResult:
         return {
             "rows": len(self.rows),
             "counts": counts,
-            "files": [layout.METRICS_FILE],
+            "files": [layout.METRICS_FILE, layout.ROLLOUT_STATS_FILE],
             "policy": f"../{layout.POLICY_DIR}",
             "start_policy": self.start,
             "world_size": self.world,
@@ -248,6 +263,9 @@ def _train(
         ckpt_dir, trainer.model, trainer.optimizer, out.key, trainer.device, trainer.sharded
     )
     rows: list[dict[str, Any]] = ckpt["metrics"] if ckpt else []
+    trainer.stats = train_stats.RolloutStats(
+        ckpt.get("rollout_stats") if ckpt and trainer.rank == 0 else None
+    )
     first = ckpt["next_step"] if ckpt else 0
     bar.total, bar.initial, bar.n = len(steps), first, first
     bar.refresh()
@@ -264,13 +282,17 @@ def _train(
         _show(bar, rows[-1], rate.add(rows[-1]["tokens"]))
         done = step.index + 1
         if tc.checkpoint_every and done % tc.checkpoint_every == 0 and done < len(steps):
-            _checkpoint(trainer, ckpt_dir, done, {"key": out.key, "epoch": step.epoch, "metrics": rows})
+            per_rollout = trainer.stats.gather(data.rollout_ids, data.resp_lens)
+            state = {"key": out.key, "epoch": step.epoch, "metrics": rows, "rollout_stats": per_rollout}
+            _checkpoint(trainer, ckpt_dir, done, state)
+            trainer.stats = train_stats.RolloutStats(per_rollout)  # the rows so far, once
     bar.close()
     live.close()
     fresh = cfg.train.fresh_optimizer and iteration > 0
     carried = train_carry.record(offset, offset + len(steps), total, iteration - 1 if prev else None, fresh)
     extra = train_carry.state_extra(cfg, offset + len(steps), total, carried["carried_from"])
-    _save(cfg, out.sdir, policy, trainer, start, rows, extra)
+    per_rollout = trainer.stats.gather(data.rollout_ids, data.resp_lens)
+    _save(cfg, out.sdir, policy, trainer, start, rows, extra, per_rollout)
     return TrainResult(rows, tc.ppo_epochs, len(data), start, trainer.world, carried, trainer.sharded)
 
 
@@ -313,6 +335,7 @@ def _save(
     start: str,
     rows: list[dict[str, Any]],
     optimizer_extra: dict[str, Any],
+    per_rollout: list[dict[str, Any]],
 ) -> None:
     """Rank 0: the optimizer state (into the train folder `sdir`), the policy (to `out`), then
     metrics.parquet (the executor writes the manifest last). Under FSDP every rank takes part in
@@ -337,6 +360,8 @@ def _save(
         _write_policy(model, trainer.tokenizer, out, saved_dtype(start), checkpointing)
         table = pa.Table.from_pylist([{k: r[k] for k in METRICS.names} for r in rows], schema=METRICS)
         atomic.write_parquet_atomic(sdir / layout.METRICS_FILE, table, METRICS)
+        stats = train_stats.table(per_rollout)
+        atomic.write_parquet_atomic(sdir / layout.ROLLOUT_STATS_FILE, stats, stats.schema)
 
 
 def _finite(p: Any) -> bool:
@@ -421,6 +446,16 @@ def _loss_kwargs(cfg: Config) -> dict[str, Any]:
         "norm_const": norm_const(cfg),
         "kl_to_inference_coef": tc.kl_to_inference_coef,
         "tis_cap": tc.tis_cap,
+        "ratio_level": tc.ratio_level,
+        "loss_type": tc.loss,
+        "cispo_max": tc.cispo_max,
+        "tis_mode": tc.tis_mode,
+        "tis_low": tc.tis_low,
+        **(
+            {"eps_low": tc.seq_eps_low, "eps_high": tc.seq_eps_high or tc.seq_eps_low}
+            if tc.ratio_level == "sequence"
+            else {}
+        ),
     }
 
 

@@ -34,7 +34,7 @@ def carry_forward(
     """Rank 0 writes into the train folder `sdir` and the policy dir `policy`; returns the
     manifest's `optimizer` entry (the global step is unchanged)."""
 
-    from rlhf_batch.store.schemas import METRICS
+    from rlhf_batch.store.schemas import METRICS, ROLLOUT_STATS
 
     step = int(prev[1]["global_step"]) if prev else 0
     total = prev[1].get("total_steps") if prev else None
@@ -53,6 +53,7 @@ def carry_forward(
         _copy_dir(prev[0], sdir / layout.OPTIMIZER_DIR)
     _copy_policy(cfg, run_path(start), policy)
     atomic.write_parquet_atomic(sdir / layout.METRICS_FILE, METRICS.empty_table(), METRICS)
+    atomic.write_parquet_atomic(sdir / layout.ROLLOUT_STATS_FILE, ROLLOUT_STATS.empty_table(), ROLLOUT_STATS)
     return carried
 
 

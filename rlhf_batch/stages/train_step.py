@@ -33,7 +33,7 @@ from rlhf_batch.models.forward import padded_logprobs
 from rlhf_batch.stages.train_data import Step, TrainRows, lr_factor, micro_batch
 
 LOSSES = ("loss", "loss_objective", "loss_kl_to_ref", "loss_kl_to_inference", "loss_entropy")
-TOKEN_MEANS = ("clip_fraction", "kl_approx", "kl_to_ref", "entropy", "ratio_mean")
+TOKEN_MEANS = ("clip_fraction", "kl_approx", "kl_to_ref", "entropy", "ratio_mean", "tis_masked")
 
 
 class LogProbs(torch.nn.Module):
@@ -141,6 +141,7 @@ class Trainer:
     tokenizer: Any  # the policy's tokenizer, saved with it
     sharded: bool = False
     step_offset: int = 0  # optimizer steps the run took before this stage (carried AdamW state)
+    stats: Any = None  # train_stats.RolloutStats: the per-rollout diagnostics, when collected
 
     def _accumulate(self, last: bool) -> Any:
         """DDP: no gradient sync before the step's last micro-batch. FSDP reduce-scatters after
@@ -199,6 +200,8 @@ class Trainer:
                     )
                     (out.loss * (weight * self.world)).backward()  # type: ignore[no-untyped-call]
                 metrics.add(out, mask, logp, td["old_logprobs"], weight, entropy)
+                if self.stats is not None and weight:
+                    self.stats.add(rows, step.epoch, step.index, out.row_stats)
         if not work:  # no row of the step can move the loss (train_data): AdamW steps on zeros
             # (every trainable parameter: one that its rows would have left without a gradient,
             # a mixture-of-experts expert no token reached, takes this step too)

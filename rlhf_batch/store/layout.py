@@ -6,6 +6,7 @@
     RUN_DIR/iter=0003/<folder>/_started.json            identity of a run in progress
     RUN_DIR/iter=0003/policy/                           the policy train writes (HF model dir)
     RUN_DIR/iter=0003/train/metrics.parquet             train's metrics, one row per step
+    RUN_DIR/iter=0003/train/rollout_stats.parquet       train's diagnostics, one row per rollout and epoch
     RUN_DIR/iter=0003/train/checkpoint/step-N/          train's checkpoints while it runs
     RUN_DIR/iter=0003/eval/part-RRRRR-NNNNN.parquet     held-out samples of the policy iteration 3 starts from
     RUN_DIR/iter=0003/policy/adapter/                   with [lora]: the adapter (lora.py)
@@ -29,6 +30,7 @@ MANIFEST = "_manifest.json"
 STARTED = "_started.json"
 LOCK = ".run.lock"
 METRICS_FILE = "metrics.parquet"
+ROLLOUT_STATS_FILE = "rollout_stats.parquet"  # train's per-rollout diagnostics
 CHECKPOINT_DIR = "checkpoint"
 OPTIMIZER_DIR = "optimizer"
 POLICY_DIR = "policy"

@@ -80,10 +80,27 @@ METRICS = pa.schema(
         ("entropy", pa.float64()),
         ("ess", pa.float64()),
         ("ratio_mean", pa.float64()),
+        ("tis_masked", pa.float64()),  # later: older files lack it (LATER_COLUMNS)
         ("grad_norm", pa.float64()),
         ("tokens", pa.int64()),
         ("sequences", pa.int64()),
         ("tokens_per_s", pa.float64()),
+    ]
+)
+
+ROLLOUT_STATS = pa.schema(  # train's diagnostics per rollout and epoch (core.objectives.ROW_STATS)
+    [
+        ("rollout_id", pa.string()),
+        ("epoch", pa.int32()),
+        ("step", pa.int32()),
+        ("tokens", pa.int32()),  # response tokens
+        ("ratio_mean", pa.float64()),
+        ("ratio_max", pa.float64()),
+        ("is_weight", pa.float64()),
+        ("clipped_tokens", pa.int32()),
+        ("masked_tokens", pa.int32()),
+        ("entropy_mean", pa.float64()),
+        ("logprob_diff_max", pa.float64()),
     ]
 )
 
@@ -99,6 +116,12 @@ STAGE_SCHEMAS = {"rollouts": ROLLOUTS, "scores": SCORES, "advantages": ADVANTAGE
 STAGE_SCHEMAS["eval"] = EVAL
 
 
+# Columns added after SCHEMA_VERSION 1 without changing it: nullable, and a file written before
+# them is read without them (its readers see the column as null; a new file read by an older
+# rlhf-batch is an extra column, passed through).
+LATER_COLUMNS = frozenset({"tis_masked"})
+
+
 def validate(actual: pa.Schema, expected: pa.Schema, where: str) -> None:
     """Fail naming `where` and the column unless every expected column exists with its type, and
     naming the version when the file was written with another SCHEMA_VERSION (a file without the
@@ -111,6 +134,8 @@ def validate(actual: pa.Schema, expected: pa.Schema, where: str) -> None:
         )
     for f in expected:
         idx = actual.get_field_index(f.name)
+        if idx < 0 and f.name in LATER_COLUMNS:
+            continue
         if idx < 0:
             raise SchemaError(f"{where}: missing column '{f.name}' ({f.type})")
         got = actual.field(idx).type

@@ -266,7 +266,26 @@ def test_train_writes_policy_metrics_and_manifest(make_config, tiny_model: Path)
     counts = m["counts"]  # 48 tokens x 2 epochs
     assert (m["rows"], counts["steps"], counts["sequences"], counts["tokens"]) == (6, 6, 12, 96)
     # no checkpoint left; the AdamW state the next iteration continues from
-    assert sorted(p.name for p in sdir.iterdir()) == ["_manifest.json", "metrics.parquet", "optimizer"]
+    assert sorted(p.name for p in sdir.iterdir()) == [
+        "_manifest.json",
+        "metrics.parquet",
+        "optimizer",
+        "rollout_stats.parquet",
+    ]
+    # one diagnostics row per rollout and epoch; step 0's rollouts ran on the behaviour policy:
+    # ratio 1, |trainer - behaviour| ~ 0, weight 1, nothing clipped or masked
+    stats = pq.read_table(sdir / "rollout_stats.parquet").to_pylist()
+    assert len(stats) == 2 * counts["sequences"] and {r["epoch"] for r in stats} == {0, 1}
+    for epoch in (0, 1):  # every rollout once an epoch (make_table's ids)
+        ids = sorted(r["rollout_id"] for r in stats if r["epoch"] == epoch)
+        assert ids == sorted(f"0000-p{i // 4}-{i % 4}" for i in range(12))
+    assert sum(r["tokens"] for r in stats) == counts["tokens"]
+    for r in (r for r in stats if r["step"] == 0):
+        assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and r["ratio_max"] == pytest.approx(
+            1.0, abs=1e-5
+        )
+        assert r["logprob_diff_max"] < 1e-5 and r["is_weight"] == 1.0
+        assert (r["clipped_tokens"], r["masked_tokens"]) == (0, 0) and r["entropy_mean"] > 0
     assert sorted(p.name for p in (sdir / "optimizer").iterdir()) == [
         "optimizer.json",
         "optimizer.safetensors",
@@ -414,6 +433,53 @@ def test_tis_cap_recomputes_old_and_weights_tokens_by_the_capped_behaviour_ratio
     row = metrics(cfg.run_dir).to_pylist()[0]
     assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert row["loss_objective"] == pytest.approx(-1.5, abs=1e-5)
+
+
+def test_masked_importance_sampling_drops_tokens_and_reports_their_share(
+    make_config, tiny_model: Path
+) -> None:
+    # three 1-token responses, A = 1; behaviour ln 1, ln 2, ln 4 below the policy: the recomputed
+    # anchor gives r = 1 and w = 1, 2, 4; tis_mode "mask", band [0, 3] (tis_cap unset: 3): weights
+    # 1, 2, 0. token_mean objective = -(1 + 2 + 0) / 3 = -1; 1 token of 3 masked.
+    # (truncation at 3 instead: -(1 + 2 + 3) / 3 = -2)
+    shifts = [0.0, -math.log(2), -math.log(4)]
+    table = make_table(tiny_model, [3, 3, 3], [1, 1, 1], advantages=[1.0, 1.0, 1.0], old_shift=shifts)
+    _, cfg = make_config(train_toml(lr=0.0, max_tokens_per_batch=6, tis_mode="mask"))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    row = metrics(cfg.run_dir).to_pylist()[0]
+    assert row["loss_objective"] == pytest.approx(-1.0, abs=1e-5)
+    assert row["tis_masked"] == pytest.approx(1 / 3, abs=1e-6)
+
+
+def test_sequence_ratio_is_the_rows_geometric_mean_in_train(make_config, tiny_model: Path) -> None:
+    # two rows of 2 response tokens, behaviour 0.0002 and 0.001 below the policy on every token
+    # (stored, not recomputed): s = e^0.0002 = 1.0002 (inside [1 - 3e-4, 1 + 4e-4]) and
+    # e^0.001 = 1.0010005 (> 1.0004, A = 1: the clip binds on row 1's 2 tokens: clip_fraction 0.5).
+    # seq_mean_token_mean objective = -(1.0002 + 1.0004) / 2 = -1.0003
+    table = make_table(tiny_model, [3, 3], [2, 2], advantages=[1.0, 1.0], old_shift=[-2e-4, -1e-3])
+    keys = {"lr": 0.0, "ratio_level": "sequence", "aggregation": "seq_mean_token_mean"}
+    _, cfg = make_config(train_toml(**keys))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    row = metrics(cfg.run_dir).to_pylist()[0]
+    assert row["loss_objective"] == pytest.approx(-1.0003, abs=2e-6)
+    assert row["clip_fraction"] == pytest.approx(0.5)
+
+
+def test_cispo_weighs_every_token_by_its_truncated_ratio_in_train(make_config, tiny_model: Path) -> None:
+    # behaviour stored 0.5 and 2.0 below the policy: r = e^0.5 = 1.648721 (row 0, 2 tokens) and
+    # e^2 = 7.389056 -> capped at cispo_max 5 (row 1, 1 token); A = 1, -1. Per token -w A logp with
+    # logp = behaviour + shift (the policy's own): token_mean over 3 tokens. The cap binds on 1 of 3.
+    table = make_table(tiny_model, [3, 3], [2, 1], advantages=[1.0, -1.0], old_shift=[-0.5, -2.0])
+    _, cfg = make_config(train_toml(lr=0.0, loss="cispo"))
+    write_advantages(cfg.run_dir, table)
+    train.run(cfg, 0, quiet=True)
+    beh = table.column("behavior_logprobs").to_pylist()
+    terms = [-math.exp(0.5) * 1.0 * (b + 0.5) for b in beh[0]] + [-5.0 * -1.0 * (b + 2.0) for b in beh[1]]
+    row = metrics(cfg.run_dir).to_pylist()[0]
+    assert row["loss_objective"] == pytest.approx(sum(terms) / 3, abs=1e-5)
+    assert row["clip_fraction"] == pytest.approx(1 / 3)
 
 
 def test_a_stale_run_trains_with_the_decoupled_objective_by_default(make_config, tiny_model: Path) -> None:
@@ -730,6 +796,15 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
         max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(ref.run_dir, 0)))
         < 1e-6
     )
+    # the per-rollout diagnostics: the checkpoint carried the killed run's, so every step's are there
+    resumed, uninterrupted = (
+        pq.read_table(layout.folder(d, 0, "train") / "rollout_stats.parquet").to_pylist()
+        for d in (cfg.run_dir, ref.run_dir)
+    )
+    assert len(resumed) == 48 and [r["rollout_id"] for r in resumed] == [
+        r["rollout_id"] for r in uninterrupted
+    ]
+    assert [r["step"] for r in resumed] == list(range(48))
 
 
 def test_gradient_checkpointing_gives_the_same_steps(make_config, tiny_model: Path, tmp_path: Path) -> None:
