@@ -166,6 +166,19 @@ def create(path: Path, data: bytes) -> bool:
     return True
 
 
+def mirror(src: Path, dst: Path, last: str | None = None) -> None:
+    """Make the prefix `dst` hold exactly the objects of the prefix `src` (server-side copies;
+    objects of `dst` that `src` lacks are deleted first). The object named `last` is copied last."""
+    fsys = filesystem(src)
+    s, d = key(src).rstrip("/"), key(dst).rstrip("/")
+    names = sorted(k[len(s) + 1 :] for k in retry(src, lambda: fsys.find(s)))
+    gone = [k for k in retry(dst, lambda: fsys.find(d)) if k[len(d) + 1 :] not in names]
+    if gone:
+        retry(dst, lambda: fsys.rm(gone))
+    for name in sorted(names, key=lambda n: n == last):
+        retry(dst / name, lambda n=name: fsys.copy(f"{s}/{n}", f"{d}/{n}"))
+
+
 def makedirs(path: Path) -> None:
     """A local directory and its parents; nothing on an object store (a prefix exists through
     its objects)."""
