@@ -113,6 +113,8 @@ def retry(what: Path | str, op: Callable[[], T]) -> T:
         except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
             raise
         except (OSError, ConnectionError, TimeoutError) as e:
+            if _refused(e):
+                raise
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             if attempt == RETRIES - 1:
                 raise StageError(
@@ -123,17 +125,35 @@ def retry(what: Path | str, op: Callable[[], T]) -> T:
     raise AssertionError("unreachable")
 
 
+fence: Callable[..., None] | None = None  # set by the run lock: raises once the lock is lost
+
+
+def guard(path: Path, commit: bool = False) -> None:
+    """Before a write to a run on a store: the run lock's check that it is still held (a
+    `commit`, a manifest, always reads the lock object)."""
+    if fence is not None:
+        fence(path, commit)
+
+
 def put_file(local: Path, path: Path) -> None:
     """Upload a finished local file as the object `path` (one PUT, or a multipart upload that
     becomes visible only once complete)."""
+    guard(path)
     fs = filesystem(path)
     retry(path, lambda: fs.put_file(str(local), key(path)))
 
 
 def put_bytes(path: Path, data: bytes) -> None:
     """Write a small object whole (one PUT); a local file atomically is store/atomic's job."""
+    guard(path)
     fs = filesystem(path)
     retry(path, lambda: fs.pipe_file(key(path), data))
+
+
+def get_bytes(path: Path) -> bytes:
+    """The whole object `path`, whatever version is current (one GET)."""
+    fs = filesystem(path)
+    return retry(path, lambda: fs.cat_file(key(path)))
 
 
 def put_dir(local: Path, path: Path) -> None:
@@ -169,6 +189,7 @@ def create(path: Path, data: bytes) -> bool:
 def mirror(src: Path, dst: Path, last: str | None = None) -> None:
     """Make the prefix `dst` hold exactly the objects of the prefix `src` (server-side copies;
     objects of `dst` that `src` lacks are deleted first). The object named `last` is copied last."""
+    guard(dst)
     fsys = filesystem(src)
     s, d = key(src).rstrip("/"), key(dst).rstrip("/")
     names = sorted(k[len(s) + 1 :] for k in retry(src, lambda: fsys.find(s)))
@@ -176,7 +197,70 @@ def mirror(src: Path, dst: Path, last: str | None = None) -> None:
     if gone:
         retry(dst, lambda: fsys.rm(gone))
     for name in sorted(names, key=lambda n: n == last):
-        retry(dst / name, lambda n=name: fsys.copy(f"{s}/{n}", f"{d}/{n}"))
+        _copy(fsys, f"{s}/{name}", f"{d}/{name}", dst / name)
+
+
+def _copy(fsys: Any, src: str, dst: str, path: Path) -> None:
+    retry(path, lambda: fsys.copy(src, dst))
+
+
+def _refused(e: BaseException) -> bool:
+    """Whether a store error is a refused precondition (HTTP 412, or 409 for a conditional
+    write racing another)."""
+    if isinstance(e, FileExistsError):
+        return True
+    cause = getattr(e, "__cause__", None)
+    response = getattr(cause, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+
+
+def _s3(path: Path) -> tuple[Any, str, str]:
+    fsys = filesystem(path)
+    if not hasattr(fsys, "call_s3"):
+        raise StageError(f"{path}: the run lock needs conditional writes (If-Match), supported on s3:// here")
+    bucket, name, _ = fsys.split_path(key(path))
+    return fsys, bucket, name
+
+
+def put_if(path: Path, data: bytes, match: str) -> str | None:
+    """Write the small object `path` only if its version (ETag) is `match`, or with "*" only if
+    it does not exist; the new version, or None when the condition failed."""
+    fsys, bucket, name = _s3(path)
+    cond = {"IfNoneMatch": "*"} if match == "*" else {"IfMatch": match}
+    try:
+        done = retry(path, lambda: fsys.call_s3("put_object", Bucket=bucket, Key=name, Body=data, **cond))
+    except FileNotFoundError:  # If-Match on an object that is gone
+        return None
+    except OSError as e:
+        if _refused(e):
+            return None
+        raise
+    return str(done["ETag"])
+
+
+def version(path: Path) -> str | None:
+    """The version (ETag) of the object `path`, None when there is none."""
+    fsys, bucket, name = _s3(path)
+    try:
+        return str(retry(path, lambda: fsys.call_s3("head_object", Bucket=bucket, Key=name))["ETag"])
+    except FileNotFoundError:
+        return None
+
+
+def delete_if(path: Path, match: str) -> bool:
+    """Delete the object `path` only if its version is still `match`."""
+    fsys, bucket, name = _s3(path)
+    try:
+        retry(path, lambda: fsys.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=match))
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if _refused(e):
+            return False
+        raise
+    return True
 
 
 def makedirs(path: Path) -> None:
@@ -189,6 +273,7 @@ def makedirs(path: Path) -> None:
 def remove(path: Path) -> None:
     """Remove a file or a whole folder (prefix); nothing if it is not there."""
     if is_remote(path):
+        guard(path)
         fs = filesystem(path)
         if retry(path, lambda: fs.exists(key(path))):
             retry(path, lambda: fs.rm(key(path), recursive=True))

@@ -86,6 +86,7 @@ def _commit_remote(final: Path) -> None:
     next command the same way (every step is a copy of what is staged or the removal of what it
     replaces)."""
     new = staged(final)
+    fs.guard(final, commit=True)
     for name in OUTSIDE.get(final.name, ()):
         if (new / name).is_dir():
             fs.mirror(new / name, final.parent / name)
