@@ -27,6 +27,13 @@ T = TypeVar("T")
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # scheme -> fsspec package
 EXTRAS = {"s3fs": "s3", "gcsfs": "gcs"}  # package -> rlhf-batch extra
 RETRIES = 5  # transient store errors: tries of one operation, with exponential backoff
+TRIES_PER_REQUEST = 2  # s3fs's own tries of one request (each bounded by the timeouts below)
+# seconds: (environment variable, default); a store that stops answering ends the command
+TIMEOUTS = {
+    "connect": ("RLHF_BATCH_STORE_CONNECT_TIMEOUT_S", 10.0),  # to open a connection
+    "read": ("RLHF_BATCH_STORE_READ_TIMEOUT_S", 60.0),  # between two reads of an answer
+    "deadline": ("RLHF_BATCH_STORE_DEADLINE_S", 180.0),  # one store call, with its retries
+}
 retried = 0  # transient errors retried in this process (the manifests' timing records it)
 
 
@@ -61,12 +68,62 @@ def run_path(run_dir: str | Path) -> Path:
     from upath import UPath
 
     # listings are never cached: other processes (ranks, machines) add parts while this one runs
-    root = cast(Path, UPath(text, use_listings_cache=False))
+    opts: dict[str, Any] = {"use_listings_cache": False}
+    if pkg == "s3fs":  # no request waits forever, and botocore does not retry on top of s3fs
+        opts["config_kwargs"] = {
+            "connect_timeout": timeout("connect"),
+            "read_timeout": timeout("read"),
+            "retries": {"mode": "standard", "total_max_attempts": 1},
+        }
+    root = cast(Path, UPath(text, **opts))
+    if pkg == "s3fs":
+        root.fs.retries = TRIES_PER_REQUEST  # type: ignore[attr-defined]
     _used.setdefault(str(root).split("://", 1)[1].split("/", 1)[0], root)
     return root
 
 
 _used: dict[str, Path] = {}  # bucket -> a path on it, for every store this process used
+
+
+def timeout(which: str) -> float:
+    """A store timeout in seconds (TIMEOUTS), from its environment variable or the default."""
+    name, default = TIMEOUTS[which]
+    text = os.environ.get(name, "")
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{name}={text}: must be a number of seconds > 0")
+    return value
+
+
+def refusal(e: BaseException, what: Path | str) -> str | None:
+    """One line for a store error that trying again cannot fix: no credentials, credentials the
+    store refuses, a bucket that does not exist. None for any other error."""
+    name = type(e).__name__
+    bucket = str(what).split("://", 1)[-1].split("/", 1)[0]
+    if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+        return (
+            f"{what}: no credentials for the object store; set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), then run again"
+        )
+    cause = e if getattr(e, "response", None) else getattr(e, "__cause__", None)
+    code = str((getattr(cause, "response", None) or {}).get("Error", {}).get("Code", ""))
+    if code == "NoSuchBucket":
+        return f"{what}: the bucket '{bucket}' does not exist; create it or fix run_dir"
+    if code in (
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "AccessDenied",
+    ):
+        return (
+            f"{what}: the object store refused the credentials ({code}); check AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY and the bucket's permissions"
+        )
+    return None
 
 
 def unreachable(e: BaseException) -> str | None:
@@ -77,6 +134,8 @@ def unreachable(e: BaseException) -> str | None:
         try:
             fs.ls(bucket, refresh=True)
         except Exception as probe:  # noqa: BLE001 - any failure of the probe means no answer
+            if (line := refusal(probe, f"{path.protocol}://{bucket}")) is not None:  # type: ignore[attr-defined]
+                return line
             reason = str(probe).splitlines()[0] if str(probe) else type(probe).__name__
             what = str(e).splitlines()[0] if str(e) else type(e).__name__
             return (
@@ -104,24 +163,38 @@ def key(path: Path) -> str:
 
 def retry(what: Path | str, op: Callable[[], T]) -> T:
     """Run a store operation, retrying transient errors (connection, throttling, 5xx) with
-    backoff 0.2, 0.4, ... s; then one line naming the object. Missing objects and refused
-    preconditions are not transient: they pass through at once."""
+    backoff 0.2, 0.4, ... s, for at most the store deadline; then one line naming the object.
+    Missing objects and refused preconditions pass through at once; missing or refused
+    credentials and a missing bucket are one line at once (`refusal`)."""
     global retried
+    start = time.monotonic()
     for attempt in range(RETRIES):
         try:
             return op()
-        except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
-            raise
-        except (OSError, ConnectionError, TimeoutError) as e:
-            if _refused(e):
+        except Exception as e:
+            if (line := refusal(e, what)) is not None:
+                raise StageError(line) from None
+            final = (
+                FileNotFoundError,
+                FileExistsError,
+                IsADirectoryError,
+                NotADirectoryError,
+                PermissionError,
+            )
+            if (
+                isinstance(e, final)
+                or _refused(e)
+                or not isinstance(e, OSError | ConnectionError | TimeoutError)
+            ):
                 raise
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            if attempt == RETRIES - 1:
+            wait = 0.2 * 2**attempt
+            if attempt == RETRIES - 1 or time.monotonic() - start + wait > timeout("deadline"):
                 raise StageError(
                     f"{what}: the store did not answer ({reason}); run again once it is back"
                 ) from None
             retried += 1
-            time.sleep(0.2 * 2**attempt)
+            time.sleep(wait)
     raise AssertionError("unreachable")
 
 
