@@ -33,7 +33,8 @@ class S3Server:
     """One moto server process; `start` and `stop` may be called again (same port, its data is
     lost on stop: moto keeps objects in memory)."""
 
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.extra_env = env or {}  # the server's own settings (e.g. INITIAL_NO_AUTH_ACTION_COUNT)
         if not SERVER.exists():
             raise RuntimeError(f"{SERVER}: no moto server; run `make s3` (make test does)")
         self.port = free_port()
@@ -49,6 +50,7 @@ class S3Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            env={**os.environ, **self.extra_env},
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -127,3 +129,27 @@ class Proxy:
                 dst.sendall(data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
+
+
+class Silent:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a store that
+    hangs): what a client sends is read and dropped."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.listener.close()
+        for c in self.conns:
+            c.close()

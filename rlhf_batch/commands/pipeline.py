@@ -39,7 +39,7 @@ def run_pipeline(
 
     cfg = load_config(config_path, overrides)
     with RunLock(run_path(cfg.run_dir)), _env(LOCK_ENV, lock_id(cfg.run_dir)):
-        staging.recover(cfg.run_dir)  # swaps of --force that a kill interrupted
+        staging.recover(cfg.run_dir, drop_uncommitted=True)  # --force swaps a kill interrupted, leftovers
         if cfg.in_process and not cfg.max_staleness:  # overlapped: the lanes run the stages
             from rlhf_batch.runtime.device import setup_process
 

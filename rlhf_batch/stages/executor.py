@@ -90,7 +90,7 @@ def execute(
 def _stage_beside(stage: Stage, out: StageOutput) -> None:
     """--force: the stage writes into the staging folder beside its output (store/staging.py)."""
     where = out.stage_beside()
-    stage.staging = where if out.final != where else None  # none on an object store
+    stage.staging = where if out.final != where else None
 
 
 def _unstage(stage: Stage, out: StageOutput | None) -> None:

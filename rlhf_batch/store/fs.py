@@ -27,6 +27,13 @@ T = TypeVar("T")
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # scheme -> fsspec package
 EXTRAS = {"s3fs": "s3", "gcsfs": "gcs"}  # package -> rlhf-batch extra
 RETRIES = 5  # transient store errors: tries of one operation, with exponential backoff
+TRIES_PER_REQUEST = 2  # s3fs's own tries of one request (each bounded by the timeouts below)
+# seconds: (environment variable, default); a store that stops answering ends the command
+TIMEOUTS = {
+    "connect": ("RLHF_BATCH_STORE_CONNECT_TIMEOUT_S", 10.0),  # to open a connection
+    "read": ("RLHF_BATCH_STORE_READ_TIMEOUT_S", 60.0),  # between two reads of an answer
+    "deadline": ("RLHF_BATCH_STORE_DEADLINE_S", 180.0),  # one store call, with its retries
+}
 retried = 0  # transient errors retried in this process (the manifests' timing records it)
 
 
@@ -61,12 +68,83 @@ def run_path(run_dir: str | Path) -> Path:
     from upath import UPath
 
     # listings are never cached: other processes (ranks, machines) add parts while this one runs
-    root = cast(Path, UPath(text, use_listings_cache=False))
+    opts: dict[str, Any] = {"use_listings_cache": False}
+    if pkg == "s3fs":  # no request waits forever, and botocore does not retry on top of s3fs
+        opts["config_kwargs"] = {
+            "connect_timeout": timeout("connect"),
+            "read_timeout": timeout("read"),
+            "retries": {"mode": "standard", "total_max_attempts": 1},
+        }
+    root = cast(Path, UPath(text, **opts))
+    if pkg == "s3fs":
+        _bound(root.fs)  # type: ignore[attr-defined]
     _used.setdefault(str(root).split("://", 1)[1].split("/", 1)[0], root)
     return root
 
 
 _used: dict[str, Path] = {}  # bucket -> a path on it, for every store this process used
+
+
+def _bound(fsys: Any) -> None:
+    """Give every request of an s3fs filesystem (with s3fs's own tries) the store deadline:
+    the timeouts alone do not bound all waits (an upload waits for `100 Continue` with none)."""
+    if getattr(fsys, "_deadline", None) is not None:
+        return
+    import asyncio
+
+    from fsspec.asyn import sync_wrapper
+
+    call, limit = fsys._call_s3, timeout("deadline")
+    fsys.retries = TRIES_PER_REQUEST
+
+    async def bounded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await asyncio.wait_for(call(*args, **kwargs), limit)
+        except TimeoutError:
+            raise TimeoutError() from None  # sync() makes it FSTimeoutError: `retry` names it
+
+    fsys._call_s3, fsys.call_s3, fsys._deadline = bounded, sync_wrapper(bounded, obj=fsys), limit
+
+
+def timeout(which: str) -> float:
+    """A store timeout in seconds (TIMEOUTS), from its environment variable or the default."""
+    name, default = TIMEOUTS[which]
+    text = os.environ.get(name, "")
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{name}={text}: must be a number of seconds > 0")
+    return value
+
+
+def refusal(e: BaseException, what: Path | str) -> str | None:
+    """One line for a store error that trying again cannot fix: no credentials, credentials the
+    store refuses, a bucket that does not exist. None for any other error."""
+    name = type(e).__name__
+    bucket = str(what).split("://", 1)[-1].split("/", 1)[0]
+    if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+        return (
+            f"{what}: no credentials for the object store; set AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), then run again"
+        )
+    cause = e if getattr(e, "response", None) else getattr(e, "__cause__", None)
+    code = str((getattr(cause, "response", None) or {}).get("Error", {}).get("Code", ""))
+    if code == "NoSuchBucket":
+        return f"{what}: the bucket '{bucket}' does not exist; create it or fix run_dir"
+    if code in (
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "InvalidToken",
+        "ExpiredToken",
+        "AccessDenied",
+    ):
+        return (
+            f"{what}: the object store refused the credentials ({code}); check AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY and the bucket's permissions"
+        )
+    return None
 
 
 def unreachable(e: BaseException) -> str | None:
@@ -77,6 +155,8 @@ def unreachable(e: BaseException) -> str | None:
         try:
             fs.ls(bucket, refresh=True)
         except Exception as probe:  # noqa: BLE001 - any failure of the probe means no answer
+            if (line := refusal(probe, f"{path.protocol}://{bucket}")) is not None:  # type: ignore[attr-defined]
+                return line
             reason = str(probe).splitlines()[0] if str(probe) else type(probe).__name__
             what = str(e).splitlines()[0] if str(e) else type(e).__name__
             return (
@@ -104,36 +184,72 @@ def key(path: Path) -> str:
 
 def retry(what: Path | str, op: Callable[[], T]) -> T:
     """Run a store operation, retrying transient errors (connection, throttling, 5xx) with
-    backoff 0.2, 0.4, ... s; then one line naming the object. Missing objects and refused
-    preconditions are not transient: they pass through at once."""
+    backoff 0.2, 0.4, ... s, for at most the store deadline; then one line naming the object.
+    Missing objects and refused preconditions pass through at once; missing or refused
+    credentials and a missing bucket are one line at once (`refusal`)."""
     global retried
+    start = time.monotonic()
     for attempt in range(RETRIES):
         try:
             return op()
-        except (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError):
-            raise
-        except (OSError, ConnectionError, TimeoutError) as e:
+        except Exception as e:
+            if (line := refusal(e, what)) is not None:
+                raise StageError(line) from None
+            final = (
+                FileNotFoundError,
+                FileExistsError,
+                IsADirectoryError,
+                NotADirectoryError,
+                PermissionError,
+            )
+            if (
+                isinstance(e, final)
+                or _refused(e)
+                or not isinstance(e, OSError | ConnectionError | TimeoutError)
+            ):
+                raise
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            if attempt == RETRIES - 1:
+            if isinstance(e, TimeoutError):
+                reason = f"no answer within RLHF_BATCH_STORE_DEADLINE_S = {timeout('deadline'):g} s"
+            wait = 0.2 * 2**attempt
+            if attempt == RETRIES - 1 or time.monotonic() - start + wait > timeout("deadline"):
                 raise StageError(
                     f"{what}: the store did not answer ({reason}); run again once it is back"
                 ) from None
             retried += 1
-            time.sleep(0.2 * 2**attempt)
+            time.sleep(wait)
     raise AssertionError("unreachable")
+
+
+fence: Callable[..., None] | None = None  # set by the run lock: raises once the lock is lost
+
+
+def guard(path: Path, commit: bool = False) -> None:
+    """Before a write to a run on a store: the run lock's check that it is still held (a
+    `commit`, a manifest, always reads the lock object)."""
+    if fence is not None:
+        fence(path, commit)
 
 
 def put_file(local: Path, path: Path) -> None:
     """Upload a finished local file as the object `path` (one PUT, or a multipart upload that
     becomes visible only once complete)."""
+    guard(path)
     fs = filesystem(path)
     retry(path, lambda: fs.put_file(str(local), key(path)))
 
 
 def put_bytes(path: Path, data: bytes) -> None:
     """Write a small object whole (one PUT); a local file atomically is store/atomic's job."""
+    guard(path)
     fs = filesystem(path)
     retry(path, lambda: fs.pipe_file(key(path), data))
+
+
+def get_bytes(path: Path) -> bytes:
+    """The whole object `path`, whatever version is current (one GET)."""
+    fs = filesystem(path)
+    return retry(path, lambda: fs.cat_file(key(path)))
 
 
 def put_dir(local: Path, path: Path) -> None:
@@ -166,6 +282,83 @@ def create(path: Path, data: bytes) -> bool:
     return True
 
 
+def mirror(src: Path, dst: Path, last: str | None = None) -> None:
+    """Make the prefix `dst` hold exactly the objects of the prefix `src` (server-side copies;
+    objects of `dst` that `src` lacks are deleted first). The object named `last` is copied last."""
+    guard(dst)
+    fsys = filesystem(src)
+    s, d = key(src).rstrip("/"), key(dst).rstrip("/")
+    names = sorted(k[len(s) + 1 :] for k in retry(src, lambda: fsys.find(s)))
+    gone = [k for k in retry(dst, lambda: fsys.find(d)) if k[len(d) + 1 :] not in names]
+    if gone:
+        retry(dst, lambda: fsys.rm(gone))
+    for name in sorted(names, key=lambda n: n == last):
+        _copy(fsys, f"{s}/{name}", f"{d}/{name}", dst / name)
+
+
+def _copy(fsys: Any, src: str, dst: str, path: Path) -> None:
+    retry(path, lambda: fsys.copy(src, dst))
+
+
+def _refused(e: BaseException) -> bool:
+    """Whether a store error is a refused precondition (HTTP 412, or 409 for a conditional
+    write racing another)."""
+    if isinstance(e, FileExistsError):
+        return True
+    cause = getattr(e, "__cause__", None)
+    response = getattr(cause, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
+
+
+def _s3(path: Path) -> tuple[Any, str, str]:
+    fsys = filesystem(path)
+    if not hasattr(fsys, "call_s3"):
+        raise StageError(f"{path}: the run lock needs conditional writes (If-Match), supported on s3:// here")
+    bucket, name, _ = fsys.split_path(key(path))
+    return fsys, bucket, name
+
+
+def put_if(path: Path, data: bytes, match: str) -> str | None:
+    """Write the small object `path` only if its version (ETag) is `match`, or with "*" only if
+    it does not exist; the new version, or None when the condition failed."""
+    fsys, bucket, name = _s3(path)
+    cond = {"IfNoneMatch": "*"} if match == "*" else {"IfMatch": match}
+    try:
+        done = retry(path, lambda: fsys.call_s3("put_object", Bucket=bucket, Key=name, Body=data, **cond))
+    except FileNotFoundError:  # If-Match on an object that is gone
+        return None
+    except OSError as e:
+        if _refused(e):
+            return None
+        raise
+    return str(done["ETag"])
+
+
+def version(path: Path) -> str | None:
+    """The version (ETag) of the object `path`, None when there is none."""
+    fsys, bucket, name = _s3(path)
+    try:
+        return str(retry(path, lambda: fsys.call_s3("head_object", Bucket=bucket, Key=name))["ETag"])
+    except FileNotFoundError:
+        return None
+
+
+def delete_if(path: Path, match: str) -> bool:
+    """Delete the object `path` only if its version is still `match`."""
+    fsys, bucket, name = _s3(path)
+    try:
+        retry(path, lambda: fsys.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=match))
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        if _refused(e):
+            return False
+        raise
+    return True
+
+
 def makedirs(path: Path) -> None:
     """A local directory and its parents; nothing on an object store (a prefix exists through
     its objects)."""
@@ -176,6 +369,7 @@ def makedirs(path: Path) -> None:
 def remove(path: Path) -> None:
     """Remove a file or a whole folder (prefix); nothing if it is not there."""
     if is_remote(path):
+        guard(path)
         fs = filesystem(path)
         if retry(path, lambda: fs.exists(key(path))):
             retry(path, lambda: fs.rm(key(path), recursive=True))

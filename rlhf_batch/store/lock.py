@@ -5,11 +5,19 @@ kernel drops it when its holder dies, so a stale lock file (dead pid) is simply 
 
 On an object store there is no flock: the lock is the object RUN_DIR/.run.lock, created only if
 it does not exist (a conditional PUT, ``If-None-Match: *``, which S3, GCS and MinIO honour). It
-names its owner (pid, host) and carries a heartbeat that the holder rewrites every
-HEARTBEAT_S seconds. A holder that died (a killed process, a lost machine) stops its heartbeat;
-once the heartbeat is older than `stale_after()` (RLHF_BATCH_LOCK_STALE_S, default 120 s) the
-next command takes the lock over and says so. To break a lock at once, delete the object
-(``aws s3 rm s3://bucket/prefix/.run.lock``) after making sure its holder is gone.
+names its owner (pid, host, a random token) and carries a heartbeat (wall time) that the holder
+rewrites every `beat_every()` seconds (HEARTBEAT_S, or a quarter of a shorter stale limit), each
+time only if the object is still the version it wrote last (``If-Match`` on its ETag). A holder
+whose process is gone on this host is taken over at once; one that stopped its heartbeat (a
+killed process, a lost machine) once the heartbeat is older than `stale_after()`
+(RLHF_BATCH_LOCK_STALE_S, default 120 s); the takeover is itself conditional on the version it
+read. A holder that was paused past the limit (a suspended VM, a long GC) and taken over is
+fenced: its next heartbeat fails its condition, every manifest write first reads the lock and
+checks the token (so do the stage processes of `run`, through TOKEN_ENV), and any write once
+its heartbeat is overdue does too; it stops with one line and exit 1 and never deletes a lock it
+no longer holds (the release is a delete conditional on its own version). To break a lock at
+once, delete the object (``aws s3 rm s3://bucket/prefix/.run.lock``) after making sure its
+holder is gone.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -29,6 +38,7 @@ from rlhf_batch.store import fs
 from rlhf_batch.store.layout import LOCK
 
 HEARTBEAT_S = 30.0
+TOKEN_ENV = "RLHF_BATCH_LOCK_TOKEN"  # set by the holder on a store for its stage processes
 LOCK_ENV = "RLHF_BATCH_RUN_LOCKED"  # set by `run` for its stage processes: it holds the lock
 
 
@@ -36,6 +46,11 @@ def stale_after() -> float:
     from rlhf_batch.runtime.env import seconds
 
     return seconds("RLHF_BATCH_LOCK_STALE_S", 4 * HEARTBEAT_S)
+
+
+def beat_every() -> float:
+    """Seconds between heartbeats: HEARTBEAT_S, or a quarter of a shorter stale limit."""
+    return min(HEARTBEAT_S, stale_after() / 4)
 
 
 def lock_id(run_dir: str | Path) -> str:
@@ -51,7 +66,8 @@ def stage_lock(run_dir: str) -> contextlib.AbstractContextManager[Any]:
     from rlhf_batch.runtime import dist
 
     if os.environ.get(LOCK_ENV) == lock_id(run_dir) or int(os.environ.get("RANK", "0")) != 0:
-        return contextlib.nullcontext()
+        root, token = fs.run_path(run_dir), os.environ.get(TOKEN_ENV)
+        return TokenFence(root, token) if fs.is_remote(root) and token else contextlib.nullcontext()
     if dist.fanned_out():  # N processes share the stage on purpose: whoever started them owns the run
         return contextlib.nullcontext()
     return _locked_and_recovered(fs.run_path(run_dir))
@@ -117,51 +133,140 @@ class FileLock:
 
 
 class StoreLock:
-    """The lock object on an object store, created conditionally, with a heartbeat."""
+    """The lock object on an object store: created conditionally, kept by a heartbeat that is a
+    conditional write on the lock's version (If-Match on its ETag), released only while held."""
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / LOCK
-        self.owner = _owner()
+        self.owner = {**_owner(), "token": uuid.uuid4().hex}
         self.stop = threading.Event()
         self.beat: threading.Thread | None = None
+        self.etag: str | None = None  # the lock object's version while this process holds it
+        self.beaten = 0.0  # wall time of the last heartbeat written
+        self.lost: str | None = None  # who holds the lock now, once this process lost it
 
     def _record(self) -> bytes:
-        return json.dumps({**self.owner, "heartbeat": time.time()}).encode()
+        self.stamp = time.time()
+        return json.dumps({**self.owner, "heartbeat": self.stamp}).encode()
 
     def __enter__(self) -> StoreLock:
-        if not fs.create(self.path, self._record()):
-            self._take_over_stale()
+        self.etag = fs.put_if(self.path, self._record(), "*")
+        if self.etag is None:
+            self._take_over()
+        self.beaten = self.stamp
+        os.environ[TOKEN_ENV] = self.owner["token"]  # the stage processes of `run` check it too
+        fs.fence = self.check
         self.beat = threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True)
         self.beat.start()
         return self
 
-    def _take_over_stale(self) -> None:
-        try:
-            info = json.loads(self.path.read_bytes())
-        except (FileNotFoundError, json.JSONDecodeError):
-            info = {}
-        age = time.time() - float(info.get("heartbeat", 0))
-        if age < stale_after():
-            raise StageError(
-                f"{self.path.parent}: another rlhf-batch command holds the lock ({_holder(info)}, "
-                f"heartbeat {age:.0f} s ago); wait for it or stop it"
-            )
-        fs.remove(self.path)
-        if not fs.create(self.path, self._record()):  # another command took it over first
+    def _take_over(self) -> None:
+        """Take the lock over from a holder that is gone: its pid is dead on this host, or its
+        heartbeat is older than `stale_after()`. The takeover is conditional on the version read,
+        so of two commands taking it over together one wins."""
+        info, etag = _read(self.path)
+        if etag is None:  # released meanwhile
+            self.etag = fs.put_if(self.path, self._record(), "*")
+        else:
+            age = time.time() - float(info.get("heartbeat", 0))
+            dead = _dead_here(info)
+            if not dead and age < stale_after():
+                raise StageError(
+                    f"{self.path.parent}: another rlhf-batch command holds the lock ({_holder(info)}, "
+                    f"heartbeat {age:.0f} s ago); wait for it or stop it"
+                )
+            self.etag = fs.put_if(self.path, self._record(), etag)
+            why = "its process is gone" if dead else f"no heartbeat for {age:.0f} s"
+        if self.etag is None:  # another command took it first
             raise StageError(f"{self.path.parent}: another rlhf-batch command holds the lock; wait for it")
-        print(
-            f"run lock: took over the stale lock of {_holder(info)} (no heartbeat for {age:.0f} s)",
-            flush=True,
-        )
+        if etag is not None:
+            print(f"run lock: took over the stale lock of {_holder(info)} ({why})", flush=True)
 
     def _heartbeat(self) -> None:
-        while not self.stop.wait(HEARTBEAT_S):
-            with contextlib.suppress(Exception):  # a missed beat is retried at the next one
-                fs.put_bytes(self.path, self._record())
+        while not self.stop.wait(beat_every()):
+            if self.lost is not None:
+                return
+            try:
+                etag = fs.put_if(self.path, self._record(), self.etag or "*")
+            except Exception:  # noqa: BLE001 - a missed beat is retried at the next one
+                continue
+            if etag is None:  # the lock's version changed: another command took it over
+                self.lost = _holder(_read(self.path)[0])
+                return
+            self.etag, self.beaten = etag, self.stamp
+
+    def check(self, path: Path, commit: bool = False) -> None:
+        """Before a write to the run (`fs.fence`): stop when the lock is lost. A commit (a
+        manifest), or any write once the heartbeat is overdue (this process was paused), reads
+        the lock first."""
+        if self.lost is None and (commit or time.time() - self.beaten > stale_after() / 2):
+            info, _ = _read(self.path)
+            if info.get("token") != self.owner["token"]:
+                self.lost = _holder(info) if info else "nobody (it was removed)"
+        if self.lost is not None:
+            raise LockLost(self.path, self.lost)
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         if self.beat is not None:
             self.beat.join(timeout=5)
-        with contextlib.suppress(Exception):  # a lock left behind goes stale: the next command takes it
-            fs.remove(self.path)
+        fs.fence = None
+        os.environ.pop(TOKEN_ENV, None)
+        if self.lost is None and self.etag is not None:
+            with contextlib.suppress(Exception):  # a lock left behind goes stale: the next command takes it
+                fs.delete_if(self.path, self.etag)  # only the version this process wrote
+
+
+class LockLost(StageError):
+    def __init__(self, path: Path, holder: str):
+        super().__init__(
+            f"{path.parent}: this command lost the run lock to {holder} (it was paused or cut off "
+            f"longer than the stale limit); it stopped before writing. Finished work is kept"
+        )
+
+
+class TokenFence:
+    """A stage process of `run` on an object store: before each commit it checks that the lock
+    object still carries its `run`'s token (TOKEN_ENV)."""
+
+    def __init__(self, run_dir: Path, token: str):
+        self.path, self.token = run_dir / LOCK, token
+
+    def check(self, path: Path, commit: bool = False) -> None:
+        if commit:
+            info, _ = _read(self.path)
+            if info.get("token") != self.token:
+                raise LockLost(self.path, _holder(info) if info else "nobody (it was removed)")
+
+    def __enter__(self) -> TokenFence:
+        fs.fence = self.check
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        fs.fence = None
+
+
+def _read(path: Path) -> tuple[dict[str, Any], str | None]:
+    """The lock object's record and version (ETag); ({}, None) when there is none."""
+    etag = fs.version(path)  # before the body: a newer body with this version fails If-Match
+    if etag is None:
+        return {}, None
+    try:
+        return json.loads(fs.get_bytes(path)), etag
+    except FileNotFoundError:
+        return {}, None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}, etag
+
+
+def _dead_here(info: dict[str, Any]) -> bool:
+    """Whether the holder is a process of this host that no longer runs."""
+    if info.get("host") != socket.gethostname() or not isinstance(info.get("pid"), int):
+        return False
+    try:
+        os.kill(info["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.store import layout
 from rlhf_batch.store.atomic import COUNTS_KEY, write_json_atomic, write_json_exclusive
-from rlhf_batch.store.fs import arrow_source, is_remote, run_path
+from rlhf_batch.store.fs import arrow_source, guard, is_remote, run_path
 from rlhf_batch.store.layout import MANIFEST, STARTED, list_parts, part_number
 from rlhf_batch.store.schemas import check_values, validate
 
@@ -185,6 +185,7 @@ def write_manifest(
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **(extra or {}),
     }
+    guard(sdir / MANIFEST, commit=True)  # on a store: the run lock is still this command's
     if exclusive and not write_json_exclusive(sdir / MANIFEST, m):
         return read_json(sdir / MANIFEST)  # another process committed first: its manifest stands
     if not exclusive:

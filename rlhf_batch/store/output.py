@@ -74,7 +74,7 @@ class StageOutput:
     def stage_beside(self) -> Path:
         """Write into the staging folder beside the output (`--force`): the old output stays
         until the new one is complete (`commit`). Staged parts of another identity are removed."""
-        if fs.is_remote(self.sdir) or dist.fanned_out():  # no rename on a store; fan-out: refused in `begin`
+        if dist.fanned_out():  # refused in `begin`
             return self.sdir
         self.final, self.sdir = self.sdir, staging.staged(self.sdir)
         started = self.sdir / layout.STARTED
@@ -93,16 +93,13 @@ class StageOutput:
 
     def begin(self, force: bool = False) -> None:
         """Claim the folder: refuse the parts of a partial run with another identity (unless
-        `force`: then the folder is the staging folder of `stage_beside`, or, on an object store,
-        which has no rename, the folder itself, removed first); record this identity in
-        `_started.json`."""
+        `force`: then the folder is the staging folder of `stage_beside`); record this identity
+        in `_started.json`."""
         if force and dist.fanned_out():
             raise StageError(
                 f"{self.sdir}: --force with --world-size > 1 would remove the other processes' parts; "
                 "run it once with world size 1"
             )
-        if force and self.final == self.sdir and self.rank == 0 and self.sdir.exists():
-            fs.remove(self.sdir)
         dist.barrier()
         if self.done() is not None:
             return

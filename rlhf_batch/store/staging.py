@@ -7,12 +7,15 @@ swapped in only once it is complete.
 
 The commit point is the staged folder's `_manifest.json`: before it, the old folder (and the
 old policy) is untouched, whatever fails or is killed; a forced re-run with the same identity
-resumes the staged parts. After it, the swap is finished by whoever comes next (`recover`, run
-by every command that writes a run, under the run lock). On an object store (no rename) a
-forced stage removes its folder first, as before: the staged policy replaces iter=K/policy,
-the old folder is renamed away, the staged one renamed into place, the old one deleted. Each
-step is a rename or the deletion of what is already replaced, so a kill between any two leaves a
-state that `recover` finishes the same way.
+resumes the staged parts (`run` removes them: it never resumes a forced stage). After it, the
+swap is finished by whoever comes next (`recover`, run by every command that writes a run,
+under the run lock). Locally the staged policy replaces iter=K/policy, the old folder is renamed
+away, the staged one renamed into place, the old one deleted. On an object store (no rename)
+the staged objects are copied over the old ones server side: the policy first, then the old
+manifest is removed, the parts copied (old parts the new output lacks deleted), the manifest
+copied last, the staged prefix deleted. Each step is a rename, a copy of what is staged or the
+deletion of what is already replaced, so a kill between any two (a fault point sits in every
+window) leaves a state that `recover` finishes the same way.
 """
 
 from __future__ import annotations
@@ -43,19 +46,27 @@ def committed(stage_dir: Path) -> bool:
 
 def commit(final: Path) -> None:
     """Swap the complete staged output of `final` into place (idempotent, resumable)."""
-    from rlhf_batch.store.atomic import fsync_dir
-
-    new, old = staged(final), retired(final)
+    new = staged(final)
     if not committed(new):
         return
     fault_point(f"{final.name}:commit")
     if same_output(final):
-        shutil.rmtree(new)
+        _drop(new)
         return
+    if fs.is_remote(final):
+        _commit_remote(final)
+        return
+    _commit_local(final)
+
+
+def _commit_local(final: Path) -> None:
+    from rlhf_batch.store.atomic import fsync_dir
+
+    new, old = staged(final), retired(final)
     for name in OUTSIDE.get(final.name, ()):
         src, dst = new / name, final.parent / name
         if src.exists():
-            _replace(src, dst)
+            _replace(src, dst, f"{final.name}:commit:{name}")
             (final.parent / layout.POLICY_REMOVED).unlink(missing_ok=True)  # a new policy is here
             fault_point(f"{final.name}:commit:{name}")
     if final.exists():
@@ -64,62 +75,112 @@ def commit(final: Path) -> None:
         fault_point(f"{final.name}:commit:retired")
     os.rename(new, final)
     fsync_dir(final.parent)
+    fault_point(f"{final.name}:commit:swapped")  # the new folder in place, the old one still there
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _commit_remote(final: Path) -> None:
+    """On an object store (no rename): the staged objects are copied over the old ones (server
+    side), the manifest last. The old output stops being current when its manifest is removed,
+    which happens only once the staged manifest exists; a kill after that is finished by the
+    next command the same way (every step is a copy of what is staged or the removal of what it
+    replaces)."""
+    new = staged(final)
+    fs.guard(final, commit=True)
+    for name in OUTSIDE.get(final.name, ()):
+        if (new / name).is_dir():
+            fs.mirror(new / name, final.parent / name)
+            fs.remove(final.parent / layout.POLICY_REMOVED)  # a new policy is here
+            fault_point(f"{final.name}:commit:{name}")
+    fs.remove(final / layout.MANIFEST)  # the old output is no longer current
+    fault_point(f"{final.name}:commit:retired")
+    fs.mirror(new, final, last=layout.MANIFEST)
+    fault_point(f"{final.name}:commit:swapped")  # the new output current, the staged copy still there
+    _drop(new)
+
+
+def _drop(new: Path) -> None:
+    """Remove a staged folder, its manifest first (a staged folder without its manifest is never
+    swapped in, so a kill while it is removed cannot swap half a folder)."""
+    if fs.is_remote(new):
+        fs.remove(new / layout.MANIFEST)
+        fs.remove(new)
+    else:
+        (new / layout.MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(new, ignore_errors=True)
 
 
 def same_output(final: Path) -> bool:
     """Whether the staged output of `final` is the one already there: both complete with the
     same identity and the same parts, byte for byte (a forced re-run that changed nothing; the
     old folder is then kept, so the manifest later stages fingerprinted stays as it was)."""
-    import filecmp
-
     from rlhf_batch.store.manifests import manifest
 
-    old, new = manifest(final) if final.is_dir() else None, manifest(staged(final))
+    old, new = manifest(final), manifest(staged(final))
     if old is None or new is None or old.get("key") != new.get("key") or not new.get("parts"):
         return False
     names = [p["file"] for p in new["parts"]]
     if [p["file"] for p in old.get("parts", [])] != names:
         return False
-    return all(filecmp.cmp(final / n, staged(final) / n, shallow=False) for n in names)
+    return all(_same_bytes(final / n, staged(final) / n) for n in names)
 
 
-def _replace(src: Path, dst: Path) -> None:
+def _same_bytes(a: Path, b: Path) -> bool:
+    import filecmp
+
+    if fs.is_remote(a):
+        return a.read_bytes() == b.read_bytes()
+    return filecmp.cmp(a, b, shallow=False)
+
+
+def _replace(src: Path, dst: Path, fault: str) -> None:
     trash = dst.with_name(f".{dst.name}.old")
     shutil.rmtree(trash, ignore_errors=True)
     if dst.exists():
         os.rename(dst, trash)
+        fault_point(f"{fault}:retired")
     os.rename(src, dst)
+    fault_point(f"{fault}:swapped")
     shutil.rmtree(trash, ignore_errors=True)
 
 
 def drop_if_empty(new: Path) -> None:
     """Remove a staging folder that holds no part (nothing a re-run could resume)."""
     if new.is_dir() and not layout.list_parts(new) and not any(new.glob(f"{layout.CHECKPOINT_DIR}/*")):
-        shutil.rmtree(new, ignore_errors=True)
+        _drop(new)
 
 
-def recover(run_dir: str | Path) -> None:
+def recover(run_dir: str | Path, drop_uncommitted: bool = False) -> None:
     """Finish every swap a kill interrupted in the run directory: a committed staged folder is
     swapped in; an old folder whose replacement is in place is deleted, one whose replacement is
-    not is put back."""
-    if fs.scheme(run_dir) or fs.is_remote(run_dir):
-        return
-    root = Path(run_dir)
+    not is put back. With `drop_uncommitted` (`run`), a staged folder that was never committed
+    (a forced stage that failed or was killed) is removed too: `run` never resumes it."""
+    root = fs.run_path(run_dir)
     if not root.is_dir():
         return
     for it in root.glob("iter=*"):
-        for parent in (it, *it.glob("topup=*")):
-            for name in layout.FOLDERS:
-                recover_folder(parent / name)
+        _recover_below(it, drop_uncommitted)
+
+
+def _recover_below(parent: Path, drop_uncommitted: bool) -> None:
+    kids = {p.name: p for p in parent.iterdir()}  # one listing per folder on an object store
+    for name in layout.FOLDERS:
+        final = parent / name
+        if staged(final).name in kids or retired(final).name in kids:
+            recover_folder(final)
+            if drop_uncommitted and staged(final).is_dir():
+                _drop(staged(final))
+    for kid, path in kids.items():
+        if kid.startswith("topup="):
+            _recover_below(path, drop_uncommitted)
 
 
 def recover_folder(final: Path) -> None:
-    if fs.is_remote(final):  # no staging on an object store (no rename)
-        return
     new, old = staged(final), retired(final)
     if committed(new):
         commit(final)
+    elif fs.is_remote(final):  # no retired folder on an object store
+        return
     elif old.exists():
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)

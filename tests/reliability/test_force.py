@@ -185,3 +185,45 @@ def test_score_force_with_the_same_config_keeps_the_folder_so_run_goes_on(make_c
     # a forced re-score that changes the rows still replaces them
     ok("score", path, "--iter", 0, "--force", "--quiet", "--set", "score.kl_reward_coef=0.5")
     assert _manifest(scores)["config"]["score"]["kl_reward_coef"] == 0.5
+
+
+@pytest.mark.slow
+def test_run_removes_killed_forced_stages_and_a_swap_killed_before_the_old_folder_is_removed(
+    make_config,
+) -> None:
+    """A forced generate killed mid-part and a forced train killed while writing its policy leave
+    `.rollouts.new` and `.train.new/.policy.tmp-PID`: the next `run` removes both (it never
+    resumes a forced stage). A forced generate killed after the new folder is renamed into place
+    and before the old one is removed: the next command removes the old one, keeping the new."""
+    path, cfg = make_config(iterations=1, in_process=True, threads=1)
+    run_dir = Path(cfg.run_dir)
+    ok("run", path, "--quiet")
+    it0 = layout.iter_dir(run_dir, 0)
+    res = rb(
+        "generate",
+        path,
+        "--force",
+        "--quiet",
+        "--set",
+        "generate.temperature=0.7",
+        fault="rollouts:part-1:tmp",
+    )
+    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+    res = rb(
+        "train", path, "--iter", 0, "--force", "--quiet", "--set", "train.lr=0.02", fault="dir:policy:tmp"
+    )
+    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+    KILLS["named"] += 2
+    assert (it0 / ".rollouts.new").is_dir() and list((it0 / ".train.new").glob(".policy.tmp-*"))
+    before = snapshot(it0 / "rollouts", it0 / "train", it0 / "policy")
+    ok("run", path, "--quiet")
+    assert leftovers(run_dir) == [] and not [p for p in run_dir.rglob("*") if ".tmp" in p.name]
+    assert snapshot(it0 / "rollouts", it0 / "train", it0 / "policy") == before
+    force = ("generate", path, "--force", "--quiet", "--set", "generate.temperature=0.7")
+    res = rb(*force, fault="rollouts:commit:swapped")
+    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+    KILLS["named"] += 1
+    assert (it0 / "rollouts").is_dir() and (it0 / ".rollouts.old").is_dir()  # the window
+    ok("generate", path, "--quiet", "--set", "generate.temperature=0.7")  # finds its stage complete
+    assert leftovers(run_dir) == []
+    assert _manifest(it0 / "rollouts")["config"]["generate"]["temperature"] == 0.7
