@@ -53,13 +53,18 @@ RankOpt = Annotated[
     int | None,
     typer.Option(
         "--rank",
-        help="This process's rank in a fan-out of independent processes (default: from Slurm or a "
-        "Kubernetes Indexed Job, else none). It writes the parts n with n % world size == rank.",
+        help="This process's rank in a fan-out of independent processes (with --world-size N; "
+        "default: none). It writes the parts n with n % world size == rank.",
     ),
 ]
 WorldOpt = Annotated[
-    int | None,
-    typer.Option("--world-size", help="The number of processes of the fan-out (see --rank)."),
+    str | None,
+    typer.Option(
+        "--world-size",
+        help="The number of processes of the fan-out (see --rank), or `auto`: rank and world size "
+        "from the scheduler (a Slurm array or tasks, a Kubernetes Indexed Job with "
+        "RLHF_BATCH_WORLD_SIZE, torchrun's group). Without it the environment fans nothing out.",
+    ),
 ]
 TopUpOpt = Annotated[
     int,
@@ -87,7 +92,7 @@ def _stage(
     force: bool,
     quiet: bool,
     topup: int = 0,
-    fanout: tuple[int | None, int | None] | None = None,
+    fanout: tuple[int | None, str | None] | None = None,
 ) -> None:
     from rlhf_batch.commands.lanes import use_side
     from rlhf_batch.runtime import dist
