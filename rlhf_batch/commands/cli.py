@@ -102,8 +102,14 @@ def _stage(
     from rlhf_batch.stages.registry import get
     from rlhf_batch.store.lock import stage_lock
 
-    watch_group()  # started by `run`: helpers (vLLM's EngineCore) die with this process
     cfg = _config(config, overrides)
+    if name in ("generate", "eval"):  # sampling: in generate.python's interpreter (vLLM's venv)
+        from rlhf_batch.commands.pipeline import in_generate_python
+
+        in_generate_python(
+            cfg.generate.python, name, config, iteration, overrides, quiet, topup, force, fanout
+        )
+    watch_group()  # started by `run`: helpers (vLLM's EngineCore) die with this process
     use_side(cfg, name)  # generate.device/threads or train's
     setup_process(cfg.threads)
     if topup < 0:
