@@ -122,6 +122,34 @@ def file_fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+# Where an input is, not what it is: a prompt set's paths (its content hash is in the inputs).
+# Two processes that read the same prompts from different paths (fan-out ranks on machines of
+# their own) agree. Models keep their paths: a base model is not hashed (many GB), so its path is
+# part of what identifies it (give every machine the same one: a store URI).
+LOCATIONS = (("generate", "prompts"), ("eval", "prompts"))
+
+
+def _located(identity: dict[str, Any]) -> Any:
+    """The identity without where its prompt sets are (LOCATIONS in the config)."""
+    config = json.loads(json.dumps(identity.get("config") or {}, default=str))
+    for table, key in LOCATIONS:
+        if isinstance(config.get(table), dict):
+            config[table].pop(key, None)
+    return {
+        "config": config,
+        "inputs": identity.get("inputs"),
+        "schema_version": identity.get("schema_version"),
+    }
+
+
+def same_identity(recorded: dict[str, Any], key: str, identity: dict[str, Any]) -> bool:
+    """Whether a manifest or `_started.json` (`recorded`) has this identity: the same key, or the
+    same identity but for where the inputs are (`_located`)."""
+    if recorded.get("key") == key:
+        return True
+    return fingerprint(_located(recorded)) == fingerprint(_located(identity))
+
+
 def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str:
     """Which dotted keys of the identity (config, inputs, schema_version) differ between what is
     on disk (`old`) and this run (`new`): the first `limit`, with their values when short (not for

@@ -17,7 +17,14 @@ from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.runtime.timing import StageClock
 from rlhf_batch.store import fs, layout, staging
 from rlhf_batch.store.atomic import write_json_atomic, write_parquet_atomic
-from rlhf_batch.store.manifests import differences, fingerprint, manifest, read_json, write_manifest
+from rlhf_batch.store.manifests import (
+    differences,
+    fingerprint,
+    manifest,
+    read_json,
+    same_identity,
+    write_manifest,
+)
 from rlhf_batch.store.schemas import SCHEMA_VERSION
 
 
@@ -63,7 +70,7 @@ class StageOutput:
         """The manifest when the folder is complete with this identity; None when not complete;
         an error when it is complete with another one."""
         m = manifest(self.sdir)
-        if m is not None and m.get("key") != self.key:
+        if m is not None and not same_identity(m, self.key, self.identity):
             raise StageError(
                 f"{self.sdir}: stage is complete with a different config or inputs "
                 f"({differences(m, self.identity)}); replace it with {layout.redo_command(self.sdir, self.command or '')}"
@@ -80,7 +87,7 @@ class StageOutput:
         started = self.sdir / layout.STARTED
         if self.rank == 0 and self.sdir.exists():
             before = read_json(started) if started.exists() else None
-            if before is None or before.get("key") != self.key:
+            if before is None or not same_identity(before, self.key, self.identity):
                 fs.remove(self.sdir)
         return self.sdir
 
@@ -112,7 +119,7 @@ class StageOutput:
         if (
             not force
             and before is not None
-            and before.get("key") != self.key
+            and not same_identity(before, self.key, self.identity)
             and layout.list_parts(self.sdir)
         ):
             raise StageError(
