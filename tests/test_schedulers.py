@@ -78,7 +78,7 @@ def test_the_slurm_scripts_commands_parse_with_the_cli() -> None:
     from torch.distributed.run import get_args_parser
 
     line = text.replace("\\\n", " ").split("srun torchrun ", 1)[1].splitlines()[0]
-    line = line.replace('"$SLURM_NNODES"', "2").replace('"${GPUS_PER_NODE:-8}"', "8")
+    line = line.replace('"$SLURM_NNODES"', "2").replace('"${gpus##*:}"', "8")
     line = line.replace('"$SLURM_JOB_ID"', "7").replace('"$head:${RDZV_PORT:-29500}"', "node1:29500")
     args = get_args_parser().parse_args(
         shlex.split(line.replace('"$config"', "c.toml").replace('"$it"', "0").replace('"$@"', ""))
@@ -157,7 +157,7 @@ def test_the_slurm_scripts_run_one_iteration_on_s3_in_a_simulated_slurm(
         "SLURM_JOB_ID": "42",
         "SLURM_NNODES": "1",
         "SLURM_JOB_NODELIST": "localhost",
-        "GPUS_PER_NODE": "1",
+        "SLURM_GPUS_ON_NODE": "1",
     }
     job = sbatch("slurm-train.sbatch", str(remote), "0", env={**train_env, "RDZV_PORT": str(free_port())})
     _, err = job.communicate(timeout=900)
