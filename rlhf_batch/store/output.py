@@ -5,6 +5,7 @@ The executor (stages/executor.py) drives it; tests and hand-written folders use 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ from rlhf_batch.runtime.timing import StageClock
 from rlhf_batch.store import fs, layout, staging
 from rlhf_batch.store.atomic import write_json_atomic, write_parquet_atomic
 from rlhf_batch.store.manifests import (
+    StaleParts,
     differences,
     fingerprint,
+    located_key,
     manifest,
     read_json,
     same_identity,
@@ -61,6 +64,7 @@ class StageOutput:
             "schema_version": SCHEMA_VERSION,
         }
         self.key = fingerprint(self.identity)
+        self.located = located_key(self.identity)  # fanned out: in each part, checked at the commit
         self.complete = False
         self.final = sdir  # where the output ends up (sdir: where it is written)
         self.clock = StageClock()  # execute() gives it the stage's start
@@ -104,11 +108,8 @@ class StageOutput:
         which has no rename, the folder itself, removed first); record this identity in
         `_started.json`."""
         if force and dist.fanned_out():
-            raise StageError(
-                f"{self.sdir}: --force with --world-size > 1 would remove the other processes' parts; "
-                "run it once with world size 1"
-            )
-        if force and self.final == self.sdir and self.rank == 0 and self.sdir.exists():
+            self._redo_mine()
+        elif force and self.final == self.sdir and self.rank == 0 and self.sdir.exists():
             fs.remove(self.sdir)
         dist.barrier()
         if self.done() is not None:
@@ -139,6 +140,16 @@ class StageOutput:
             write_json_atomic(started, {"key": self.key, **self.identity})
         dist.barrier()
 
+    def _redo_mine(self) -> None:
+        """`--force` of a fanned-out rank: the manifest goes (the last rank commits again) and
+        this rank's parts (n % world == rank, whoever wrote them); the other ranks' parts stay,
+        and the commit refuses any that another identity wrote (force their ranks too)."""
+        if (self.sdir / layout.MANIFEST).exists():
+            fs.remove(self.sdir / layout.MANIFEST)
+        for p in layout.list_parts(self.sdir):
+            if layout.part_number(p) % self.world == self.rank:
+                fs.remove(p)
+
     def todo(self, n_parts: int, single_writer: bool = False) -> list[int]:
         """This rank's part numbers that are not on disk yet."""
         have = {layout.part_number(p) for p in layout.list_parts(self.sdir)}
@@ -153,7 +164,8 @@ class StageOutput:
     def write_table(self, n: int, table: pa.Table, schema: pa.Schema, counts: dict | None = None) -> Path:
         """Part `n` of this rank, written atomically; `counts` are summed into the manifest."""
         path = self.sdir / layout.part_name(self.rank, n)
-        write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}")
+        who = self.located if dist.fanned_out() else ""  # fanned out: checked by whoever commits
+        write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}", identity=who)
         self.written[path.name] = (table.num_rows, dict(counts or {}))
         fault_point(f"{self.folder}:part-{n}:done")
         return path
@@ -180,16 +192,21 @@ class StageOutput:
             record["timing"] = self.clock.record(tokens)
             if fs.retried:  # transient store errors this process retried (store/fs.py retry)
                 record["store_retries"] = fs.retried
-            result = write_manifest(
-                self.sdir,
-                self.folder,
-                n_parts,
-                self.key,
-                self.identity,
-                {**record, **(more or {})},
-                exclusive=dist.fanned_out(),
-                known=self.written,
-            )
+            try:
+                result = write_manifest(
+                    self.sdir,
+                    self.folder,
+                    n_parts,
+                    self.key,
+                    self.identity,
+                    {**record, **(more or {})},
+                    exclusive=dist.fanned_out(),
+                    known=self.written,
+                    located=self.located if dist.fanned_out() else None,
+                )
+            except StaleParts as e:  # fanned out: this rank's parts are done; another's are old
+                print(f"{e}; this rank's parts are written, the stage is not committed", file=sys.stderr)
+                return None
         dist.barrier()
         if self.final != self.sdir:  # staged (--force): the new output is complete, swap it in
             self.commit()
