@@ -116,9 +116,8 @@ def _stage(
         from rlhf_batch.errors import UserError
 
         raise UserError(f"--topup must be >= 0, got {topup}")
-    if fanout is not None:  # generate, score, eval: independent processes may share the parts
-        dist.set_fanout(*fanout)
-    with stage_lock(cfg.run_dir):
+    # generate, score, eval: independent processes may share the parts (for this command only)
+    with dist.fanout(fanout), stage_lock(cfg.run_dir):
         dist.init(cfg.device)
         stage = get(name)(cfg, iteration, topup) if topup else get(name)(cfg, iteration)
         execute(stage, force=force, quiet=quiet, since=timing.process_start())

@@ -15,9 +15,10 @@ part on the store commits the manifest (store/output.py).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from rlhf_batch.errors import UserError
 
@@ -95,6 +96,19 @@ def set_fanout(rank: int | None, world: int | str | None) -> None:
     """This process's place in a fan-out (None, None: none, whatever the environment holds)."""
     global _fanout
     _fanout = fanout_from(rank, world, os.environ)
+
+
+@contextlib.contextmanager
+def fanout(given: tuple[int | None, int | str | None] | None) -> Iterator[None]:
+    """`set_fanout(*given)` while the block runs (a stage command), none after it; None: as is."""
+    if given is None:
+        yield
+        return
+    set_fanout(*given)
+    try:
+        yield
+    finally:
+        set_fanout(None, None)
 
 
 def fanout_from(rank: int | None, world: int | str | None, env: Mapping[str, str]) -> tuple[int, int] | None:
