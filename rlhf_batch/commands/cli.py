@@ -53,13 +53,18 @@ RankOpt = Annotated[
     int | None,
     typer.Option(
         "--rank",
-        help="This process's rank in a fan-out of independent processes (default: from Slurm or a "
-        "Kubernetes Indexed Job, else none). It writes the parts n with n % world size == rank.",
+        help="This process's rank in a fan-out of independent processes (with --world-size N; "
+        "default: none). It writes the parts n with n % world size == rank.",
     ),
 ]
 WorldOpt = Annotated[
-    int | None,
-    typer.Option("--world-size", help="The number of processes of the fan-out (see --rank)."),
+    str | None,
+    typer.Option(
+        "--world-size",
+        help="The number of processes of the fan-out (see --rank), or `auto`: rank and world size "
+        "from the scheduler (a Slurm array or tasks, a Kubernetes Indexed Job with "
+        "RLHF_BATCH_WORLD_SIZE, torchrun's group). Without it the environment fans nothing out.",
+    ),
 ]
 TopUpOpt = Annotated[
     int,
@@ -87,7 +92,7 @@ def _stage(
     force: bool,
     quiet: bool,
     topup: int = 0,
-    fanout: tuple[int | None, int | None] | None = None,
+    fanout: tuple[int | None, str | None] | None = None,
 ) -> None:
     from rlhf_batch.commands.lanes import use_side
     from rlhf_batch.runtime import dist
@@ -97,17 +102,22 @@ def _stage(
     from rlhf_batch.stages.registry import get
     from rlhf_batch.store.lock import stage_lock
 
-    watch_group()  # started by `run`: helpers (vLLM's EngineCore) die with this process
     cfg = _config(config, overrides)
+    if name in ("generate", "eval"):  # sampling: in generate.python's interpreter (vLLM's venv)
+        from rlhf_batch.commands.pipeline import in_generate_python
+
+        in_generate_python(
+            cfg.generate.python, name, config, iteration, overrides, quiet, topup, force, fanout
+        )
+    watch_group()  # started by `run`: helpers (vLLM's EngineCore) die with this process
     use_side(cfg, name)  # generate.device/threads or train's
     setup_process(cfg.threads)
     if topup < 0:
         from rlhf_batch.errors import UserError
 
         raise UserError(f"--topup must be >= 0, got {topup}")
-    if fanout is not None:  # generate, score, eval: independent processes may share the parts
-        dist.set_fanout(*fanout)
-    with stage_lock(cfg.run_dir):
+    # generate, score, eval: independent processes may share the parts (for this command only)
+    with dist.fanout(fanout), stage_lock(cfg.run_dir):
         dist.init(cfg.device)
         stage = get(name)(cfg, iteration, topup) if topup else get(name)(cfg, iteration)
         execute(stage, force=force, quiet=quiet, since=timing.process_start())

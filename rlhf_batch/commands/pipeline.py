@@ -4,7 +4,9 @@ Each stage runs in its own process by default (`python -m rlhf_batch STAGE CONFI
 so stages may use different devices and a crash takes one stage down, not the run; with
 `in_process = true` (or `--in-process`) they run in this process, which saves the start-up
 time of the small demo. `generate.python` names another interpreter for the generate stage
-(vLLM lives in its own venv): generate then runs in a child process even with `in_process`.
+(vLLM lives in its own venv) and for eval, which samples with generate's engine: they then run in
+a child process even with `in_process`; the `generate` and `eval` commands started in another
+interpreter hand themselves over to it (`in_generate_python`).
 Either way the files are the only interface between stages, and a re-run after a crash does
 only the missing work.
 """
@@ -85,7 +87,7 @@ def _stage_runner(
         seen["ran"] += 1
         rnd = f" (top-up round {stage.topup})" if stage.topup else ""
         _say(f"iteration {stage.iteration}: {stage.name}{rnd}", quiet)
-        python = cfg.generate.python if stage.name == "generate" else ""  # e.g. vLLM's own venv
+        python = cfg.generate.python if stage.name in SAMPLING else ""  # e.g. vLLM's own venv
         if cfg.in_process and not python and (not in_process or stage.name in in_process):
             execute(stage, quiet=quiet)
         else:
@@ -236,6 +238,52 @@ def top_up(advantage: Any, run_stage: Callable[[Any], None], quiet: bool) -> Non
             run_stage(get(name)(cfg, it, r))
 
 
+SAMPLING = ("generate", "eval")  # the stages that sample with generate's engine (generate.python)
+PYTHON_ENV = "RLHF_BATCH_PYTHON"  # the generate.python a stage process was started in
+
+
+def stage_command(
+    python: str, stage: str, config_path: Path, it: int, overrides: list[str], quiet: bool, *extra: str
+) -> list[str]:
+    """`python -P -m rlhf_batch STAGE CONFIG --iter K [EXTRA] [--set O ...] [--quiet]`; -P: the
+    current directory is not put on sys.path, so no file there shadows a module."""
+    cmd = [python or sys.executable, "-P", "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
+    return cmd + list(extra) + [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
+
+
+def _check_python(python: str) -> None:
+    if not os.access(python, os.X_OK):
+        raise StageError(f"generate.python: {python} is not an executable interpreter (run `make vllm`?)")
+
+
+def in_generate_python(
+    python: str,
+    stage: str,
+    config_path: Path,
+    it: int,
+    overrides: list[str] | None,
+    quiet: bool,
+    topup: int = 0,
+    force: bool = False,
+    fanout: tuple[int | None, str | None] | None = None,
+) -> None:
+    """The `generate` and `eval` commands: with `generate.python` set (and this process not
+    running in it), the same command runs in that interpreter, as `run` starts the stage, and
+    this process exits with its exit status; otherwise nothing."""
+    if not python or os.environ.get(PYTHON_ENV) == python or os.path.abspath(sys.executable) == python:
+        return
+    _check_python(python)
+    rank, world = fanout or (None, None)
+    extra = [*(["--topup", str(topup)] if topup else []), *(["--force"] if force else [])]
+    extra += [
+        *(["--rank", str(rank)] if rank is not None else []),
+        *(["--world-size", world] if world else []),
+    ]
+    cmd = stage_command(python, stage, config_path, it, overrides or [], quiet, *extra)
+    env = {**os.environ, PYTHON_ENV: python}
+    raise SystemExit(subprocess.run(cmd, preexec_fn=die_with(os.getpid()), env=env).returncode)
+
+
 def _run_child(
     config_path: Path,
     overrides: list[str],
@@ -245,13 +293,12 @@ def _run_child(
     topup: int = 0,
     python: str = "",
 ) -> None:
-    if python and not os.access(python, os.X_OK):
-        raise StageError(f"generate.python: {python} is not an executable interpreter (run `make vllm`?)")
-    # -P: the current directory is not put on sys.path, so no file there shadows a module
-    cmd = [python or sys.executable, "-P", "-m", "rlhf_batch", stage, str(config_path), "--iter", str(it)]
-    cmd += ["--topup", str(topup)] if topup else []
-    cmd += [a for o in overrides for a in ("--set", o)] + (["--quiet"] if quiet else [])
-    code = subprocess.run(cmd, preexec_fn=die_with(os.getpid()), env=_group_env()).returncode
+    if python:
+        _check_python(python)
+    extra = ["--topup", str(topup)] if topup else []
+    cmd = stage_command(python, stage, config_path, it, overrides, quiet, *extra)
+    env = {**(_group_env() or os.environ), **({PYTHON_ENV: python} if python else {})}
+    code = subprocess.run(cmd, preexec_fn=die_with(os.getpid()), env=env).returncode
     if code != 0:
         raise StageError(
             f"{stage} of iteration {it} failed (exit {code}); fix the cause and run again, "

@@ -6,7 +6,8 @@ loads a model puts it on `stage_device(cfg.device)`: GPU LOCAL_RANK of its node 
 
 Fan-out without a process group (generate, score, eval): N independent processes, started
 apart (a Slurm array, a Kubernetes Indexed Job, Airflow mapped tasks, N shells), each given its
-rank (`--rank R --world-size N`, or read from the scheduler's environment: `fanout_from`). Each
+rank (`--rank R --world-size N`, or `--world-size auto`: from the scheduler's environment, see
+`fanout_from`; never from the environment alone). Each
 writes the parts n with n % N == R; there are no barriers, and whichever process finds every
 part on the store commits the manifest (store/output.py).
 """
@@ -14,9 +15,10 @@ part on the store commits the manifest (store/output.py).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from rlhf_batch.errors import UserError
 
@@ -90,42 +92,76 @@ def fanned_out() -> bool:
     return _fanout is not None and _fanout[1] > 1 and not grouped()
 
 
-def set_fanout(rank: int | None, world: int | None) -> None:
-    """This process's place in a fan-out (None, None: none, or the scheduler's: `fanout_from`)."""
+def set_fanout(rank: int | None, world: int | str | None) -> None:
+    """This process's place in a fan-out (None, None: none, whatever the environment holds)."""
     global _fanout
     _fanout = fanout_from(rank, world, os.environ)
 
 
-def fanout_from(rank: int | None, world: int | None, env: Mapping[str, str]) -> tuple[int, int] | None:
-    """(rank, world) from the options, else from the scheduler's environment: a Slurm array
-    (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT), Slurm tasks
-    (SLURM_PROCID of SLURM_NTASKS, when torchrun is not the launcher), a Kubernetes Indexed Job
-    (JOB_COMPLETION_INDEX, with the world size given once: --world-size or RLHF_BATCH_WORLD_SIZE)."""
-    if world is None and env.get("RLHF_BATCH_WORLD_SIZE"):
-        world = _int(env["RLHF_BATCH_WORLD_SIZE"], "RLHF_BATCH_WORLD_SIZE")
-    if rank is None:
-        if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
-            lowest = _int(env.get("SLURM_ARRAY_TASK_MIN", "0"), "SLURM_ARRAY_TASK_MIN")
-            rank = _int(env["SLURM_ARRAY_TASK_ID"], "SLURM_ARRAY_TASK_ID") - lowest
-            world = world or _int(env["SLURM_ARRAY_TASK_COUNT"], "SLURM_ARRAY_TASK_COUNT")
-        elif "JOB_COMPLETION_INDEX" in env:
-            rank = _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
-            if world is None:
-                raise UserError(
-                    "JOB_COMPLETION_INDEX is set: give the world size once (--world-size N or RLHF_BATCH_WORLD_SIZE)"
-                )
-        elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "TORCHELASTIC_RUN_ID" not in env:
-            rank = _int(env["SLURM_PROCID"], "SLURM_PROCID")
-            world = world or _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
+@contextlib.contextmanager
+def fanout(given: tuple[int | None, int | str | None] | None) -> Iterator[None]:
+    """`set_fanout(*given)` while the block runs (a stage command), none after it; None: as is."""
+    if given is None:
+        yield
+        return
+    set_fanout(*given)
+    try:
+        yield
+    finally:
+        set_fanout(None, None)
+
+
+def fanout_from(rank: int | None, world: int | str | None, env: Mapping[str, str]) -> tuple[int, int] | None:
+    """(rank, world) of a fan-out the command asked for, else None: a scheduler's variables alone
+    never fan a command out (a `run` or a plain stage inside a multi-task allocation writes every
+    part). `--rank R --world-size N`: as given; `--world-size N`: the rank from the scheduler
+    (`scheduler_rank`); `--world-size auto`: rank and world size from the scheduler, or from
+    torchrun's process group when torchrun launched the process (None here)."""
     if rank is None and world is None:
         return None
-    if rank is None or world is None:
-        raise UserError("--rank and --world-size go together (or come from the scheduler's environment)")
+    if world is None:
+        raise UserError("--rank and --world-size go together (--world-size auto: both from the scheduler)")
+    if str(world).strip().lower() == "auto":
+        if rank is not None:
+            raise UserError("--rank with --world-size auto: the scheduler's environment gives the rank")
+        if "TORCHELASTIC_RUN_ID" in env or _int(env.get("WORLD_SIZE") or "1", "WORLD_SIZE") > 1:
+            return None  # torchrun's (or a PyTorchJob's) process group gives the ranks
+        rank, world = scheduler_rank(env, None)
+    else:
+        world = _int(str(world), "--world-size")
+        if rank is None:
+            rank, world = scheduler_rank(env, world)
     if world < 1 or not 0 <= rank < world:
         raise UserError(f"--rank {rank} --world-size {world}: the rank must be in 0..world size - 1")
     if int(env.get("WORLD_SIZE", "1")) > 1:
         raise UserError("--rank/--world-size: this process runs under torchrun, whose ranks it uses")
     return rank, world
+
+
+def scheduler_rank(env: Mapping[str, str], world: int | None) -> tuple[int, int]:
+    """(rank, world) from the scheduler's environment (`world`, when given, is the world size): a
+    Slurm array (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT), a
+    Kubernetes Indexed Job (JOB_COMPLETION_INDEX; the world size given once: --world-size N or
+    RLHF_BATCH_WORLD_SIZE), Slurm tasks (SLURM_PROCID of SLURM_NTASKS, unless torchrun launched
+    the process)."""
+    if "SLURM_ARRAY_TASK_ID" in env and "SLURM_ARRAY_TASK_COUNT" in env:
+        lowest = _int(env.get("SLURM_ARRAY_TASK_MIN", "0"), "SLURM_ARRAY_TASK_MIN")
+        rank = _int(env["SLURM_ARRAY_TASK_ID"], "SLURM_ARRAY_TASK_ID") - lowest
+        return rank, world or _int(env["SLURM_ARRAY_TASK_COUNT"], "SLURM_ARRAY_TASK_COUNT")
+    if "JOB_COMPLETION_INDEX" in env:
+        if world is None and not env.get("RLHF_BATCH_WORLD_SIZE"):
+            raise UserError(
+                "JOB_COMPLETION_INDEX is set: give the world size once (--world-size N or RLHF_BATCH_WORLD_SIZE)"
+            )
+        world = world or _int(env["RLHF_BATCH_WORLD_SIZE"], "RLHF_BATCH_WORLD_SIZE")
+        return _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX"), world
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "TORCHELASTIC_RUN_ID" not in env:
+        rank = _int(env["SLURM_PROCID"], "SLURM_PROCID")
+        return rank, world or _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
+    raise UserError(
+        "--world-size: no rank in the environment (a Slurm array or tasks: SLURM_ARRAY_TASK_ID, "
+        "SLURM_PROCID; a Kubernetes Indexed Job: JOB_COMPLETION_INDEX); give --rank R --world-size N"
+    )
 
 
 def _int(text: str, name: str) -> int:

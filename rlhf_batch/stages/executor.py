@@ -30,6 +30,7 @@ from rlhf_batch.store import layout, staging
 from rlhf_batch.store.atomic import set_durable
 from rlhf_batch.store.manifests import (
     manifest,
+    same_identity,
     written_by,
 )
 from rlhf_batch.store.output import StageOutput
@@ -112,7 +113,7 @@ def is_done(stage: Stage) -> bool:
         out = output_of(stage)
     except StageError:
         return False
-    if m.get("key") != out.key:
+    if not same_identity(m, out.key, out.identity):
         return False
     _tidy(stage, out)
     return True

@@ -29,7 +29,10 @@ from it at iteration 0; iteration K uses the state that iteration K-1 left in it
 (``iter=K-1/scores/_manifest.json`` "kl_controller"), so a re-run sees the same beta. After
 scoring, the controller is updated with this iteration's mean ``kl_sum`` and number of rollouts
 and the new state is written to this manifest. Parts: part n holds rollouts rows
-``[n * R, (n + 1) * R)`` with R = ``score.rows_per_part``. ``score.max_tokens_per_batch`` is not
+``[n * R, (n + 1) * R)`` with R = ``score.rows_per_part``; fanned out over N processes (or N
+torchrun ranks), R = min(``score.rows_per_part``, ceil(rows / N)), so that every rank has a part
+(recorded as the input ``part_rows`` when it differs; a process that finds the folder started,
+or complete, takes its R, so ranks and later runs of any world size agree on the parts). ``score.max_tokens_per_batch`` is not
 part of the stage's identity (it changes no result beyond rounding), so an interrupted run can
 be resumed with a smaller budget.
 """
@@ -105,6 +108,8 @@ class Score(Stage):
         check_base_weights(cfg.run_dir, cfg.ref, "ref_model")
         self.ctl = kl_controller_for(cfg, it)
         self.kl_coef = self.ctl.value if cfg.score.kl_in_reward else 0.0
+        self.part_rows = part_rows(self.sdir, cfg.score.rows_per_part, rollouts_manifest["rows"], self.force)
+        sized = {"part_rows": self.part_rows} if self.part_rows != cfg.score.rows_per_part else {}
         return {
             "rollouts": {k: self.rollouts_manifest[k] for k in ("key", "rows")},
             "ref_model": model_fingerprint(cfg.ref, "ref_model"),
@@ -112,6 +117,7 @@ class Score(Stage):
             **teacher_input(cfg),
             "kl_controller": self.ctl.state_dict(),
             "kl_coef": self.kl_coef,
+            **sized,
         }
 
     def _load_reward_functions(self) -> None:
@@ -125,7 +131,7 @@ class Score(Stage):
             )
 
     def plan(self) -> int:
-        return math.ceil(self.rollouts_manifest["rows"] / self.cfg.score.rows_per_part)
+        return math.ceil(self.rollouts_manifest["rows"] / self.part_rows)
 
     def open(self, todo: list[int]) -> None:
         self.rollouts = read_complete(self.rdir, ROLLOUTS)
@@ -140,14 +146,14 @@ class Score(Stage):
     def progress_total(self, todo: list[int]) -> int:
         if not todo:  # every part is on disk: only the manifest is missing
             return 0
-        rows, t = self.cfg.score.rows_per_part, self.rollouts
+        rows, t = self.part_rows, self.rollouts
         lengths = pc.add(pc.list_value_length(t["prompt_ids"]), pc.list_value_length(t["response_ids"]))
         total = sum(int(pc.sum(lengths.slice(n * rows, rows)).as_py() or 0) for n in todo)
         # the reward model and the teacher read every token once more
         return total * (1 + bool(self.cfg.reward_model) + bool(self.cfg.score.teacher_model))
 
     def write_part(self, n: int, bar: Any) -> Part:
-        rows = self.cfg.score.rows_per_part
+        rows = self.part_rows
         part = self.rollouts.slice(n * rows, rows)
         where = f"{self.rdir} (rows {n * rows}..{n * rows + part.num_rows - 1})"
         table, counts = self.scorer.score_part(part, where, bar.update)
@@ -177,6 +183,19 @@ def kl_used(cfg: Config) -> bool:
 def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
     """Score iteration `iteration`'s rollouts; returns the manifest (existing one if complete)."""
     return execute(Score(cfg, iteration), force=force, quiet=quiet)
+
+
+def part_rows(sdir: Path, configured: int, rows: int, force: bool) -> int:
+    """The rows of a score part: the size the folder was started with (its `_started.json` or
+    manifest: ranks and re-runs of any world size agree), else `score.rows_per_part`, fanned out
+    over N ranks at most ceil(rows / N) (a rank without a part would idle)."""
+    if not force:
+        for name in (layout.MANIFEST, layout.STARTED):
+            if (sdir / name).exists():
+                recorded = manifests.read_json(sdir / name)
+                return int((recorded.get("inputs") or {}).get("part_rows", configured))
+    world = dist.rank_world()[1]
+    return min(configured, max(1, math.ceil(rows / world))) if world > 1 else configured
 
 
 def kl_controller_for(cfg: Config, iteration: int) -> KLController:

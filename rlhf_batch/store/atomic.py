@@ -20,6 +20,7 @@ from rlhf_batch.store.layout import tmp_name
 from rlhf_batch.store.schemas import SCHEMA_VERSION, VERSION_KEY
 
 COUNTS_KEY = b"rlhf_batch.counts"
+IDENTITY_KEY = b"rlhf_batch.identity"  # the located identity of the stage run that wrote a part
 _durable = True  # the run's `fsync` setting (set_durable)
 T = TypeVar("T")
 
@@ -134,12 +135,20 @@ def write_json_exclusive(path: Path, obj: Any) -> bool:
 
 
 def write_parquet_atomic(
-    path: Path, table: pa.Table, schema: pa.Schema, counts: dict | None = None, fault: str = ""
+    path: Path,
+    table: pa.Table,
+    schema: pa.Schema,
+    counts: dict | None = None,
+    fault: str = "",
+    identity: str = "",
 ) -> None:
-    """Write `table` cast to `schema` (zstd) under a temporary name, fsync, rename."""
+    """Write `table` cast to `schema` (zstd) under a temporary name, fsync, rename; `identity`:
+    the stage run's, recorded in the part's metadata (a fan-out's commit checks the others')."""
     meta = {**(schema.metadata or {}), VERSION_KEY: str(SCHEMA_VERSION).encode()}
     if counts:
         meta[COUNTS_KEY] = json.dumps(counts).encode()
+    if identity:
+        meta[IDENTITY_KEY] = identity.encode()
     table = table.select(schema.names).cast(schema).replace_schema_metadata(meta)
     write_file_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"), fault)
 

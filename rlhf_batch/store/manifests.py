@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.store import layout
-from rlhf_batch.store.atomic import COUNTS_KEY, write_json_atomic, write_json_exclusive
+from rlhf_batch.store.atomic import COUNTS_KEY, IDENTITY_KEY, write_json_atomic, write_json_exclusive
 from rlhf_batch.store.fs import arrow_source, guard, is_remote, run_path
 from rlhf_batch.store.layout import MANIFEST, STARTED, list_parts, part_number
 from rlhf_batch.store.schemas import check_values, validate
@@ -65,23 +65,29 @@ def part_counts(path: Path) -> dict[str, int]:
 
 def footer(path: Path) -> tuple[int, dict[str, int]]:
     """(rows, counts) of a part, from its Parquet footer (one open, one read of the footer)."""
+    return footer_identity(path)[:2]  # type: ignore[return-value]
+
+
+def footer_identity(path: Path) -> tuple[int, dict[str, int], str | None]:
+    """(rows, counts, the identity of the stage run that wrote it, or None: an older part)."""
     pf = parquet_file(path)
     meta = pf.schema_arrow.metadata or {}
-    return pf.metadata.num_rows, json.loads(meta[COUNTS_KEY]) if COUNTS_KEY in meta else {}
+    counts = json.loads(meta[COUNTS_KEY]) if COUNTS_KEY in meta else {}
+    return pf.metadata.num_rows, counts, meta[IDENTITY_KEY].decode() if IDENTITY_KEY in meta else None
 
 
 FOOTER_READERS = 16  # footers read at once from an object store: each read waits on a round trip
 
 
-def footers(paths: list[Path]) -> list[tuple[int, dict[str, int]]]:
-    """`footer` of every path, in order; concurrently on an object store (a stage of a few
-    hundred parts otherwise waits for hundreds of round trips one after another)."""
+def footers(paths: list[Path]) -> list[tuple[int, dict[str, int], str | None]]:
+    """`footer_identity` of every path, in order; concurrently on an object store (a stage of a
+    few hundred parts otherwise waits for hundreds of round trips one after another)."""
     if len(paths) < 2 or not is_remote(paths[0]):
-        return [footer(p) for p in paths]
+        return [footer_identity(p) for p in paths]
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(min(FOOTER_READERS, len(paths))) as pool:
-        return list(pool.map(footer, paths))
+        return list(pool.map(footer_identity, paths))
 
 
 def read_complete(sdir: Path, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
@@ -122,6 +128,39 @@ def file_fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
+# Where an input is, not what it is: a prompt set's paths (its content hash is in the inputs).
+# Two processes that read the same prompts from different paths (fan-out ranks on machines of
+# their own) agree. Models keep their paths: a base model is not hashed (many GB), so its path is
+# part of what identifies it (give every machine the same one: a store URI).
+LOCATIONS = (("generate", "prompts"), ("eval", "prompts"))
+
+
+def _located(identity: dict[str, Any]) -> Any:
+    """The identity without where its prompt sets are (LOCATIONS in the config)."""
+    config = json.loads(json.dumps(identity.get("config") or {}, default=str))
+    for table, key in LOCATIONS:
+        if isinstance(config.get(table), dict):
+            config[table].pop(key, None)
+    return {
+        "config": config,
+        "inputs": identity.get("inputs"),
+        "schema_version": identity.get("schema_version"),
+    }
+
+
+def located_key(identity: dict[str, Any]) -> str:
+    """The key of an identity but for where its prompt sets are: equal for `same_identity`s."""
+    return fingerprint(_located(identity))
+
+
+def same_identity(recorded: dict[str, Any], key: str, identity: dict[str, Any]) -> bool:
+    """Whether a manifest or `_started.json` (`recorded`) has this identity: the same key, or the
+    same identity but for where the inputs are (`_located`)."""
+    if recorded.get("key") == key:
+        return True
+    return located_key(recorded) == located_key(identity)
+
+
 def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str:
     """Which dotted keys of the identity (config, inputs, schema_version) differ between what is
     on disk (`old`) and this run (`new`): the first `limit`, with their values when short (not for
@@ -146,6 +185,10 @@ def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str
     return "; ".join(shown) + more if shown else "written by another version"
 
 
+class StaleParts(StageError):
+    """A fan-out's commit found a part that another identity wrote (its rank is still to redo it)."""
+
+
 def write_manifest(
     sdir: Path,
     folder: str,
@@ -155,10 +198,12 @@ def write_manifest(
     extra: dict | None,
     exclusive: bool = False,
     known: dict[str, tuple[int, dict]] | None = None,
+    located: str | None = None,
 ) -> dict[str, Any]:
     """Check that parts 0..n_parts-1 are on disk, then write the manifest (last) and drop `_started`.
     `known`: (rows, counts) by part name of the parts this process wrote (their footers are not
-    read back: on an object store each is a round trip); the others' are read from their footers."""
+    read back: on an object store each is a round trip); the others' are read from their footers,
+    and refused when they record another identity than `located` (a rank of an earlier run)."""
     by_n: dict[int, Path] = {}
     for p in list_parts(sdir):
         by_n.setdefault(part_number(p), p)
@@ -170,8 +215,14 @@ def write_manifest(
     paths = [by_n[n] for n in range(n_parts)]
     known = known or {}
     read = dict(zip(unknown := [p for p in paths if p.name not in known], footers(unknown), strict=True))
+    for path, (_, _, theirs) in read.items():
+        if located and theirs and theirs != located:
+            raise StaleParts(
+                f"{path}: written with another config or inputs (by a rank of an earlier run): "
+                "run its rank with --force"
+            )
     for path in paths:
-        rows, part = known[path.name] if path.name in known else read[path]
+        rows, part = known[path.name] if path.name in known else read[path][:2]
         parts.append({"file": path.name, "rows": rows})
         counts.add(part)
     m = {

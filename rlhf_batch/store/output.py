@@ -5,6 +5,7 @@ The executor (stages/executor.py) drives it; tests and hand-written folders use 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,16 @@ from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.runtime.timing import StageClock
 from rlhf_batch.store import fs, layout, staging
 from rlhf_batch.store.atomic import write_json_atomic, write_parquet_atomic
-from rlhf_batch.store.manifests import differences, fingerprint, manifest, read_json, write_manifest
+from rlhf_batch.store.manifests import (
+    StaleParts,
+    differences,
+    fingerprint,
+    located_key,
+    manifest,
+    read_json,
+    same_identity,
+    write_manifest,
+)
 from rlhf_batch.store.schemas import SCHEMA_VERSION
 
 
@@ -54,6 +64,7 @@ class StageOutput:
             "schema_version": SCHEMA_VERSION,
         }
         self.key = fingerprint(self.identity)
+        self.located = located_key(self.identity)  # fanned out: in each part, checked at the commit
         self.complete = False
         self.final = sdir  # where the output ends up (sdir: where it is written)
         self.clock = StageClock()  # execute() gives it the stage's start
@@ -63,7 +74,7 @@ class StageOutput:
         """The manifest when the folder is complete with this identity; None when not complete;
         an error when it is complete with another one."""
         m = manifest(self.sdir)
-        if m is not None and m.get("key") != self.key:
+        if m is not None and not same_identity(m, self.key, self.identity):
             raise StageError(
                 f"{self.sdir}: stage is complete with a different config or inputs "
                 f"({differences(m, self.identity)}); replace it with {layout.redo_command(self.sdir, self.command or '')}"
@@ -74,13 +85,13 @@ class StageOutput:
     def stage_beside(self) -> Path:
         """Write into the staging folder beside the output (`--force`): the old output stays
         until the new one is complete (`commit`). Staged parts of another identity are removed."""
-        if dist.fanned_out():  # refused in `begin`
+        if dist.fanned_out():  # each rank redoes its own parts in place (`begin`)
             return self.sdir
         self.final, self.sdir = self.sdir, staging.staged(self.sdir)
         started = self.sdir / layout.STARTED
         if self.rank == 0 and self.sdir.exists():
             before = read_json(started) if started.exists() else None
-            if before is None or before.get("key") != self.key:
+            if before is None or not same_identity(before, self.key, self.identity):
                 fs.remove(self.sdir)
         return self.sdir
 
@@ -96,10 +107,7 @@ class StageOutput:
         `force`: then the folder is the staging folder of `stage_beside`); record this identity
         in `_started.json`."""
         if force and dist.fanned_out():
-            raise StageError(
-                f"{self.sdir}: --force with --world-size > 1 would remove the other processes' parts; "
-                "run it once with world size 1"
-            )
+            self._redo_mine()
         dist.barrier()
         if self.done() is not None:
             return
@@ -109,7 +117,7 @@ class StageOutput:
         if (
             not force
             and before is not None
-            and before.get("key") != self.key
+            and not same_identity(before, self.key, self.identity)
             and layout.list_parts(self.sdir)
         ):
             raise StageError(
@@ -129,6 +137,16 @@ class StageOutput:
             write_json_atomic(started, {"key": self.key, **self.identity})
         dist.barrier()
 
+    def _redo_mine(self) -> None:
+        """`--force` of a fanned-out rank: the manifest goes (the last rank commits again) and
+        this rank's parts (n % world == rank, whoever wrote them); the other ranks' parts stay,
+        and the commit refuses any that another identity wrote (force their ranks too)."""
+        if (self.sdir / layout.MANIFEST).exists():
+            fs.remove(self.sdir / layout.MANIFEST)
+        for p in layout.list_parts(self.sdir):
+            if layout.part_number(p) % self.world == self.rank:
+                fs.remove(p)
+
     def todo(self, n_parts: int, single_writer: bool = False) -> list[int]:
         """This rank's part numbers that are not on disk yet."""
         have = {layout.part_number(p) for p in layout.list_parts(self.sdir)}
@@ -143,7 +161,8 @@ class StageOutput:
     def write_table(self, n: int, table: pa.Table, schema: pa.Schema, counts: dict | None = None) -> Path:
         """Part `n` of this rank, written atomically; `counts` are summed into the manifest."""
         path = self.sdir / layout.part_name(self.rank, n)
-        write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}")
+        who = self.located if dist.fanned_out() else ""  # fanned out: checked by whoever commits
+        write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}", identity=who)
         self.written[path.name] = (table.num_rows, dict(counts or {}))
         fault_point(f"{self.folder}:part-{n}:done")
         return path
@@ -170,16 +189,21 @@ class StageOutput:
             record["timing"] = self.clock.record(tokens)
             if fs.retried:  # transient store errors this process retried (store/fs.py retry)
                 record["store_retries"] = fs.retried
-            result = write_manifest(
-                self.sdir,
-                self.folder,
-                n_parts,
-                self.key,
-                self.identity,
-                {**record, **(more or {})},
-                exclusive=dist.fanned_out(),
-                known=self.written,
-            )
+            try:
+                result = write_manifest(
+                    self.sdir,
+                    self.folder,
+                    n_parts,
+                    self.key,
+                    self.identity,
+                    {**record, **(more or {})},
+                    exclusive=dist.fanned_out(),
+                    known=self.written,
+                    located=self.located if dist.fanned_out() else None,
+                )
+            except StaleParts as e:  # fanned out: this rank's parts are done; another's are old
+                print(f"{e}; this rank's parts are written, the stage is not committed", file=sys.stderr)
+                return None
         dist.barrier()
         if self.final != self.sdir:  # staged (--force): the new output is complete, swap it in
             self.commit()

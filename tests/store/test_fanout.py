@@ -20,28 +20,44 @@ from tests.store.test_s3_run import rows
 def test_ranks_from_the_options_and_the_schedulers_environment() -> None:
     assert fanout_from(None, None, {}) is None
     assert fanout_from(2, 3, {}) == (2, 3)
+    assert fanout_from(2, "3", {}) == (2, 3)  # --world-size reaches us as text
     # a Slurm array --array=4-6: task ids 4, 5, 6 are ranks 0, 1, 2
     slurm = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "3"}
-    assert fanout_from(None, None, slurm) == (1, 3)
-    assert fanout_from(None, None, {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}) == (1, 2)
-    # srun launching torchrun: torchrun's ranks, not Slurm's
-    assert (
-        fanout_from(None, None, {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "TORCHELASTIC_RUN_ID": "x"})
-        is None
-    )
+    assert fanout_from(None, "auto", slurm) == (1, 3)
+    assert fanout_from(None, "auto", {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}) == (1, 2)
+    # srun launching torchrun: torchrun's ranks (its process group), not Slurm's
+    torchrun = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}
+    assert fanout_from(None, "auto", torchrun) is None
     k8s = {"JOB_COMPLETION_INDEX": "3", "RLHF_BATCH_WORLD_SIZE": "4"}
-    assert fanout_from(None, None, k8s) == (3, 4)
-    assert fanout_from(None, 4, {"JOB_COMPLETION_INDEX": "0"}) == (0, 4)
+    assert fanout_from(None, "auto", k8s) == (3, 4)
+    assert fanout_from(None, 4, {"JOB_COMPLETION_INDEX": "0"}) == (0, 4)  # the rank from the index
     with pytest.raises(UserError, match="JOB_COMPLETION_INDEX is set: give the world size once"):
-        fanout_from(None, None, {"JOB_COMPLETION_INDEX": "3"})
+        fanout_from(None, "auto", {"JOB_COMPLETION_INDEX": "3"})
     with pytest.raises(UserError, match="--rank 3 --world-size 3: the rank must be in 0..world size - 1"):
         fanout_from(3, 3, {})
     with pytest.raises(UserError, match="go together"):
         fanout_from(1, None, {})
     with pytest.raises(UserError, match="SLURM_ARRAY_TASK_ID='x': not a whole number"):
-        fanout_from(None, None, {"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_COUNT": "2"})
+        fanout_from(None, "auto", {"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_COUNT": "2"})
+    with pytest.raises(UserError, match="--world-size='two': not a whole number"):
+        fanout_from(0, "two", {})
+    with pytest.raises(UserError, match="--world-size: no rank in the environment"):
+        fanout_from(None, "auto", {})
+    with pytest.raises(UserError, match="--rank with --world-size auto"):
+        fanout_from(1, "auto", slurm)
     with pytest.raises(UserError, match="runs under torchrun"):
         fanout_from(0, 2, {"WORLD_SIZE": "2"})
+
+
+def test_the_schedulers_variables_alone_fan_nothing_out() -> None:
+    # inside `sbatch -N2` / `salloc -N2` (SLURM_PROCID=0 SLURM_NTASKS=2), an array task, an
+    # Indexed Job's pod: a command that did not ask for a fan-out writes every part
+    for env in (
+        {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"},
+        {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"},
+        {"JOB_COMPLETION_INDEX": "1", "RLHF_BATCH_WORLD_SIZE": "2"},
+    ):
+        assert fanout_from(None, None, env) is None, env
 
 
 def machine(tmp_path: Path, name: str, env: dict[str, str]) -> tuple[Path, dict[str, str]]:
@@ -111,10 +127,10 @@ def test_a_rank_alone_writes_its_parts_and_leaves_the_commit_to_the_last(
     sdir = layout.folder(cfg.run_dir, 0, layout.ROLLOUTS)
     assert [p.name for p in layout.list_parts(sdir)] == [layout.part_name(0, 0)]
     assert manifests.manifest(sdir) is None  # parts 1 and 2 are still to come
-    forced = stage("generate", remote, "--rank", "1", "--world-size", "3", "--force", cwd=home, env=env)
-    out, err = forced.communicate(timeout=600)
-    assert forced.returncode == 1 and "--force with --world-size > 1" in err
-    assert len(err.strip().splitlines()) == 1
+    # a retried rank may redo its own parts (--force): the others' stay, and no commit yet
+    finish([stage("generate", remote, "--rank", "1", "--world-size", "3", "--force", cwd=home, env=env)])
+    assert sorted(p.name for p in layout.list_parts(sdir)) == [layout.part_name(r, r) for r in (0, 1)]
+    assert manifests.manifest(sdir) is None
     finish(
         [stage("generate", remote, "--rank", str(r), "--world-size", "3", cwd=home, env=env) for r in (2, 1)]
     )
