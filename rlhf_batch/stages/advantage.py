@@ -22,6 +22,11 @@ Semantics (config [advantage]):
   n / (n - 1) * (r - mean). std uses `ddof` (default 1, sample std, like TorchRL's
   MCAdvantage); `eps` (default 1e-6) is added to the std. float64 throughout; a constant group
   (max == min, including a group of one) gets exactly 0.
+* opd (on-policy distillation, needs score.teacher_model): `advantage` is grpo's, and every
+  response token gets teacher_logprobs - behavior_logprobs + opd_task_weight * advantage in the
+  extra column `token_advantages` (`token_advantages`, after the query); the zero-variance
+  filter is off (the teacher's signal does not depend on the rewards). Other estimators write
+  no such column: their parts are as before.
 * Group filters, in this order, each group counted once: `min_group_size` (n < min, default 2:
   `groups_dropped_small`), then `drop_zero_variance` (default on, DAPO's dynamic sampling:
   `groups_dropped_zero_variance`): the group's task scores (`score`, before any KL term) are all

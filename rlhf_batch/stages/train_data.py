@@ -13,8 +13,10 @@ replays exactly the same steps and the data position in a checkpoint is just a s
   is also closed before its padding exceeds that share of its tokens: train.max_padding).
 * Epoch e >= 1 reuses those micro-batches in an order shuffled by a generator seeded with
   (seed, iteration, e), cut again into steps of about `tokens_per_step` tokens (or rows).
-* Rows that cannot move the loss (advantage 0 while no KL or entropy term is on: their
-  gradient is exactly zero) keep their place in the plan (the plan of all rows, every epoch),
+* Advantages: the row's `advantage` on every token, or with `token_advantages` in the parts
+  (advantage.estimator = "opd") each token's own ([B, T] in the micro-batch).
+* Rows that cannot move the loss (advantage 0, or every token advantage 0, while no KL or
+  entropy term is on: their gradient is exactly zero) keep their place in the plan (the plan of all rows, every epoch),
   in their step's counts and hence in its normaliser, but are taken out of its micro-batches
   (`active`): a step of such rows alone runs no forward pass and still takes its optimizer
   step (on zero gradients), as it would had they been computed. Diagnostics (clip fraction,
