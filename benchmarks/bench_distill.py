@@ -4,12 +4,13 @@
 2. Student, twice, from that same fresh model, prompts and seed, for --iterations: GRPO alone
    (the demo config) and advantage.estimator = "opd" with score.teacher_model = the teacher's
    last policy (pure distillation, advantage.opd_task_weight = 0: the task reward is not used
-   for learning, only recorded).
+   for learning, only recorded); with --task-weight W > 0 a third run adds W x the GRPO group
+   advantage of the task reward (advantage.opd_task_weight = W).
 Each run is `rlhf-batch run` in a process of its own; the figure is the mean task score of the
 rollouts of each iteration (the `scores` view), which both runs record the same way. Rows go
 to benchmarks/results.md with the machine, the load and the date.
 
-    python benchmarks/bench_distill.py [--teacher-iterations 20] [--iterations 8] [--tmp DIR]
+    python benchmarks/bench_distill.py [--teacher-iterations 20] [--iterations 8] [--task-weight W] [--tmp DIR]
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def run(run_dir: Path, iterations: int, sets: list[str]) -> list[float]:
         con.close()
 
 
-def compare(tmp: Path, teacher_iterations: int, iterations: int) -> dict[str, Any]:
+def compare(tmp: Path, teacher_iterations: int, iterations: int, task_weight: float = 0.0) -> dict[str, Any]:
     teacher_dir = tmp / "teacher"
     teacher_scores = run(teacher_dir, teacher_iterations, [])  # builds the fresh model and prompts
     teacher = teacher_dir / f"iter={teacher_iterations - 1:04d}" / "policy"
@@ -59,30 +60,38 @@ def compare(tmp: Path, teacher_iterations: int, iterations: int) -> dict[str, An
         "demo=false",
     ]
     grpo = run(tmp / "grpo", iterations, start)
-    opd = run(tmp / "opd", iterations, [*start, "advantage.estimator=opd", f"score.teacher_model={teacher}"])
-    return {"teacher": teacher_scores, "grpo": grpo, "opd": opd}
+    distil = [*start, "advantage.estimator=opd", f"score.teacher_model={teacher}"]
+    out = {"teacher": teacher_scores, "grpo": grpo, "opd": run(tmp / "opd", iterations, distil)}
+    if task_weight > 0:
+        out["opd_task"] = run(
+            tmp / "opd_task", iterations, [*distil, f"advantage.opd_task_weight={task_weight}"]
+        )
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--teacher-iterations", type=int, default=20)
     ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--task-weight", type=float, default=0.0, help="> 0: also OPD + W x the GRPO advantage")
     ap.add_argument("--tmp", type=Path, default=None, help="where the runs go (default: a temporary dir)")
     ap.add_argument("--no-record", action="store_true", help="print, do not append to results.md")
     args = ap.parse_args()
     tmp = args.tmp or Path(tempfile.mkdtemp(prefix="bench-distill-"))
     load0 = os.getloadavg()[0]
-    res = compare(tmp, args.teacher_iterations, args.iterations)
+    res = compare(tmp, args.teacher_iterations, args.iterations, args.task_weight)
     load = max(load0, os.getloadavg()[0])
     fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
     print(f"teacher ({args.teacher_iterations} GRPO iterations): {fmt(res['teacher'])}")
-    print(f"student GRPO: {fmt(res['grpo'])}\nstudent OPD:  {fmt(res['opd'])}\nload {load:.1f}")
+    print(f"student GRPO: {fmt(res['grpo'])}\nstudent OPD:  {fmt(res['opd'])}")
+    task = f"; OPD + {args.task_weight:g} x GRPO {fmt(res['opd_task'])}" if "opd_task" in res else ""
+    print(f"{task.lstrip('; ')}\nload {load:.1f}")
     if not args.no_record:
         work = (
             f"demo task, tiny Qwen2 (2 layers), 64 prompts x G 8 per iteration; teacher = the demo policy "
             f"after {args.teacher_iterations} GRPO iterations (final score {res['teacher'][-1]:.3f}); "
             f"student from the same fresh model, {args.iterations} iterations; mean score per iteration "
-            f"0..{args.iterations - 1}: OPD {fmt(res['opd'])}; GRPO {fmt(res['grpo'])}; 1-min load {load:.1f}"
+            f"0..{args.iterations - 1}: OPD {fmt(res['opd'])}; GRPO {fmt(res['grpo'])}{task}; 1-min load {load:.1f}"
         )
         common.append_row(
             common.RESULTS,
