@@ -11,11 +11,12 @@ rollouts of each iteration (the `scores` view), which both runs record the same 
 to benchmarks/results.md with the machine, the load and the date.
 
     python benchmarks/bench_distill.py [--teacher-iterations 20] [--iterations 8] [--task-weight W] [--tmp DIR]
+
+--tiny (the smoke test): 2 teacher and 2 student iterations of 8 prompts; its rows mean nothing.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -32,12 +33,15 @@ DEMO = common.ROOT / "pipelines" / "demo.toml"
 SCORES_SQL = "SELECT iter, avg(score) AS score FROM scores WHERE topup = 0 GROUP BY iter ORDER BY iter"
 
 
+EXTRA: list[str] = []  # overrides of every run (--tiny: fewer prompts)
+
+
 def run(run_dir: Path, iterations: int, sets: list[str]) -> list[float]:
     """`rlhf-batch run` of the demo config with `sets`; the mean score of each iteration."""
     from rlhf_batch.observe.query import connect
 
     cmd = [str(BIN), "run", str(DEMO), "--quiet", "--set", f"run_dir={run_dir}"]
-    for s in [f"iterations={iterations}", *sets]:
+    for s in [f"iterations={iterations}", *EXTRA, *sets]:
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONPATH": str(common.ROOT)}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT, env=env, timeout=3600)
@@ -70,13 +74,16 @@ def compare(tmp: Path, teacher_iterations: int, iterations: int, task_weight: fl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = common.parser(__doc__ or "")
     ap.add_argument("--teacher-iterations", type=int, default=20)
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--task-weight", type=float, default=0.0, help="> 0: also OPD + W x the GRPO advantage")
     ap.add_argument("--tmp", type=Path, default=None, help="where the runs go (default: a temporary dir)")
     ap.add_argument("--no-record", action="store_true", help="print, do not append to results.md")
     args = ap.parse_args()
+    if args.tiny:
+        args.teacher_iterations, args.iterations = 2, 2
+        EXTRA.append("generate.prompts_per_iteration=8")
     tmp = args.tmp or Path(tempfile.mkdtemp(prefix="bench-distill-"))
     load0 = os.getloadavg()[0]
     res = compare(tmp, args.teacher_iterations, args.iterations, args.task_weight)
@@ -94,7 +101,7 @@ def main() -> None:
             f"0..{args.iterations - 1}: OPD {fmt(res['opd'])}; GRPO {fmt(res['grpo'])}{task}; 1-min load {load:.1f}"
         )
         common.append_row(
-            common.RESULTS,
+            args.results,
             "on-policy distillation vs GRPO",
             work,
             f"mean score at iteration {args.iterations - 1} (OPD / GRPO alone)",
