@@ -176,8 +176,10 @@ class ScoreConfig:
 
 @dataclass
 class AdvantageConfig:
-    # (r-mean)/(std+eps) | r-mean | leave-one-out
-    estimator: Literal["grpo", "drgrpo", "rloo"] = knob("grpo", "advantage")
+    # (r-mean)/(std+eps) | r-mean | leave-one-out | on-policy distillation (per token: teacher -
+    # behaviour log-prob, plus opd_task_weight x the grpo advantage; needs score.teacher_model)
+    estimator: Literal["grpo", "drgrpo", "rloo", "opd"] = knob("grpo", "advantage")
+    opd_task_weight: float = knob(0.0, "advantage")  # opd: weight of the task reward's grpo advantage
     scale: Literal["group", "batch", "none"] = knob("group", "advantage")  # grpo's std: group, batch, none
     ddof: int = knob(1, "advantage")  # std: 1 sample (stddev_samp, as TorchRL's MCAdvantage), 0 population
     eps: float = knob(1e-6, "advantage")  # added to the std (TorchRL's MCAdvantage default)
@@ -201,6 +203,16 @@ class AdvantageConfig:
         _need(self.min_groups >= 0, "advantage.min_groups", "must be >= 0 (0: off)")
         _need(self.max_topup_rounds >= 0, "advantage.max_topup_rounds", "must be >= 0")
         _need(self.rows_per_part >= 1, "advantage.rows_per_part", "must be >= 1")
+        _need(
+            math.isfinite(self.opd_task_weight) and self.opd_task_weight >= 0,
+            "advantage.opd_task_weight",
+            "must be a finite number >= 0 (0: pure distillation)",
+        )
+        _need(
+            self.opd_task_weight == 0 or self.estimator == "opd",
+            "advantage.opd_task_weight",
+            "is used only with advantage.estimator = 'opd'",
+        )
 
 
 @dataclass
@@ -523,6 +535,11 @@ class Config:
                 "must be empty with [lora]: the reference is policy_model, the base with the adapter disabled",
             )
             _need(not self.train.fsdp, "train.fsdp", "is not supported with [lora]")
+        _need(
+            self.advantage.estimator != "opd" or bool(self.score.teacher_model),
+            "advantage.estimator",
+            "= 'opd' needs score.teacher_model (the teacher whose log-probs it distils)",
+        )
 
 
 RENAMED = {  # old key -> new key: an old name is refused, naming the new one

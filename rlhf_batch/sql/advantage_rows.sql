@@ -1,6 +1,6 @@
 -- advantage, step 6: the training rows of the current iteration ($iter), in part order.
 --   $rollout_files, $score_files: the current iteration's parts only
---   $estimator ('grpo' | 'drgrpo' | 'rloo'), $scale ('group' | 'batch' | 'none'), $eps,
+--   $estimator ('grpo' | 'drgrpo' | 'rloo'; 'opd' computes the group part as 'grpo'), $scale ('group' | 'batch' | 'none'), $eps,
 --   $batch_std, $zero_truncated (advantage.truncated = 'zero'), $drop_truncated
 --   (advantage.truncated = 'drop'), $bucket_tokens, $seed
 -- Rows: the current iteration's rollouts with a reward that enter the statistics (`used` of
@@ -13,12 +13,15 @@
 -- Order: bucket b = len(input_ids) // $bucket_tokens; buckets sorted by
 -- md5_number('{seed}:{iter}:bucket:{b}') (a seeded shuffle), rows within a bucket by
 -- md5_number('{seed}:{iter}:row:{rollout_id}'); b and rollout_id break ties (total order).
+-- With estimator 'opd' the stage replaces each `/* teacher_logprobs */` by `teacher_logprobs,`
+-- (the scores' extra column, absent without a teacher) and adds the per-token advantages in
+-- Python (stages/advantage.token_advantages); the query of the other estimators is this text.
 WITH r AS (
     SELECT rollout_id, prompt_id, prompt_ids, response_ids, behavior_logprobs,
            coalesce(finish_reason = 'length', false) AS truncated
     FROM read_parquet($rollout_files, union_by_name = true)
 ), s AS (
-    SELECT rollout_id, ref_logprobs, reward
+    SELECT rollout_id, /* teacher_logprobs */ ref_logprobs, reward
     FROM read_parquet($score_files, union_by_name = true)
     WHERE reward IS NOT NULL AND NOT isnan(reward)
 ), rows AS (
@@ -28,7 +31,7 @@ WITH r AS (
         list_concat(r.prompt_ids, r.response_ids) AS input_ids,
         len(r.prompt_ids)::INTEGER AS prompt_len,
         r.behavior_logprobs,
-        s.ref_logprobs,
+        /* teacher_logprobs */ s.ref_logprobs,
         CAST(CASE
             WHEN g.constant THEN 0.0
             WHEN r.truncated AND $zero_truncated THEN 0.0

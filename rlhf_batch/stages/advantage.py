@@ -22,6 +22,11 @@ Semantics (config [advantage]):
   n / (n - 1) * (r - mean). std uses `ddof` (default 1, sample std, like TorchRL's
   MCAdvantage); `eps` (default 1e-6) is added to the std. float64 throughout; a constant group
   (max == min, including a group of one) gets exactly 0.
+* opd (on-policy distillation, needs score.teacher_model): `advantage` is grpo's, and every
+  response token gets teacher_logprobs - behavior_logprobs + opd_task_weight * advantage in the
+  extra column `token_advantages` (`token_advantages`, after the query); the zero-variance
+  filter is off (the teacher's signal does not depend on the rewards). Other estimators write
+  no such column: their parts are as before.
 * Group filters, in this order, each group counted once: `min_group_size` (n < min, default 2:
   `groups_dropped_small`), then `drop_zero_variance` (default on, DAPO's dynamic sampling:
   `groups_dropped_zero_variance`): the group's task scores (`score`, before any KL term) are all
@@ -74,7 +79,15 @@ from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.store import fs, layout, manifests
 from rlhf_batch.store.output import StageOutput
-from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate
+from rlhf_batch.store.schemas import (
+    ADVANTAGES,
+    ROLLOUTS,
+    SCORES,
+    TEACHER,
+    TOKEN_ADVANTAGES,
+    validate,
+    with_extra,
+)
 
 MEMORY_LIMIT = "1GB"  # DuckDB's own budget (default: 80% of RAM); the process adds Python + Arrow
 
@@ -87,6 +100,12 @@ class Advantage(Stage):
     def __init__(self, cfg: Config, iteration: int):
         super().__init__(cfg, iteration)
         self.con: Any = None
+
+    def identity(self) -> dict[str, Any]:
+        ident = super().identity()
+        if self.cfg.advantage.estimator != "opd":  # folders written before the key stay complete
+            ident["advantage"].pop("opd_task_weight", None)
+        return ident
 
     def inputs(self) -> dict[str, Any]:
         if self.iteration < 0:
@@ -259,11 +278,12 @@ def _prepare(
     """Build the `pool` and `groups` temp tables; check integrity; return the query parameters.
     The top-up `rounds` of `iteration` are read after its round 0, as one table."""
     a = cfg.advantage
+    score_schema = with_extra(SCORES, TEACHER) if a.estimator == "opd" else SCORES  # opd: teacher log-probs
     rollouts = {it: _parts(cfg.run_dir, it, "rollouts", ROLLOUTS) for it in window}
-    scores = {it: _parts(cfg.run_dir, it, "scores", SCORES) for it in window}
+    scores = {it: _parts(cfg.run_dir, it, "scores", score_schema) for it in window}
     for r in rounds:
         rollouts[iteration] += _parts(cfg.run_dir, iteration, "rollouts", ROLLOUTS, r)
-        scores[iteration] += _parts(cfg.run_dir, iteration, "scores", SCORES, r)
+        scores[iteration] += _parts(cfg.run_dir, iteration, "scores", score_schema, r)
     for stage in ("rollouts", "scores"):
         if not (manifests.manifest(layout.folder(cfg.run_dir, iteration, stage)) or {}).get("rows"):
             raise StageError(
@@ -285,7 +305,8 @@ def _prepare(
             "iter": iteration,
             "ddof": a.ddof,
             "min_group_size": a.min_group_size,
-            "drop_zero_variance": a.drop_zero_variance,
+            # opd: every rollout carries the teacher's signal, equal rewards or not
+            "drop_zero_variance": a.drop_zero_variance and a.estimator != "opd",
         },
     )
     batch_std = None
@@ -398,15 +419,52 @@ def _write_parts(
         "bucket_tokens": a.bucket_tokens,
         "seed": cfg.seed,
     }
-    reader = con.sql(sql_text("advantage_rows"), params=values).to_arrow_reader(min(a.rows_per_part, 65536))
+    query, schema = sql_text("advantage_rows"), ADVANTAGES
+    if a.estimator == "opd":
+        query = query.replace("/* teacher_logprobs */", "teacher_logprobs,")
+        schema = with_extra(ADVANTAGES, TOKEN_ADVANTAGES)
+    reader = con.sql(query, params=values).to_arrow_reader(min(a.rows_per_part, 65536))
     wanted = set(todo)
     for n, table in enumerate(_chunks(reader, a.rows_per_part)):
         if n in wanted:
-            out.write(n, Part(table, ADVANTAGES, tokens=list_tokens(table, "input_ids")))
+            if a.estimator == "opd":
+                table = table.append_column(
+                    "token_advantages", token_advantages(table, a.opd_task_weight, _where(cfg, iteration))
+                )
+            out.write(n, Part(table, schema, tokens=list_tokens(table, "input_ids")))
             bar.update(1)
         if n >= max(todo):
             break
     reader.close()
+
+
+def token_advantages(table: pa.Table, weight: float, where: str) -> pa.ListArray:
+    """opd's advantage of every response token: teacher_logprobs - behavior_logprobs (the per-token
+    reverse KL's negative, no discount) + weight x the row's group advantage, in float64, stored
+    as float32. A row whose teacher log-probs are null, of another length or not finite is a
+    StageError naming it."""
+    import pyarrow.compute as pc
+
+    rids = table.column("rollout_id")
+    teacher = table.column("teacher_logprobs").combine_chunks()  # list<float32> [N]
+    behavior = table.column("behavior_logprobs").combine_chunks()  # list<float32> [N]
+    lens = pc.list_value_length(behavior).to_numpy(zero_copy_only=False)  # [N]
+    bad = pc.fill_null(pc.not_equal(pc.list_value_length(teacher), pc.list_value_length(behavior)), True)
+    if pc.any(bad).as_py():
+        row = pc.index(bad, True).as_py()
+        raise StageError(
+            f"{where}: rollout {rids[row]}: column 'teacher_logprobs' is null or not one value per "
+            "response token; score the iteration again with score.teacher_model set"
+        )
+    t = pc.list_flatten(teacher).to_numpy(zero_copy_only=False).astype(np.float64)  # [sum T]
+    b = pc.list_flatten(behavior).to_numpy(zero_copy_only=False).astype(np.float64)  # [sum T]
+    adv = table.column("advantage").to_numpy().astype(np.float64)  # [N]
+    tok = (t - b + weight * np.repeat(adv, lens)).astype(np.float32)  # [sum T]
+    if not np.isfinite(tok).all():
+        row = int(np.searchsorted(np.cumsum(lens), np.flatnonzero(~np.isfinite(tok))[0], side="right"))
+        raise StageError(f"{where}: rollout {rids[row]}: column 'teacher_logprobs' has a NaN or inf log-prob")
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # [N + 1]
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(tok, pa.float32()))
 
 
 def _chunks(reader: pa.RecordBatchReader, size: int) -> Any:

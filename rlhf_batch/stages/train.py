@@ -302,6 +302,11 @@ def _active_rows(tc: TrainConfig, data: TrainRows) -> np.ndarray | None:
     dual-clipped and TIS-weighted objective terms are all multiples of its advantage)."""
     if tc.kl_loss_coef or tc.kl_to_inference_coef or tc.entropy_coef:
         return None
+    if data.tok_adv is not None:  # per-token advantages (opd): a row is inactive when all are 0
+        import numpy as np
+
+        seen = np.concatenate([[0], np.cumsum(data.tok_adv != 0)])  # [sum T + 1]
+        return seen[data.resp_off[1:]] > seen[data.resp_off[:-1]]  # [N] a non-zero token
     return data.adv != 0
 
 

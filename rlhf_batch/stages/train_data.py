@@ -13,8 +13,10 @@ replays exactly the same steps and the data position in a checkpoint is just a s
   is also closed before its padding exceeds that share of its tokens: train.max_padding).
 * Epoch e >= 1 reuses those micro-batches in an order shuffled by a generator seeded with
   (seed, iteration, e), cut again into steps of about `tokens_per_step` tokens (or rows).
-* Rows that cannot move the loss (advantage 0 while no KL or entropy term is on: their
-  gradient is exactly zero) keep their place in the plan (the plan of all rows, every epoch),
+* Advantages: the row's `advantage` on every token, or with `token_advantages` in the parts
+  (advantage.estimator = "opd") each token's own ([B, T] in the micro-batch).
+* Rows that cannot move the loss (advantage 0, or every token advantage 0, while no KL or
+  entropy term is on: their gradient is exactly zero) keep their place in the plan (the plan of all rows, every epoch),
   in their step's counts and hence in its normaliser, but are taken out of its micro-batches
   (`active`): a step of such rows alone runs no forward pass and still takes its optimizer
   step (on zero gradients), as it would had they been computed. Diagnostics (clip fraction,
@@ -39,6 +41,7 @@ import pyarrow.compute as pc
 
 from rlhf_batch.core.batching import token_budget_batches
 from rlhf_batch.errors import StageError
+from rlhf_batch.store import manifests
 from rlhf_batch.store.manifests import read_complete as read_stage
 from rlhf_batch.store.schemas import ADVANTAGES
 
@@ -58,6 +61,7 @@ class TrainRows:
     resp_off: np.ndarray  # [N + 1]
     adv: np.ndarray  # [N] float32
     behavior: np.ndarray | None = None  # [sum T] the engine's log-probs, kept when `old` is recomputed
+    tok_adv: np.ndarray | None = None  # [sum T] float32, per-token advantages (opd); None: `adv` per row
 
     def check_vocabulary(self, vocab_size: int, where: str) -> None:
         """StageError naming the rollout whose input_ids hold a token outside [0, vocab_size)."""
@@ -92,7 +96,8 @@ def _flat(arr: pa.ListArray, dtype: Any) -> np.ndarray:
 def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
     """Read and check a complete advantages stage; errors name the directory, rollout and column.
     `ref_logprobs` may be null in every row (score used no KL) unless `need_ref`."""
-    table = read_stage(sdir, ADVANTAGES, columns=COLUMNS).combine_chunks()
+    per_token = _has_token_advantages(sdir)  # advantage.estimator = "opd"
+    table = read_stage(sdir, ADVANTAGES, columns=COLUMNS + ["token_advantages"] * per_token).combine_chunks()
     if table.num_rows == 0:
         raise StageError(
             f"{sdir}: the advantages table has 0 rows (every group filtered out?); nothing to train on"
@@ -104,7 +109,7 @@ def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
             f"{sdir}: train.kl_loss_coef > 0 needs ref_logprobs, but they are null (scored without KL); "
             "score the iteration again with train.kl_loss_coef set"
         )
-    for name in [c for c in COLUMNS[1:] if not (no_ref and c == "ref_logprobs")]:
+    for name in [c for c in table.column_names[1:] if not (no_ref and c == "ref_logprobs")]:
         col = table.column(name)
         if col.null_count:
             row = pc.index(pc.is_null(col), True).as_py()
@@ -113,18 +118,20 @@ def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
     plen = table.column("prompt_len").to_numpy().astype(np.int64)  # [N]
     resp = seq - plen  # [N]
     _check(sdir, rids, (plen < 1) | (resp < 0), "prompt_len", "must be in [1, len(input_ids)]")
-    for name in ("behavior_logprobs",) if no_ref else ("behavior_logprobs", "ref_logprobs"):
+    lists = ("behavior_logprobs",) + ("ref_logprobs",) * (not no_ref) + ("token_advantages",) * per_token
+    for name in lists:
         n = pc.list_value_length(table.column(name)).to_numpy().astype(np.int64)  # [N]
         _check(sdir, rids, n != resp, name, "must have one value per response token")
     adv = table.column("advantage").to_numpy().astype(np.float32)  # [N]
     _check(sdir, rids, ~np.isfinite(adv), "advantage", "must be finite")
     if resp.sum() == 0:
         raise StageError(f"{sdir}: no row has a response token; nothing to train on")
-    chunk = {name: table.column(name).chunk(0) for name in COLUMNS[1:]}
+    chunk = {name: table.column(name).chunk(0) for name in table.column_names[1:]}
     old = _flat(chunk["behavior_logprobs"], np.float32)
     ref = None if no_ref else _flat(chunk["ref_logprobs"], np.float32)
+    tok_adv = _flat(chunk["token_advantages"], np.float32) if per_token else None
     resp_off = _offsets(resp)
-    for name, flat in (("behavior_logprobs", old), ("ref_logprobs", ref)):
+    for name, flat in (("behavior_logprobs", old), ("ref_logprobs", ref), ("token_advantages", tok_adv)):
         if flat is None:
             continue
         bad = np.flatnonzero(~np.isfinite(flat))  # token positions; a NaN would poison the loss
@@ -140,6 +147,18 @@ def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
         ref=ref,
         resp_off=resp_off,
         adv=adv,
+        tok_adv=tok_adv,
+    )
+
+
+def _has_token_advantages(sdir: Path) -> bool:
+    """Whether the parts carry `token_advantages` (advantage.estimator = "opd"), from the first
+    part's footer; every part of a folder is written by one config."""
+    parts = (manifests.manifest(sdir) or {}).get("parts", [])
+    if not parts:
+        return False
+    return (
+        manifests.parquet_file(sdir / parts[0]["file"]).schema_arrow.get_field_index("token_advantages") >= 0
     )
 
 
@@ -274,6 +293,11 @@ def micro_batch(s: TrainRows, rows: Sequence[int], device: Any) -> Any:
         for k, i in enumerate(rows):
             beh[k, : resp[k]] = s.behavior[s.resp_off[i] : s.resp_off[i + 1]]
         extra["behavior_logprobs"] = beh
+    adv: np.ndarray = s.adv[rows]  # [B], broadcast over the tokens
+    if s.tok_adv is not None:  # opd: one advantage per response token
+        adv = np.zeros((b, t), np.float32)  # [B, T]
+        for k, i in enumerate(rows):
+            adv[k, : resp[k]] = s.tok_adv[s.resp_off[i] : s.resp_off[i + 1]]
     data = {
         **extra,
         "input_ids": ids,
@@ -281,7 +305,7 @@ def micro_batch(s: TrainRows, rows: Sequence[int], device: Any) -> Any:
         "prompt_lens": s.prompt_lens[rows],
         "old_logprobs": old,
         **({} if s.ref is None else {"ref_logprobs": ref}),
-        "advantages": s.adv[rows],
+        "advantages": adv,
         "mask": mask,
         "select": select,
         "place": place,

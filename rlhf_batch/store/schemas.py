@@ -64,6 +64,12 @@ ADVANTAGES = pa.schema(
     ]
 )
 
+# advantage.estimator = "opd": the scores carry the teacher's log-probs (score.teacher_model) and
+# the advantages one advantage per response token, which train uses instead of `advantage`;
+# absent from the other estimators' tables
+TEACHER = pa.schema([("teacher_logprobs", LOGPROBS)])
+TOKEN_ADVANTAGES = pa.schema([("token_advantages", LOGPROBS)])
+
 METRICS = pa.schema(
     [
         ("step", pa.int32()),

@@ -626,3 +626,26 @@ def test_decoupled_objective_of_a_stale_run_by_hand() -> None:
         close(out.loss_objective, expected)
         close(out.loss, expected)
         close(out.clip_fraction, 0.5)  # t1 (A > 0, r > 1.2) and t2 (A < 0, r < 0.8) bind
+
+
+def test_per_token_advantages_weigh_each_token() -> None:
+    # [B, T] advantages (on-policy distillation), eps = 0.2, old = 0, mask [[1, 1, 1], [1, 1, 0]].
+    # row 0: tok0 r = e^0.5 = 1.648721, A = +2 -> min(3.297443, 1.2 * 2 = 2.4) = 2.4 -> loss -2.4 (binds)
+    #        tok1 r = 1, A = -0.5 -> loss +0.5
+    #        tok2 r = e^-0.5 = 0.606531, A = -1 -> min(-0.606531, clip 0.8 * -1 = -0.8) = -0.8
+    #             -> loss +0.8 (binds: A < 0, r < 0.8)
+    # row 1: tok0 r = 1, A = 1 -> loss -1 ; tok1 r = 1, A = 0 -> loss 0 ; tok2 padding (A 7 ignored)
+    # token_mean = (-2.4 + 0.5 + 0.8 - 1 + 0) / 5 = -2.1 / 5 = -0.42 ; clip_fraction = 2 / 5
+    logp = T_([[0.5, 0.0, -0.5], [0.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    adv = T_([[2.0, -0.5, -1.0], [1.0, 0.0, 7.0]])
+    out = grpo_loss(logp, torch.zeros(2, 3), adv, mask)
+    close(out.loss, -0.42)
+    close(out.clip_fraction, 0.4)
+    out.loss.backward()
+    # d/dlogp of -r * A / 5 where unclipped: row 0 tok1 -(-0.5) * 1 / 5 = 0.1; row 1 tok0 -1 / 5 = -0.2
+    assert torch.allclose(logp.grad, T_([[0.0, 0.1, 0.0], [-0.2, 0.0, 0.0]]))
+    # a [B] advantage is the same as that value on every token of its row
+    same = grpo_loss(logp.detach(), torch.zeros(2, 3), T_([1.5, -1.0]), mask)
+    tiled = grpo_loss(logp.detach(), torch.zeros(2, 3), T_([[1.5] * 3, [-1.0] * 3]), mask)
+    close(same.loss, tiled.loss.item())

@@ -1,0 +1,93 @@
+"""advantage.estimator = "opd" end to end on real Parquet and real tiny models: score with a
+teacher -> advantage opd (per-token advantages) -> train on them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from rlhf_batch.errors import ConfigError, SchemaError
+from rlhf_batch.models.tiny import init_model
+from rlhf_batch.stages import advantage, score, train
+from rlhf_batch.store import layout, manifests
+from tests.stages.test_score import write_rollouts
+
+
+def _table(cfg, folder: str) -> dict[str, dict]:  # noqa: ANN001
+    """rollout_id -> row, read straight from the folder's Parquet parts (no stage reader)."""
+    sdir = layout.folder(cfg.run_dir, 0, folder)
+    rows = [r for p in sorted(sdir.glob("part-*.parquet")) for r in pq.read_table(p).to_pylist()]
+    return {r["rollout_id"]: r for r in rows}
+
+
+@pytest.fixture
+def teacher(tmp_path):  # same tokenizer, other weights: a real teacher signal
+    return init_model(tmp_path / "teacher", arch="qwen2", seed=5)
+
+
+def test_opd_stores_teacher_minus_behaviour_per_token_and_trains(make_config, teacher) -> None:
+    _, cfg = make_config(score={"teacher_model": str(teacher)}, advantage={"estimator": "opd"})
+    write_rollouts(cfg)
+    score.run(cfg, 0, quiet=True)
+    m = advantage.run(cfg, 0, quiet=True)
+    rollouts, scores, adv = _table(cfg, "rollouts"), _table(cfg, "scores"), _table(cfg, "advantages")
+    # every group is kept (no zero-variance filter under opd): all 12 rollouts train
+    assert m["counts"]["groups_dropped_zero_variance"] == 0 and len(adv) == 12
+    for rid, row in adv.items():
+        t = np.array(scores[rid]["teacher_logprobs"], np.float32)
+        b = np.array(rollouts[rid]["behavior_logprobs"], np.float32)
+        want = t - b  # float32 subtraction, worked here from the two stages' columns
+        got = np.array(row["token_advantages"], np.float32)
+        assert got.shape == want.shape and np.array_equal(got, want)
+        assert np.abs(want).max() > 1e-3  # another model: a real signal
+    train.run(cfg, 0, quiet=True)
+    metrics = pq.read_table(layout.folder(cfg.run_dir, 0, "train") / "metrics.parquet").to_pylist()
+    # every row ran (none is idle: each has a non-zero token advantage), the loss is finite
+    assert sum(r["sequences"] for r in metrics) == 12 and all(np.isfinite(r["loss"]) for r in metrics)
+
+
+def test_opd_task_weight_adds_the_grpo_advantage(make_config, teacher) -> None:
+    _, cfg = make_config(
+        score={"teacher_model": str(teacher)}, advantage={"estimator": "opd", "opd_task_weight": 0.5}
+    )
+    write_rollouts(cfg)
+    score.run(cfg, 0, quiet=True)
+    advantage.run(cfg, 0, quiet=True)
+    rollouts, scores, adv = _table(cfg, "rollouts"), _table(cfg, "scores"), _table(cfg, "advantages")
+    groups: dict[str, list[float]] = {}
+    for r in scores.values():
+        groups.setdefault(r["prompt_id"], []).append(r["reward"])
+    for rid, row in adv.items():
+        rewards = np.array(groups[row["prompt_id"]], np.float64)
+        std = rewards.std(ddof=1)  # grpo: (r - mean) / (std + 1e-6), 0 for a constant group
+        g = 0.0 if rewards.min() == rewards.max() else (scores[rid]["reward"] - rewards.mean()) / (std + 1e-6)
+        t = np.array(scores[rid]["teacher_logprobs"], np.float64)
+        b = np.array(rollouts[rid]["behavior_logprobs"], np.float64)
+        assert row["advantage"] == pytest.approx(g, abs=1e-6)
+        assert row["token_advantages"] == pytest.approx((t - b + 0.5 * g).tolist(), abs=1e-6)
+
+
+def test_opd_needs_a_teacher_and_its_column(make_config, teacher) -> None:
+    with pytest.raises(ConfigError, match=r"'advantage.estimator' = 'opd' needs score.teacher_model") as e:
+        make_config(advantage={"estimator": "opd"})
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"'advantage.opd_task_weight' is used only with"):
+        make_config(advantage={"opd_task_weight": 1.0})
+    _, plain = make_config()  # scored without a teacher, then opd asked for
+    write_rollouts(plain)
+    score.run(plain, 0, quiet=True)
+    _, cfg = make_config(score={"teacher_model": str(teacher)}, advantage={"estimator": "opd"})
+    with pytest.raises(SchemaError, match=r"scores/part-.*missing column 'teacher_logprobs'"):
+        advantage.run(cfg, 0, quiet=True)
+    assert manifests.manifest(layout.folder(cfg.run_dir, 0, "advantages")) is None
+
+
+def test_other_estimators_write_no_token_column_and_the_same_identity(make_config, teacher) -> None:
+    _, cfg = make_config(score={"teacher_model": str(teacher)})
+    write_rollouts(cfg)
+    score.run(cfg, 0, quiet=True)
+    m = advantage.run(cfg, 0, quiet=True)
+    sdir = layout.folder(cfg.run_dir, 0, "advantages")
+    assert "token_advantages" not in pq.read_schema(next(sdir.glob("part-*.parquet"))).names
+    assert "opd_task_weight" not in m["config"]["advantage"]
