@@ -149,7 +149,8 @@ def changed_inputs(root: Path, it: int, stage: str, topup: int, m: dict[str, Any
             ):
                 changed.append(name)
     if stage == "train":
-        changed += ["advantages"] * (inputs.get("advantages") != key(layout.folder(root, it, "advantages")))
+        if "advantages" in inputs and inputs["advantages"] != key(layout.folder(root, it, "advantages")):
+            changed.append("advantages")
         if it > 0 and "policy" in inputs and inputs["policy"] != key(layout.folder(root, it - 1, "train")):
             changed.append(f"iter={it - 1:04d}/train")
     return changed
