@@ -109,7 +109,7 @@ class Generate(Stage):
     def write_parts(self, todo: list[int], out: Any, bar: Any) -> None:
         """Part by part; an engine that samples best all at once (`one_call`: vllm) gets every
         part's rows in one call first, and the parts are then written and committed one by one."""
-        if not getattr(self.engine, "one_call", False):
+        if not todo or not getattr(self.engine, "one_call", False):  # no part left: no engine opened
             return super().write_parts(todo, out, bar)
         first = topup.sample_offset(self.cfg, self.topup)
         plans = [part_rows(self.prompts, n, self.cfg, self.iteration, self.order, first) for n in todo]

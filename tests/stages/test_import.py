@@ -255,7 +255,11 @@ def test_cli_import(make_config, tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     assert manifests.manifest(layout.folder(str(other), 0, "rollouts"))["rows"] == 5
     # untouched besides (import takes the run lock, as every command that writes a run)
-    assert sorted(p.name for p in Path(cfg.run_dir).iterdir()) == [".run.lock", "iter=0000"]
+    assert sorted(p.name for p in Path(cfg.run_dir).iterdir()) == [
+        ".run.lock",
+        "base_weights.json",
+        "iter=0000",
+    ]
     bare = tmp_path / "bare-run"  # no config file: the defaults plus --set
     args = ["import", str(path), "--run-dir", str(bare), "--quiet"]
     res = CliRunner().invoke(app, args)
