@@ -30,6 +30,20 @@ ALLOWED_SKIPS = (
     "gcsfs is installed in this venv",
 )
 STRICT_SKIPS_ENV = "RLHF_BATCH_STRICT_SKIPS"
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Each test starts with the process's torch threads: a command run in this process sets
+    the config's threads (runtime/device.py), and float sums depend on the thread count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 _refused_skips: list[str] = []
 
 

@@ -241,6 +241,7 @@ def write_manifest(
         return read_json(sdir / MANIFEST)  # another process committed first: its manifest stands
     if not exclusive:
         write_json_atomic(sdir / MANIFEST, m)
+    guard(sdir / STARTED)  # a holder paused since the commit's check writes nothing more
     (sdir / STARTED).unlink(missing_ok=True)
     return m
 
