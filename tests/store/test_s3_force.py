@@ -47,8 +47,8 @@ def s3_done(s3_server, tiny_model: Path, demo_prompts: Path, tmp_path: Path, mon
     return path, run_dir, env
 
 
-def killed(res) -> None:
-    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+def killed(res, point: str = "") -> None:
+    assert res.returncode == -signal.SIGKILL, f"{point}: {res.stderr[-2000:]}"
 
 
 @pytest.mark.slow
@@ -114,3 +114,36 @@ def test_a_forced_train_killed_anywhere_keeps_or_finishes_and_never_loses_state(
     assert '"lr": 0.02' in m and staged_left(run_dir) == []
     new = objects(it0 / "policy")
     assert new and new != {k[len("policy/") :]: v for k, v in old.items() if k.startswith("policy/")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("command", "folder", "change", "recorded"),
+    [
+        ("score", "scores", "score.kl_reward_coef=0.2", '"kl_reward_coef": 0.2'),
+        ("advantage", "advantages", "advantage.ddof=0", '"ddof": 0'),
+    ],
+)
+def test_forced_score_and_advantage_killed_anywhere_keep_or_finish_their_output(
+    s3_done, command: str, folder: str, change: str, recorded: str
+) -> None:
+    path, run_dir, env = s3_done
+    it0 = run_path(run_dir) / "iter=0000"
+    old = objects(it0 / folder)
+    assert layout.MANIFEST in old
+    force = (command, str(path), "--iter", "0", "--force", "--quiet", "--set", change)
+    # killed before the new output is complete: the old one byte for byte as it was
+    for point in (f"{folder}:part-0:tmp", f"{folder}:manifest"):
+        killed(rlhf(*force, env={**env, "RLHF_BATCH_FAULT": point}), point)
+        assert objects(it0 / folder) == old, point
+    # killed in each window of the swap: the first kill lands in the forced command's swap, each
+    # next one in the same swap being finished by the next command; a complete output is always
+    # there, the old or the staged one
+    for point in (f"{folder}:commit", f"{folder}:commit:retired", f"{folder}:commit:swapped"):
+        killed(rlhf(*force, env={**env, "RLHF_BATCH_FAULT": point}), point)
+        has = objects(it0 / folder)
+        assert layout.MANIFEST in has or layout.MANIFEST in objects(it0 / f".{folder}.new"), point
+    # the next command finishes the swap and then finds the stage complete with the new setting
+    res = rlhf(command, str(path), "--iter", "0", "--quiet", "--set", change, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert recorded in (it0 / folder / layout.MANIFEST).read_text() and staged_left(run_dir) == []
