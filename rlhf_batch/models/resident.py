@@ -163,15 +163,21 @@ def _pack(start: int, size: int, header: dict[str, Any], tensors: dict[str, Any]
 def _unpack(kept: tuple[Any, ...]) -> dict[str, Any]:
     """A copy of one packed file's tensors, each at the address mod 64 a (page-aligned) mapping of
     the file gives it."""
+    import numpy as np
     import torch
 
     blob, start, header = kept
-    buf = torch.empty(blob.numel() + 64, dtype=torch.uint8)
-    at = (start - buf.data_ptr()) % 64
+    buf = np.empty(blob.numel() + 64, dtype=np.uint8)
+    at = (start - buf.ctypes.data) % 64
     data = buf[at : at + blob.numel()]
-    data.copy_(blob)
+    data[:] = blob.numpy()
+    whole = memoryview(data)  # type: ignore[arg-type]
+    # each tensor a storage of its own, exactly its bytes (as a file read gives them): a tensor
+    # viewing a larger storage is refused by safetensors' save_model (tied weights, checkpoints)
     return {
-        k: data[begin:end].view(dtype).view(shape) if end > begin else torch.empty(shape, dtype=dtype)
+        k: torch.frombuffer(whole[begin:end], dtype=dtype).view(shape)
+        if end > begin
+        else torch.empty(shape, dtype=dtype)
         for k, (dtype, shape, begin, end) in header.items()
     }
 
