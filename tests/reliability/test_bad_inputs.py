@@ -215,7 +215,7 @@ def config_not_a_choice(ctx: Ctx):  # noqa: ANN201
     path = ctx.config(advantage={"estimator": "ppo"})
     return ["advantage", path], [
         path,
-        "'advantage.estimator' must be one of 'grpo', 'drgrpo', 'rloo', got 'ppo'",
+        "'advantage.estimator' must be one of 'grpo', 'drgrpo', 'rloo', 'opd', got 'ppo'",
     ]
 
 
