@@ -6,6 +6,7 @@ context by .dockerignore, what it installs is the project's (its extras, its pin
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import shlex
 import subprocess
@@ -66,8 +67,10 @@ def test_the_dockerfile_installs_the_projects_extras_and_pins() -> None:
 
 def test_make_image_builds_the_variant_asked_for() -> None:
     out = subprocess.run(
-        ["make", "-n", "image", "VARIANT=cuda", "IMAGE=reg.example.com/rlhf-batch:1"],
+        ["make", "-n", "--no-print-directory", "image", "VARIANT=cuda", "IMAGE=reg.example.com/rlhf-batch:1"],
         cwd=REPO,
+        # under `make test` the parent's MAKEFLAGS (-w) would add "Entering directory" lines
+        env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")},
         capture_output=True,
         text=True,
         check=True,
