@@ -92,7 +92,7 @@ image:
 # reason is not on the allow-list (ALLOWED_SKIPS in tests/conftest.py) is (RLHF_BATCH_STRICT_SKIPS);
 # then a short random-kill soak (6 kills; `make soak` runs 24)
 test: setup airflow trackio vllm s3 deploy
-	RLHF_BATCH_STRICT_SKIPS=1 $(PY) -m pytest -q -ra $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	RLHF_BATCH_STRICT_SKIPS=1 $(PY) -m pytest -q -ra --durations=60 $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	RLHF_BATCH_SOAK_KILLS=6 $(PY) -m pytest -q -m soak tests/reliability/test_soak.py
 
 test-fast: setup s3 deploy

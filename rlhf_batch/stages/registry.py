@@ -4,7 +4,7 @@ A new stage is one module (a `stages.base.Stage` subclass) and one line here."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlhf_batch.errors import UserError
 
@@ -29,3 +29,14 @@ def get(name: str) -> type[Stage]:
         if s.name == name:
             return s
     raise UserError(f"no stage named {name!r}; stages: {', '.join(s.name for s in stages())}")
+
+
+def run_stage(
+    name: str, cfg: Any, iteration: int, *args: Any, force: bool = False, quiet: bool = False
+) -> dict[str, Any]:
+    """Run stage `name` of iteration `iteration` to completion (or see it is complete) and return
+    its manifest: what `rlhf-batch STAGE` does, for tests, benchmarks and other Python callers.
+    Extra positional arguments go to the stage (the import file of `import`)."""
+    from rlhf_batch.stages.executor import execute
+
+    return execute(get(name)(cfg, iteration, *args), force=force, quiet=quiet)

@@ -14,6 +14,7 @@ from rlhf_batch.models.load import load_model, load_tokenizer
 from rlhf_batch.models.tiny import init_model
 from rlhf_batch.runtime import faults
 from rlhf_batch.stages import executor, generate
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import ROLLOUTS
 
@@ -24,7 +25,7 @@ def rollouts(cfg, it: int = 0) -> pa.Table:
 
 def test_rollouts_table_ids_and_carried_columns(make_config) -> None:
     _, cfg = make_config()
-    m = generate.run(cfg, 0, quiet=True)
+    m = run_stage("generate", cfg, 0, quiet=True)
     t = rollouts(cfg)
     assert m["rows"] == t.num_rows == 12 * 4  # 12 demo prompts x G=4
     assert len(m["parts"]) == 3  # ceil(12 prompts / 5 per part)
