@@ -11,7 +11,7 @@ LAYERS = {  # first name below rlhf_batch -> layer
     "core": 0, "errors": 0, "__init__": 0,
     "runtime": 1,
     "config": 2, "store": 2, "sql": 2,
-    "models": 3, "rewards": 3, "data": 3, "engines": 3, "observe": 3,
+    "models": 3, "rewards": 3, "data": 3, "engines": 3, "observe": 3, "envs": 3,
     "stages": 4,
     "commands": 5, "__main__": 5,
 }  # fmt: skip
