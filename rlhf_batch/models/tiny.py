@@ -15,10 +15,40 @@ if TYPE_CHECKING:
     pass
 
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|unk|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+# ChatML; with tools, tool calls and tool results rendered as Qwen2.5's template renders them
+# (a `# Tools` system block, `<tool_call>` JSON, results of role "tool" as `<tool_response>`
+# blocks of a user turn). Without them it renders what the plain ChatML template rendered.
+TOOLS_BLOCK = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call><|im_end|>\n{% endif %}"
 )
+TOOL_MESSAGE = (
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+)
+TOOL_CALLS = (
+    "<|im_start|>assistant{% if m['content'] %}\n{{ m['content'] }}{% endif %}"
+    "{% for c in m['tool_calls'] %}{% if c['function'] is defined %}{% set c = c['function'] %}{% endif %}"
+    '\n<tool_call>\n{"name": "{{ c[\'name\'] }}", "arguments": {{ c[\'arguments\'] | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+)
+CHAT_TEMPLATE = (
+    TOOLS_BLOCK + "{% for m in messages %}"
+    "{% if m['role'] == 'system' and tools and loop.first %}"
+    "{% elif m['role'] == 'tool' %}"
+    + TOOL_MESSAGE
+    + "{% elif m['role'] == 'assistant' and m['tool_calls'] %}"
+    + TOOL_CALLS
+    + "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+).replace("%}\n", "%}{{ '\\n' }}")  # transformers renders with trim_blocks: a newline after a tag is dropped
 PadMode = Literal["separate", "eos", "none"]
 DTYPES = ("float32", "bfloat16", "float16")  # init-model --dtype
 # Named shapes for init-model --shape: the size options of init_model. qwen2.5-0.5b is the

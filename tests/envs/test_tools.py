@@ -1,0 +1,234 @@
+"""Built-in tools: the Python code tool in real child processes, the calculator, the parsing of
+Hermes tool calls, and the tool environment's steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_batch.envs import python_tool
+from rlhf_batch.envs.base import Step
+from rlhf_batch.envs.calculator import CalculatorError, calculate
+from rlhf_batch.envs.python_tool import Limits, network_namespace_available, run_python
+from rlhf_batch.envs.tool_calls import HERMES, declared_format, parse_tool_calls
+from rlhf_batch.envs.tools import ToolEnvironment, tool_environment, tool_schemas
+
+FAST = Limits(cpu_s=1, memory_mb=256, output_bytes=64_000, max_output=500, timeout_s=5.0)
+
+
+def test_code_runs_in_a_fresh_directory_and_prints():
+    r = run_python("import os; print(6 * 7); print(os.listdir('.')); open('f', 'w').write('x')", FAST)
+    assert (r.reason, r.returncode) == ("ok", 0)
+    assert r.output == "42\n[]\n"  # an empty working directory
+    again = run_python("import os; print(os.listdir('.'))", FAST)
+    assert again.output == "[]\n"  # the file of the last call is gone with its directory
+
+
+def test_cpu_time_bomb_is_stopped_by_the_cpu_limit():
+    t0 = time.monotonic()
+    r = run_python("while True:\n    pass", FAST)
+    assert r.reason == "cpu_limit" and r.returncode < 0
+    assert time.monotonic() - t0 < FAST.timeout_s  # the CPU limit, not the wall clock, ended it
+    assert r.text().endswith("[killed: CPU time limit]")
+
+
+def test_memory_bomb_fails_its_allocation():
+    r = run_python("x = bytearray(1 << 30)\nprint('allocated')", FAST)  # 1 GiB > 256 MB
+    assert r.reason == "error" and r.returncode == 1
+    assert "MemoryError" in r.output and "allocated" not in r.output
+
+
+def test_a_child_that_outlives_the_code_is_killed_with_it(tmp_path: Path):
+    marker = tmp_path / "late"
+    code = (
+        "import os, sys, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(1)\n"
+        f"    open({str(marker)!r}, 'w').write('still alive')\n"
+        "    os._exit(0)\n"
+        "print(pid, flush=True)\n"  # the parent exits at once, the child sleeps on
+    )
+    r = run_python(code, FAST)
+    assert r.reason == "ok"
+    child = int(r.output.split()[0])
+    assert _gone_within(child, 2.0)  # SIGKILLed with the group when the call returned
+    time.sleep(1.5)
+    assert not marker.exists()
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a killed orphan may wait for init to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_wall_clock_limit_kills_a_sleeper():
+    limits = Limits(cpu_s=1, memory_mb=256, timeout_s=1.0)
+    t0 = time.monotonic()
+    r = run_python("import time\ntime.sleep(60)", limits)
+    assert r.reason == "timeout" and r.returncode == -9
+    assert time.monotonic() - t0 < 10
+
+
+def test_output_flood_is_capped():
+    r = run_python("while True:\n    print('x' * 1000)", FAST)
+    assert r.reason == "output_limit"
+    assert r.truncated and len(r.output) == FAST.max_output
+    assert r.text().endswith("[output truncated]\n[killed: output size limit]")
+
+
+def _listener() -> tuple[socket.socket, int, list[int]]:
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    accepted: list[int] = []
+
+    def serve() -> None:
+        srv.settimeout(8)
+        try:
+            conn, _ = srv.accept()
+            accepted.append(1)
+            conn.close()
+        except OSError:
+            pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, srv.getsockname()[1], accepted
+
+
+CONNECT = "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)\nprint('connected')"
+
+
+def test_network_is_refused_in_a_namespace_or_the_result_says_it_is_not():
+    srv, port, accepted = _listener()
+    try:
+        r = run_python(CONNECT.format(port=port), FAST)
+    finally:
+        srv.close()
+    if network_namespace_available():  # unshare works here: even this machine's loopback is out of reach
+        assert r.network_isolated and r.reason == "error"
+        assert "connected" not in r.output and not accepted
+        assert "Network is unreachable" in r.output or "Connection refused" in r.output
+    else:  # the documented fallback: the host's network, and the result says so
+        assert not r.network_isolated and "connected" in r.output
+
+
+def test_without_a_namespace_the_code_has_the_network(monkeypatch: pytest.MonkeyPatch):
+    """The fallback (no `unshare`, or user namespaces refused) runs the code on the host's network."""
+    monkeypatch.setattr(python_tool, "UNSHARE", ("/nonexistent/unshare",))
+    python_tool.network_namespace_available.cache_clear()
+    try:
+        assert not network_namespace_available()
+        srv, port, accepted = _listener()
+        try:
+            r = run_python(CONNECT.format(port=port), FAST)
+        finally:
+            srv.close()
+    finally:
+        python_tool.network_namespace_available.cache_clear()
+    assert not r.network_isolated and r.reason == "ok" and r.output == "connected\n"
+
+
+def test_calculator():
+    # worked by hand: 2 * (3 + 4) ** 2 = 2 * 49 = 98; 7 // 2 = 3; -3 % 5 = 2 (Python's modulo)
+    assert calculate("2 * (3 + 4) ** 2") == 98
+    assert calculate("7 // 2 + -3 % 5") == 5
+    assert calculate("sqrt(16) / 8") == 0.5
+    for bad, why in [
+        ("__import__('os').system('true')", "unsupported expression"),
+        ("(1).__class__", "unsupported expression"),
+        ("2 ** 10000", "exponent 10000 is larger than 1000"),
+        ("1 / 0", "ZeroDivisionError"),
+        ("2 +", "not an arithmetic expression"),
+        ("'a' * 3", "unsupported expression"),
+    ]:
+        with pytest.raises(CalculatorError, match=why.replace("(", r"\(")):
+            calculate(bad)
+
+
+def test_parse_hermes_calls_and_malformed_ones():
+    text = (
+        'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>\n'
+        '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
+        "<tool_call>{name: calculator}</tool_call>"
+        '<tool_call>{"arguments": {}}</tool_call>'
+        '<tool_call>{"name": "python", "arguments": [1]}</tool_call>'
+        '<tool_call>{"name": "python"'
+    )
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me compute.\n"
+    assert [(c.name, c.arguments) for c in calls[:2]] == [
+        ("calculator", {"expression": "1+2"}),
+        ("python", {"code": "print(1)"}),  # OpenAI's JSON-string arguments are read too
+    ]
+    assert calls[2].error.startswith("the tool call is not valid JSON")
+    assert calls[3].error.startswith("a tool call is a JSON object")
+    assert calls[4].error == '"arguments" must be a JSON object'
+    assert calls[5].error == "<tool_call> is not closed by </tool_call>"
+    assert parse_tool_calls("no call here") == ("no call here", [])
+
+
+QWEN25_TOOL_LINES = (  # the tool-call part of Qwen2.5-Instruct's chat template
+    '{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and '
+    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, '
+    '\\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}'
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '</tool_call>' }}"
+)
+
+
+def test_the_format_is_read_from_the_chat_template(tiny_model: Path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert declared_format(tok.chat_template) is HERMES
+    assert declared_format(QWEN25_TOOL_LINES) is HERMES
+    plain = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    assert declared_format(plain) is None
+
+
+def test_environment_steps():
+    env = tool_environment({"prompt": "x", "tools": ["calculator"]})
+    done = env.step("The answer is 4.")
+    assert done == Step(observation=None) and done.ends
+    step = env.step(
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+        '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>'
+        "<tool_call>not json</tool_call>"
+    )
+    assert step.role == "tool" and not step.ends
+    results = step.observation.split("\n\n")
+    assert results[0] == "42"
+    assert results[1] == "Error: unknown tool 'python' (tools: calculator)"
+    assert results[2].startswith("Error: the tool call is not valid JSON")
+    assert step.reward_parts == {"tool_calls": 3.0, "tool_errors": 2.0}
+
+
+def test_environment_runs_python_and_caps_calls_per_turn():
+    env = ToolEnvironment(max_calls=1)
+    call = json.dumps({"name": "python", "arguments": {"code": "print(sum(range(10)))"}})
+    step = env.step(f"<tool_call>{call}</tool_call><tool_call>{call}</tool_call>")
+    assert step.observation == "45\n" + "\n\n" + "Error: at most 1 tool calls are run per turn"
+    assert tool_environment({"tools": "python, calculator"}).tools.keys() == {"python", "calculator"}
+    assert [s["function"]["name"] for s in tool_schemas()] == ["python", "calculator"]
+    with pytest.raises(ValueError, match="unknown tool 'bash'"):
+        tool_environment({"tools": ["bash"]})
+    assert os.environ.get("HOME")  # the tool's own $HOME did not leak into this process
