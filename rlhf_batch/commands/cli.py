@@ -282,6 +282,28 @@ def import_(
 
 
 @app.command()
+def export(
+    config: ConfigArg,
+    out: Annotated[Path, typer.Option("--out", "-o", help="The dataset folder to write (absent or empty).")],
+    iteration: IterOpt = 0,
+    min_reward: Annotated[
+        float | None,
+        typer.Option(
+            "--min-reward", help="Keep only rollouts whose score is at least this (rejection sampling)."
+        ),
+    ] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Write iteration K's rollouts with their rewards as a Hugging Face dataset of chat messages
+    (OUT/data/train-00000-of-00001.parquet; multi-turn rollouts one message per turn, tool calls
+    included), for SFT or rejection sampling."""
+    from rlhf_batch.observe.export import export as write
+
+    path, rows = write(_config(config, set_), iteration, out, min_reward)
+    typer.echo(f"export: {rows} rows -> {path}")
+
+
+@app.command()
 def validate(config: ConfigArg, set_: SetOpt = None) -> None:
     """Check a config file and report every problem (exit 1 if any): keys, types and values; model
     dirs; the generate and eval prompt files, their id column and repeats; reward function imports

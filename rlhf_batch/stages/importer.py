@@ -1,4 +1,5 @@
 """``rlhf-batch import FILE``: externally produced (prompt, response) rows -> ``iter=K/rollouts``.
+(Rows of chat messages, multi-turn trajectories with tool calls: import_messages.py.)
 
 The file is JSONL or Parquet with string columns ``prompt`` and ``response``, optionally
 ``prompt_id`` (default: the first 16 hex digits of the prompt's sha256) and ``finish_reason``
@@ -45,6 +46,7 @@ from rlhf_batch.models.forward import batched_logprobs
 from rlhf_batch.models.load import load_model, load_tokenizer
 from rlhf_batch.models.policy import sampled_by, sampling_policy
 from rlhf_batch.runtime import dist
+from rlhf_batch.stages import import_messages
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.store import layout
@@ -67,7 +69,10 @@ class Import(Stage):
         self.path = Path(file)
 
     def identity(self) -> dict[str, Any]:
-        self.rows = prepare(read_rows(self.path), self.path, self.iteration)  # bad files fail first
+        rows = read_rows(self.path)
+        self.messages = import_messages.MESSAGES in rows.column_names  # trajectories as chat messages
+        prep = import_messages.prepare if self.messages else prepare
+        self.rows = prep(rows, self.path, self.iteration)  # bad files fail first
         self.policy = sampling_policy(self.cfg, self.iteration)
         return {**super().identity(), "import": str(self.path.resolve()), "policy": self.policy}
 
@@ -98,10 +103,16 @@ class Import(Stage):
     def write_part(self, n: int, bar: Any) -> Part:
         per_part = self.cfg.score.rows_per_part
         part = self.rows.slice(n * per_part, per_part)
-        table, counts = tokenize_part(part, self.tok, self.model, self.cfg, self.policy, str(self.path))
+        if self.messages:
+            args = (part, self.tok, self.model, self.cfg, self.policy, self.path, n * per_part)
+            table, counts = import_messages.tokenize_part(*args)
+        else:
+            table, counts = tokenize_part(part, self.tok, self.model, self.cfg, self.policy, str(self.path))
         bar.update(part.num_rows)
         tokens = list_tokens(table, "prompt_ids", "response_ids")
-        return Part(table, with_extra(ROLLOUTS, self.rows.schema), counts, tokens)
+        return Part(
+            table, with_extra(ROLLOUTS, table.schema if self.messages else self.rows.schema), counts, tokens
+        )
 
     def manifest_extra(self) -> dict[str, Any]:
         return {"source": str(self.path.resolve()), **sampled_by(self.cfg, self.iteration)}
@@ -155,7 +166,11 @@ def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
     clash = sorted(c for c in t.column_names if c in COMPUTED)
     if clash:
         raise SchemaError(f"{path}: column '{clash[0]}' is computed by import; rename or drop it")
-    prompts = t["prompt"].to_pylist()
+    return add_ids(t, t["prompt"].to_pylist(), path, iteration)
+
+
+def add_ids(t: pa.Table, prompts: list[str], path: Path, iteration: int) -> pa.Table:
+    """rollout_id, prompt_id (given, else the hash of `prompts`), sample_idx and finish_reason."""
     given = (
         t["prompt_id"].cast(pa.string()).to_pylist()
         if "prompt_id" in t.column_names

@@ -1,0 +1,195 @@
+"""OpenAI-style chat messages <-> a trajectory's tokens, through the policy's chat template.
+
+A trajectory is a prompt (the messages before the first assistant message, rendered with the
+generation prompt) and a response of segments: each assistant message (the tokens the policy
+samples: its content, tool calls as the template renders them, and the template's end-of-turn
+token; loss mask 1), and each other message with the template's glue around it (loss mask 0).
+
+Both directions find the messages in the rendered text the same way: the template renders the
+same roles with placeholder contents, and the text between placeholders (the glue: role
+headers, `<tool_response>` tags, end-of-turn tokens) must appear literally between the
+messages. So any template whose glue does not depend on a message's content works, without
+knowing its syntax. An assistant message's text is split into content and tool calls in the
+Hermes format (envs/tool_calls.py, as the Qwen2.5 template renders them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf_batch.envs.tool_calls import HERMES, parse_tool_calls
+from rlhf_batch.errors import SchemaError
+
+ROLES = ("system", "user", "assistant", "tool")
+PLACEHOLDER = "@@rlhf-batch-message-{}@@"
+
+
+@dataclass
+class Trajectory:
+    prompt: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: list[int]
+    turn_starts: list[int]
+    turn_roles: list[str]
+
+
+def normalize(messages: Any, where: str) -> list[dict[str, Any]]:
+    """Check a row's messages (roles, contents, tool calls) and return them as the template
+    takes them: tool-call arguments as objects (OpenAI's JSON strings decoded)."""
+    if not isinstance(messages, list) or not messages:
+        raise SchemaError(f"{where}: expected a non-empty list of messages")
+    out = []
+    for i, m in enumerate(messages):
+        at = f"{where}, message {i + 1}"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise SchemaError(f"{at}: unknown role {role!r} (roles: {', '.join(ROLES)})")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str):
+            raise SchemaError(f"{at}: content must be a string, not {type(content).__name__}")
+        msg: dict[str, Any] = {"role": m["role"], "content": content or ""}
+        calls = m.get("tool_calls")
+        if calls:
+            if m["role"] != "assistant":
+                raise SchemaError(f"{at}: only assistant messages have tool_calls")
+            msg["tool_calls"] = [_call(c, at) for c in calls]
+        out.append(msg)
+    return out
+
+
+def _call(c: Any, at: str) -> dict[str, Any]:
+    f = c.get("function", c) if isinstance(c, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise SchemaError(f'{at}: a tool call is {{"function": {{"name": ..., "arguments": ...}}}}')
+    args = f.get("arguments") or {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            raise SchemaError(f"{at}: tool call {f['name']!r}: arguments are not JSON") from None
+    if not isinstance(args, dict):
+        raise SchemaError(f"{at}: tool call {f['name']!r}: arguments must be a JSON object")
+    args = {k: v for k, v in args.items() if v is not None}  # keys Arrow's struct inference added
+    return {"type": "function", "function": {"name": f["name"], "arguments": args}}
+
+
+def glue(tok: Any, roles: list[str], tools: list[Any] | None = None) -> list[str]:
+    """The template's text before, between and after `roles` messages (len(roles) + 1 pieces)."""
+    msgs = [{"role": r, "content": PLACEHOLDER.format(i)} for i, r in enumerate(roles)]
+    text = tok.apply_chat_template(msgs, tools=tools or None, tokenize=False)
+    pieces, pos = [], 0
+    for i in range(len(roles)):
+        at = text.find(PLACEHOLDER.format(i), pos)
+        if at < 0:
+            raise SchemaError(f"the policy's chat template does not render message {i + 1} ({roles[i]})")
+        pieces.append(text[pos:at])
+        pos = at + len(PLACEHOLDER.format(i))
+    return [*pieces, text[pos:]]
+
+
+def spans(pieces: list[str], text: str) -> list[tuple[int, int]] | None:
+    """Where each message's text is in `text` rendered with glue `pieces` (None: no match)."""
+    pattern = "".join(re.escape(p) + "(.*?)" for p in pieces[:-1]) + re.escape(pieces[-1])
+    m = re.fullmatch(pattern, text, re.DOTALL)
+    return None if m is None else [m.span(i + 1) for i in range(len(pieces) - 1)]
+
+
+def end_of_turn(tok: Any, after_assistant: str) -> str:
+    """The special token the glue after an assistant message starts with ("" if none)."""
+    specials = sorted(set(tok.all_special_tokens) | set(_added_specials(tok)), key=len, reverse=True)
+    return next((s for s in specials if s and after_assistant.startswith(s)), "")
+
+
+def _added_specials(tok: Any) -> list[str]:
+    added = getattr(tok, "added_tokens_decoder", {}) or {}
+    return [t.content for t in added.values() if getattr(t, "special", False)]
+
+
+def tokenize(tok: Any, messages: list[dict[str, Any]], tools: list[Any] | None, where: str) -> Trajectory:
+    """The prompt and segments of a conversation (module docstring); it ends with an assistant message."""
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        raise SchemaError(f"{where}: no assistant message (nothing the policy said to train on)")
+    if roles[-1] != "assistant":
+        raise SchemaError(
+            f"{where}: the last message is {roles[-1]!r}; a trajectory ends with an assistant turn"
+        )
+    first = roles.index("assistant")
+    if first == 0:
+        raise SchemaError(f"{where}: the first message is the assistant's; a prompt message comes first")
+    pieces = glue(tok, roles, tools)
+    text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False)
+    found = spans(pieces, text)
+    if found is None:
+        raise SchemaError(f"{where}: the messages' rendering does not fit the chat template's turns")
+    segments: list[tuple[str, str]] = []
+    cursor = found[first][0]
+    for j in range(first, len(roles)):
+        start, end = found[j]
+        if roles[j] == "assistant":
+            eot = end_of_turn(tok, pieces[j + 1])
+            end += len(eot) if text.startswith(eot, end) else 0
+        elif j + 1 < len(roles) and roles[j + 1] == "assistant":
+            end = found[j + 1][0]  # the glue up to the next assistant turn's first token
+        segments.append((text[cursor:end], roles[j]))
+        cursor = end
+    prompt = text[: found[first][0]]
+    return _ids(tok, prompt, segments, where)
+
+
+def _ids(tok: Any, prompt: str, segments: list[tuple[str, str]], where: str) -> Trajectory:
+    t = Trajectory(prompt, tok(prompt)["input_ids"], [], [], [], [])
+    for text, role in segments:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise SchemaError(f"{where}: an empty {role} turn (no tokens)")
+        t.turn_starts.append(len(t.response_ids))
+        t.turn_roles.append(role)
+        t.response_ids += ids
+        t.loss_mask += [int(role == "assistant")] * len(ids)
+    return t
+
+
+def assistant_message(text: str, specials: list[str]) -> dict[str, Any]:
+    """An assistant turn's text as a message: content and Hermes tool calls (arguments as
+    OpenAI's JSON strings); trailing special tokens (end of turn, EOS) dropped."""
+    while any(s and text.endswith(s) for s in specials):
+        text = text[: -len(next(s for s in specials if s and text.endswith(s)))]
+    content, calls = parse_tool_calls(text, HERMES)
+    if not calls or any(c.error for c in calls):
+        return {"role": "assistant", "content": text, "tool_calls": None}
+    tool_calls = [
+        {
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for c in calls
+    ]
+    return {"role": "assistant", "content": content.removesuffix("\n"), "tool_calls": tool_calls}
+
+
+def response_messages(
+    tok: Any, prompt_roles: list[str], response_text: str, turn_roles: list[str], where: str
+) -> list[dict[str, Any]]:
+    """The messages of a multi-turn response (decoded with its special tokens), one per segment."""
+    pieces = glue(tok, [*prompt_roles, *turn_roles])[len(prompt_roles) :]
+    inner = pieces[1:-1]  # between the response's messages; the first is in the prompt, the last dropped
+    pattern = "".join("(.*?)" + re.escape(p) for p in inner) + "(.*)"
+    m = re.fullmatch(pattern, response_text, re.DOTALL)
+    if m is None:
+        raise SchemaError(
+            f"{where}: the response does not fit the chat template's turns ({', '.join(turn_roles)})"
+        )
+    specials = sorted(set(tok.all_special_tokens) | set(_added_specials(tok)), key=len, reverse=True)
+    out = []
+    for role, text in zip(turn_roles, m.groups(), strict=True):
+        out.append(
+            assistant_message(text, specials)
+            if role == "assistant"
+            else {"role": role, "content": text, "tool_calls": None}
+        )
+    return out

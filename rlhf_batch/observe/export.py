@@ -1,0 +1,103 @@
+"""`rlhf-batch export CONFIG --iter K --out DIR`: an iteration's rollouts, with their rewards, as
+a Hugging Face dataset of chat messages (for SFT, rejection sampling or another trainer).
+
+DIR/data/train-00000-of-00001.parquet holds one row per rollout (file order), readable with
+`datasets.load_dataset(DIR)` or as Parquet: `messages` (role, content, tool_calls: OpenAI's
+`{"type": "function", "function": {"name", "arguments"}}` with the arguments as a JSON string;
+null where none), `rollout_id`, `prompt_id`, `sample_idx`, `iteration`, `finish_reason`,
+`reward_raw`, `score`, `reward` (score's columns), and `tools` where the rollouts carry it.
+The prompt's messages are `prompt_messages` (chat prompts), else one user message of the
+prompt's text. A single-turn response is one assistant message; a multi-turn one (rollouts with
+`turn_roles`) one message per segment, read from its tokens with the policy's chat template
+(data/chat_turns.py). Assistant text is split into content and Hermes tool calls.
+`min_reward`: only rows whose `score` is at least that (null scores are dropped).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf_batch.config import Config
+from rlhf_batch.data import chat_turns
+from rlhf_batch.errors import StageError
+from rlhf_batch.models.load import load_tokenizer
+from rlhf_batch.store import layout
+from rlhf_batch.store.manifests import read_complete
+from rlhf_batch.store.schemas import ROLLOUTS, SCORES
+
+DATA_FILE = "data/train-00000-of-00001.parquet"  # the Hub's layout: load_dataset(DIR) finds it
+CALL = pa.struct(
+    [("type", pa.string()), ("function", pa.struct([("name", pa.string()), ("arguments", pa.string())]))]
+)
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.list_(CALL))])
+REWARDS = ("reward_raw", "score", "reward")
+
+
+def export(cfg: Config, iteration: int, out: Path, min_reward: float | None = None) -> tuple[Path, int]:
+    """Write the dataset; returns its file and row count. DIR must not exist or be empty."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise StageError(f"--out {out}: exists and is not an empty folder; remove it or give another")
+    rollouts = read_complete(layout.folder(cfg.run_dir, iteration, layout.ROLLOUTS), ROLLOUTS)
+    scores = read_complete(
+        layout.folder(cfg.run_dir, iteration, layout.SCORES), SCORES, ["rollout_id", *REWARDS]
+    )
+    by_id = {r["rollout_id"]: r for r in scores.to_pylist()}
+    tok = load_tokenizer(cfg.policy_model, cfg.trust_remote_code)
+    rows = []
+    for r in rollouts.to_pylist():
+        s = by_id.get(r["rollout_id"])
+        if s is None:
+            raise StageError(f"iter={iteration}: rollout {r['rollout_id']} has no score; redo score")
+        if min_reward is not None and (s["score"] is None or s["score"] < min_reward):
+            continue
+        rows.append(_row(tok, r, s, iteration, f"iter={iteration}/rollouts: rollout {r['rollout_id']}"))
+    table = _table(rows, "tools" in rollouts.column_names)
+    from rlhf_batch.store.atomic import write_dir_atomic
+
+    def write(tmp: Path) -> None:  # the folder appears whole or not at all
+        (tmp / DATA_FILE).parent.mkdir(parents=True)
+        pq.write_table(table, tmp / DATA_FILE)
+
+    write_dir_atomic(out, write)
+    return out / DATA_FILE, table.num_rows
+
+
+def _row(tok: Any, r: dict[str, Any], s: dict[str, Any], iteration: int, where: str) -> dict[str, Any]:
+    prompt = [
+        {"role": m["role"], "content": m["content"], "tool_calls": None}
+        for m in r.get("prompt_messages") or []
+    ]
+    if not prompt:
+        prompt = [{"role": "user", "content": r["prompt"], "tool_calls": None}]
+    if r.get("turn_roles"):
+        text = tok.decode(r["response_ids"], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        roles = [m["role"] for m in prompt]
+        response = chat_turns.response_messages(tok, roles, text, r["turn_roles"], where)
+    else:
+        response = [chat_turns.assistant_message(r["response"], [])]
+    keep = ("rollout_id", "prompt_id", "sample_idx", "finish_reason", "tools")
+    return {
+        "messages": prompt + response,
+        **{k: r[k] for k in keep if k in r},
+        "iteration": iteration,
+        **{k: s[k] for k in REWARDS},
+    }
+
+
+def _table(rows: list[dict[str, Any]], tools: bool) -> pa.Table:
+    fields = [
+        ("messages", pa.list_(MESSAGE)),
+        ("rollout_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("sample_idx", pa.int32()),
+        ("finish_reason", pa.string()),
+        ("iteration", pa.int32()),
+        *((k, pa.float64()) for k in REWARDS),
+        *([("tools", pa.string())] if tools else []),
+    ]
+    schema = pa.schema(fields)
+    return pa.Table.from_pylist(rows, schema=schema)
