@@ -252,7 +252,7 @@ def lane(
 
 @app.command(name="import")
 def import_(
-    file: Annotated[Path, typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows.")],
+    file: Annotated[Path, typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows, or of chat messages.")],
     config: Annotated[
         Path | None,
         typer.Option(
@@ -267,7 +267,9 @@ def import_(
     force: ForceOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
-    """Turn externally produced (prompt, response) rows into iter=K/rollouts with behaviour log-probs."""
+    """Turn externally produced (prompt, response) rows, or trajectories as OpenAI-style chat messages
+    (a `messages` column: tool calls, tool results, several turns; optionally token_ids, loss_mask,
+    behavior_logprobs), into iter=K/rollouts with behaviour log-probs."""
     from rlhf_batch.commands.lanes import use_side
     from rlhf_batch.stages.executor import execute
     from rlhf_batch.stages.importer import Import

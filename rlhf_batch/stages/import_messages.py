@@ -38,6 +38,7 @@ from rlhf_batch.config import Config
 from rlhf_batch.data import chat_turns
 from rlhf_batch.errors import SchemaError
 from rlhf_batch.models.forward import batched_logprobs
+from rlhf_batch.stages.import_rows import COMPUTED, add_ids, check_given_ids, check_given_logprobs, no_nulls
 from rlhf_batch.store import layout
 from rlhf_batch.store.schemas import LOGPROBS, TOKENS
 
@@ -49,16 +50,14 @@ DROPPED = (MESSAGES, *GIVEN)  # read here, not carried into the rollouts
 
 
 def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
-    """Check the columns and every row's messages; add the ids (importer.add_ids)."""
-    from rlhf_batch.stages.importer import COMPUTED, _no_nulls, add_ids
-
+    """Check the columns and every row's messages; add the ids (import_rows.add_ids)."""
     for name in ("prompt", "response", "response_ids", *COMPUTED):
         if name in t.column_names:
             raise SchemaError(f"{path}: column '{name}' is computed from 'messages'; drop it")
     typ = t.schema.field(MESSAGES).type
     if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) or not pa.types.is_struct(typ.value_type):
         raise SchemaError(f"{path}: column 'messages' has type {typ}, expected a list of {{role, content}}")
-    _no_nulls(t[MESSAGES], path, MESSAGES)
+    no_nulls(t[MESSAGES], path, MESSAGES)
     if ("token_ids" in t.column_names) != ("loss_mask" in t.column_names):
         raise SchemaError(f"{path}: columns 'token_ids' and 'loss_mask' come together")
     if "behavior_logprobs" in t.column_names and "token_ids" not in t.column_names:
@@ -69,7 +68,7 @@ def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
             test = pa.types.is_floating if name == "behavior_logprobs" else pa.types.is_integer
             if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) or not test(typ.value_type):
                 raise SchemaError(f"{path}: column '{name}' has type {typ}, expected a list of numbers")
-            _no_nulls(t[name], path, name)
+            no_nulls(t[name], path, name)
     keys = []
     for row, msgs in enumerate(t[MESSAGES].to_pylist()):
         norm = chat_turns.normalize(msgs, f"{path}: row {row + 1}, column 'messages'")
@@ -100,8 +99,6 @@ def tokenize_part(
     t: pa.Table, tok: Any, model: Any, cfg: Config, policy: str, path: Path, offset: int
 ) -> tuple[pa.Table, dict[str, int]]:
     """One part's trajectories (rows `offset`+1 ... of the file) as multi-turn rollouts."""
-    from rlhf_batch.stages.importer import _check_given_ids
-
     tools = _tools(t, path, offset)
     trajs = []
     for i, (msgs, tl) in enumerate(zip(t[MESSAGES].to_pylist(), tools, strict=True)):
@@ -112,7 +109,7 @@ def tokenize_part(
             traj = _given(traj, norm, t, i, where)
         trajs.append(traj)
     rid = t["rollout_id"].to_pylist()
-    _check_given_ids([x.response_ids for x in trajs], rid, int(model.config.vocab_size), str(path))
+    check_given_ids([x.response_ids for x in trajs], rid, int(model.config.vocab_size), str(path))
     logps = _logprobs(t, trajs, model, tok, cfg, path, offset)
     out = t.drop_columns([c for c in DROPPED if c in t.column_names])
     prompts = [
@@ -196,8 +193,6 @@ def _logprobs(
     offset: int,
 ) -> list[np.ndarray]:
     """Behaviour log-probs of the response tokens, 0.0 where the loss mask is 0."""
-    from rlhf_batch.stages.importer import _check_given_logprobs
-
     if "behavior_logprobs" in t.column_names:
         full = t["behavior_logprobs"].to_pylist()
         logps = []
@@ -209,7 +204,7 @@ def _logprobs(
                 )
             logps.append(np.asarray(lp[len(x.prompt_ids) :], np.float64))
         sampled = [lp[np.asarray(x.loss_mask, bool)] for lp, x in zip(logps, trajs, strict=True)]
-        _check_given_logprobs(sampled, [list(s) for s in sampled], t["rollout_id"].to_pylist(), str(path))
+        check_given_logprobs(sampled, [list(s) for s in sampled], t["rollout_id"].to_pylist(), str(path))
     else:
         logps = batched_logprobs(
             model,

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
@@ -49,14 +48,18 @@ from rlhf_batch.runtime import dist
 from rlhf_batch.stages import import_messages
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
+from rlhf_batch.stages.import_rows import (
+    COMPUTED,
+    GIVEN,
+    add_ids,
+    check_given_ids,
+    check_given_logprobs,
+    no_nulls,
+)
 from rlhf_batch.store import layout
-from rlhf_batch.store.ids import prompt_hash, rollout_id
 from rlhf_batch.store.manifests import file_fingerprint
 from rlhf_batch.store.modeldir import model_fingerprint
 from rlhf_batch.store.schemas import LOGPROBS, ROLLOUTS, TOKENS, with_extra
-
-GIVEN = ("response_ids", "behavior_logprobs")  # an external engine's tokens and log-probs
-COMPUTED = set(ROLLOUTS.names) - {"prompt", "response", "prompt_id", "finish_reason", *GIVEN}
 
 
 class Import(Stage):
@@ -154,7 +157,7 @@ def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
         typ = t.schema.field(name).type
         if not (pa.types.is_string(typ) or pa.types.is_large_string(typ)):
             raise SchemaError(f"{path}: column '{name}' has type {typ}, expected string")
-        _no_nulls(t[name], path, name)
+        no_nulls(t[name], path, name)
     if "behavior_logprobs" in t.column_names and "response_ids" not in t.column_names:
         raise SchemaError(f"{path}: column 'behavior_logprobs' needs the 'response_ids' it scores")
     for name, test in (("response_ids", pa.types.is_integer), ("behavior_logprobs", pa.types.is_floating)):
@@ -162,60 +165,11 @@ def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
             typ = t.schema.field(name).type
             if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) or not test(typ.value_type):
                 raise SchemaError(f"{path}: column '{name}' has type {typ}, expected a list of numbers")
-            _no_nulls(t[name], path, name)
+            no_nulls(t[name], path, name)
     clash = sorted(c for c in t.column_names if c in COMPUTED)
     if clash:
         raise SchemaError(f"{path}: column '{clash[0]}' is computed by import; rename or drop it")
     return add_ids(t, t["prompt"].to_pylist(), path, iteration)
-
-
-def add_ids(t: pa.Table, prompts: list[str], path: Path, iteration: int) -> pa.Table:
-    """rollout_id, prompt_id (given, else the hash of `prompts`), sample_idx and finish_reason."""
-    given = (
-        t["prompt_id"].cast(pa.string()).to_pylist()
-        if "prompt_id" in t.column_names
-        else [None] * len(prompts)
-    )
-    ids = [g if g is not None else prompt_hash(p) for g, p in zip(given, prompts, strict=True)]
-    first: dict[str, tuple[int, str]] = {}
-    seen: dict[str, int] = {}
-    sample_idx = []
-    for row, (pid, prompt) in enumerate(zip(ids, prompts, strict=True)):
-        r0, p0 = first.setdefault(pid, (row, prompt))
-        if p0 != prompt:
-            raise SchemaError(
-                f"{path}: prompt_id {pid!r} has different prompts in rows {r0 + 1} and {row + 1}"
-            )
-        sample_idx.append(seen.get(pid, 0))
-        seen[pid] = sample_idx[-1] + 1
-    finish = ["stop"] * len(prompts)
-    if "finish_reason" in t.column_names:
-        finish = [f or "stop" for f in t["finish_reason"].cast(pa.string()).to_pylist()]
-        bad = [i for i, f in enumerate(finish) if f not in ("stop", "length")]
-        if bad:
-            raise SchemaError(
-                f"{path}: column 'finish_reason' is {finish[bad[0]]!r} in row {bad[0] + 1}; "
-                "expected 'stop' or 'length'"
-            )
-    out = t.drop_columns([c for c in ("prompt_id", "finish_reason") if c in t.column_names])
-    out = out.append_column(
-        "rollout_id", pa.array([rollout_id(iteration, p, k) for p, k in zip(ids, sample_idx, strict=True)])
-    )
-    out = out.append_column("prompt_id", pa.array(ids, pa.string()))
-    out = out.append_column("sample_idx", pa.array(sample_idx, pa.int32()))
-    return out.append_column("finish_reason", pa.array(finish, pa.string()))
-
-
-def _no_nulls(col: pa.ChunkedArray, path: Path, name: str) -> None:
-    """No null in the column, nor inside a list of it (errors name the row, 1-based)."""
-    if col.null_count:
-        row = pc.index(col.is_null(), True).as_py()
-        raise SchemaError(f"{path}: column '{name}' is null in row {row + 1}")
-    if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):
-        inner = pc.list_flatten(col)
-        if inner.null_count:
-            row = pc.list_parent_indices(col)[pc.index(inner.is_null(), True).as_py()].as_py()
-            raise SchemaError(f"{path}: column '{name}' holds a null value in row {row + 1}")
 
 
 def tokenize_part(
@@ -228,7 +182,7 @@ def tokenize_part(
     appended = 0
     if given:
         response_ids = t["response_ids"].to_pylist()
-        _check_given_ids(response_ids, rid, int(model.config.vocab_size), where)
+        check_given_ids(response_ids, rid, int(model.config.vocab_size), where)
     else:
         response_ids = tok(t["response"].to_pylist(), add_special_tokens=False)["input_ids"]
         for ids, f in zip(response_ids, finish, strict=True):
@@ -241,7 +195,7 @@ def tokenize_part(
             raise SchemaError(f"{where}: rollout {rid[i]}: the {what} has no tokens")
     if "behavior_logprobs" in t.column_names:
         logps = [np.asarray(lp, np.float64) for lp in t["behavior_logprobs"].to_pylist()]
-        _check_given_logprobs(logps, response_ids, rid, where)
+        check_given_logprobs(logps, response_ids, rid, where)
     else:
         logps = batched_logprobs(
             model,
@@ -258,29 +212,3 @@ def tokenize_part(
     t = t.append_column("policy", pa.array([layout.in_run(policy, cfg.run_dir)] * len(rid), pa.string()))
     counts = {"rows": len(rid), "tokens": sum(len(r) for r in response_ids), "eos_appended": appended}
     return t, counts
-
-
-def _check_given_ids(response_ids: list[list[int]], rid: list[str], vocab: int, where: str) -> None:
-    for r, ids in zip(rid, response_ids, strict=True):
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise SchemaError(
-                f"{where}: rollout {r}: response_ids holds {bad[0]}, outside the policy's vocabulary [0, {vocab})"
-            )
-
-
-def _check_given_logprobs(
-    logps: list[Any], response_ids: list[list[int]], rid: list[str], where: str
-) -> None:
-    for r, lp, ids in zip(rid, logps, response_ids, strict=True):
-        if len(lp) != len(ids):
-            raise SchemaError(
-                f"{where}: rollout {r}: behavior_logprobs has {len(lp)} values for {len(ids)} response_ids"
-            )
-        low = float(np.finfo(np.float32).min)  # stored as float32: below it would be -inf
-        if not np.isfinite(lp).all() or (lp > 0).any() or (lp < low).any():
-            bad = next(x for x in lp.tolist() if not math.isfinite(x) or x > 0 or x < low)
-            raise SchemaError(
-                f"{where}: rollout {r}: behavior_logprobs holds {bad}; log-probs are finite float32 "
-                "values <= 0"
-            )
