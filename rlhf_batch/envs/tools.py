@@ -10,13 +10,14 @@ call that cannot be read, names an unknown tool or has bad arguments is answered
 
 Tools: `python` (python_tool.py: a child process with CPU, memory, output and time limits,
 no network where the OS allows it; NOT a security sandbox) and `calculator` (calculator.py).
-Which ones a trajectory has: the prompt row's `tools` column (a list of names, or one
-comma-separated string), else both. Limits other than the defaults: write a factory of your
+Which ones a trajectory has: the prompt row's `tools` column (a list of names, one
+comma-separated string, or the tool schemas as OpenAI function objects or their JSON), else both. Limits other than the defaults: write a factory of your
 own, e.g. `def my_env(row): return ToolEnvironment({"python": PythonTool(Limits(cpu_s=2))})`.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -127,10 +128,8 @@ def tool_schemas(names: list[str] | None = None) -> list[dict[str, Any]]:
 
 
 def tool_environment(row: dict[str, Any]) -> ToolEnvironment:
-    """The environment of one trajectory: the row's `tools` (names), else every built-in tool."""
-    names = row.get("tools")
-    if isinstance(names, str):
-        names = [n.strip() for n in names.split(",") if n.strip()]
+    """The environment of one trajectory: the row's `tools`, else every built-in tool."""
+    names = tool_names(row.get("tools"))
     if not names:
         return ToolEnvironment()
     unknown = [n for n in names if n not in BUILTIN]
@@ -145,3 +144,20 @@ def python_environment(row: dict[str, Any]) -> ToolEnvironment:
 
 def calculator_environment(row: dict[str, Any]) -> ToolEnvironment:
     return ToolEnvironment({"calculator": BUILTIN["calculator"]})
+
+
+def tool_names(tools: Any) -> list[str]:
+    """Names from a `tools` value: a list of names, one comma-separated string, or the tool
+    schemas (a list of OpenAI function schemas, or its JSON string, as `import` rows carry)."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            return [n.strip() for n in tools.split(",") if n.strip()]
+    if isinstance(tools, str):
+        tools = [tools]
+    out = []
+    for t in tools or []:
+        f = t.get("function", t) if isinstance(t, dict) else None
+        out.append(f.get("name") if isinstance(f, dict) else t)
+    return [str(n) for n in out]

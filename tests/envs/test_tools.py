@@ -229,6 +229,8 @@ def test_environment_runs_python_and_caps_calls_per_turn():
     assert step.observation == "45\n" + "\n\n" + "Error: at most 1 tool calls are run per turn"
     assert tool_environment({"tools": "python, calculator"}).tools.keys() == {"python", "calculator"}
     assert [s["function"]["name"] for s in tool_schemas()] == ["python", "calculator"]
+    schemas = json.dumps(tool_schemas(["calculator"]))  # the schemas an imported row carries
+    assert tool_environment({"tools": schemas}).tools.keys() == {"calculator"}
     with pytest.raises(ValueError, match="unknown tool 'bash'"):
         tool_environment({"tools": ["bash"]})
     assert os.environ.get("HOME")  # the tool's own $HOME did not leak into this process

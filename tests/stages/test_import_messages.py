@@ -258,3 +258,27 @@ def test_bad_rows_are_refused_in_one_line(name: str, make_config, tmp_path: Path
     assert not layout.folder(cfg.run_dir, 0, "rollouts").exists() or not list(
         layout.folder(cfg.run_dir, 0, "rollouts").glob("*.parquet")
     )
+
+
+def test_export_of_generated_single_turn_rollouts(make_config, tmp_path: Path, capfd, monkeypatch) -> None:
+    """A generated run's rollouts: the prompt as a user message (text prompts), the response as
+    the assistant's; and a missing score stage is one line."""
+    cfg_path, cfg = make_config(
+        generate={"prompts_per_iteration": 2, "num_generations": 2, "max_new_tokens": 4}
+    )
+    run_stage("generate", cfg, 0, quiet=True)
+    code, err = cli(capfd, monkeypatch, ["export", str(cfg_path), "--out", str(tmp_path / "ds")])
+    assert code == 1 and err.count("\n") == 1 and "scores: stage is not complete" in err, err
+    run_stage("score", cfg, 0, quiet=True)
+    code, err = cli(capfd, monkeypatch, ["export", str(cfg_path), "--out", str(tmp_path / "ds")])
+    assert code == 0, err
+    out = pq.read_table(tmp_path / "ds" / "data" / "train-00000-of-00001.parquet").to_pylist()
+    got = rollouts(cfg)
+    assert len(out) == len(got) == 4
+    for o, r in zip(out, got, strict=True):
+        assert o["messages"] == [msg("user", r["prompt"]), msg("assistant", r["response"])]
+        assert (o["rollout_id"], o["iteration"], o["finish_reason"]) == (
+            r["rollout_id"],
+            0,
+            r["finish_reason"],
+        )
