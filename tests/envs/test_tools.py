@@ -234,3 +234,24 @@ def test_environment_runs_python_and_caps_calls_per_turn():
     with pytest.raises(ValueError, match="unknown tool 'bash'"):
         tool_environment({"tools": ["bash"]})
     assert os.environ.get("HOME")  # the tool's own $HOME did not leak into this process
+
+
+def test_tiny_template_renders_plain_chats_as_before_and_tool_results_as_qwen():
+    from rlhf_batch.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    chat = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+    ]
+    # the plain ChatML rendering, written out: what the demo's chat prompts have always rendered
+    plain = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n"
+    assert tok.apply_chat_template(chat, tokenize=False) == plain
+    assert tok.apply_chat_template(chat[:2], tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    tools = [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    assert tok.apply_chat_template([*chat, *tools], tokenize=False) == plain + (
+        "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n"
+    )
