@@ -89,7 +89,7 @@ def run_python(code: str, limits: Limits = Limits()) -> Result:
         out_path = Path(tmp) / ".output"
         work = Path(tmp) / "work"
         work.mkdir()
-        argv = [*(UNSHARE if isolated else ()), sys.executable, "-I", "-c", code]
+        argv = [*_limiter(limits), *(UNSHARE if isolated else ()), sys.executable, "-I", "-c", code]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(work), "LANG": "C.UTF-8"}
         with open(out_path, "wb") as out:
             proc = subprocess.Popen(
@@ -100,7 +100,6 @@ def run_python(code: str, limits: Limits = Limits()) -> Result:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=functools.partial(_limit, limits),
             )
             timed_out = _wait(proc, limits.timeout_s)
         _kill_group(proc.pid)
@@ -112,14 +111,22 @@ def run_python(code: str, limits: Limits = Limits()) -> Result:
     return Result(text[: limits.max_output], code_, reason, truncated, isolated)
 
 
-def _limit(limits: Limits) -> None:  # in the child, before exec
-    import resource
+# Sets the limits, then execs the rest of its arguments: the limits apply before the code starts,
+# without a preexec_fn (not safe in a process with threads, as a process pool's parent has).
+LIMITER = (
+    "import os, resource, sys\n"
+    "cpu, mem, size = map(int, sys.argv[1:4])\n"
+    "resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))\n"
+    "resource.setrlimit(resource.RLIMIT_AS, (mem, mem))\n"
+    "resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))\n"
+    "resource.setrlimit(resource.RLIMIT_CORE, (0, 0))\n"
+    "os.execvp(sys.argv[4], sys.argv[4:])\n"
+)
 
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
+
+def _limiter(limits: Limits) -> list[str]:
     mem = limits.memory_mb << 20
-    resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes, limits.output_bytes))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    return [sys.executable, "-I", "-S", "-c", LIMITER, str(limits.cpu_s), str(mem), str(limits.output_bytes)]
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> bool:
