@@ -47,11 +47,12 @@ GIVEN = ("token_ids", "loss_mask", "behavior_logprobs")
 MASK, STARTS, ROLES = pa.list_(pa.int8()), pa.list_(pa.int32()), pa.list_(pa.string())
 PROMPT_MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 DROPPED = (MESSAGES, *GIVEN)  # read here, not carried into the rollouts
+ADDED = ("prompt_messages", "turn_starts", "turn_roles", "behavior_recomputed")
 
 
 def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
     """Check the columns and every row's messages; add the ids (import_rows.add_ids)."""
-    for name in ("prompt", "response", "response_ids", *COMPUTED):
+    for name in ("prompt", "response", "response_ids", *COMPUTED, *ADDED):
         if name in t.column_names:
             raise SchemaError(f"{path}: column '{name}' is computed from 'messages'; drop it")
     typ = t.schema.field(MESSAGES).type

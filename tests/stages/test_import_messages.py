@@ -221,6 +221,10 @@ BAD = {  # name: (columns, words of the one-line error)
         {"messages": [GOOD], "loss_mask": [[1]]},
         ["'token_ids' and 'loss_mask' come together"],
     ),
+    "turns given": (
+        {"messages": [GOOD], "turn_roles": [["assistant"]]},
+        ["column 'turn_roles' is computed from 'messages'"],
+    ),
     "prompt and messages": (
         {"messages": [GOOD], "prompt": ["x"]},
         ["column 'prompt' is computed from 'messages'"],
