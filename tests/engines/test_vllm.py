@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomli_w
 import torch
 
 from rlhf_batch.models.forward import response_logprobs
@@ -59,13 +60,39 @@ def rows(run_dir: str) -> dict[str, dict]:
     return {r["rollout_id"]: r for r in t}
 
 
-def test_vllm_rollouts_match_our_forward_stop_at_eos_and_repeat_with_the_seed(make_config, model64) -> None:
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory: pytest.TempPathFactory, model64: Path, demo_prompts: Path) -> dict:
+    """ONE vLLM process (each start costs tens of seconds) for the tests below: the kept-alive
+    engine's samples (KEPT_ALIVE), then the generate stage of iteration 0 twice on that engine,
+    in parts of 5 prompts (run_dir "once") and of 12 (run_dir "again")."""
     need_vllm()
+    tmp = tmp_path_factory.mktemp("vllm")
     g = {"engine": "vllm", "enforce_eager": True, "max_new_tokens": 8, "temperature": 0.8}
-    path, cfg = make_config(policy_model=str(model64), generate=g)
-    generate(path)
-    got = rows(cfg.run_dir)
-    m = manifests.manifest(layout.folder(cfg.run_dir, 0, layout.ROLLOUTS))
+    g |= {"prompts": str(demo_prompts), "num_generations": 4, "prompts_per_part": 5, "batch_size": 16}
+    raw = {"run_dir": str(tmp / "once"), "seed": 0, "policy_model": str(model64), "device": "cpu"}
+    raw |= {"dtype": "float32", "generate": g}
+    raw |= {"score": {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"]}}
+    (tmp / "config.toml").write_text(tomli_w.dumps(raw))
+    (tmp / "kept.py").write_text(KEPT_ALIVE)
+    res = subprocess.run(
+        [str(VLLM_PY), str(tmp / "kept.py"), str(model64), str(tmp / "config.toml"), str(tmp / "again")],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return {
+        **json.loads(res.stdout.strip().splitlines()[-1]),
+        "once": str(tmp / "once"),
+        "twice": str(tmp / "again"),
+    }
+
+
+def test_vllm_rollouts_match_our_forward_stop_at_eos_and_repeat_with_the_seed(vllm_runs, model64) -> None:
+    got = rows(vllm_runs["once"])
+    m = manifests.manifest(layout.folder(vllm_runs["once"], 0, layout.ROLLOUTS))
     assert m is not None and m["engine"] == "vllm" and m["engine_version"].startswith("0.")
     assert len(got) == 12 * 4 and len(m["parts"]) == 3  # 12 prompts x G = 4, parts of 5 prompts
     model = load_model(str(model64), "policy", dtype="float32")
@@ -84,12 +111,12 @@ def test_vllm_rollouts_match_our_forward_stop_at_eos_and_repeat_with_the_seed(ma
     # the two forwards differ only by rounding (measured: max 1e-6, mean 2e-7)
     assert max(diffs) < 1e-4, max(diffs)
     assert any(r["finish_reason"] == "stop" for r in got.values())
-    # the same seed gives the same rollouts, though every part now holds other rows (12 prompts each)
-    again = str(Path(cfg.run_dir).parent / "again")
-    generate(path, f"run_dir={again}", "generate.prompts_per_part=12")
-    other = rows(again)
+    # the same seed gives the same rollouts, though every part now holds other rows (12 prompts
+    # each), and the second stage run is served by the engine the first left running
+    assert vllm_runs["engines"] == 1
+    other = rows(vllm_runs["twice"])
     assert {k: v["response_ids"] for k, v in other.items()} == {k: v["response_ids"] for k, v in got.items()}
-    assert len(manifests.manifest(layout.folder(again, 0, layout.ROLLOUTS))["parts"]) == 1
+    assert len(manifests.manifest(layout.folder(vllm_runs["twice"], 0, layout.ROLLOUTS))["parts"]) == 1
 
 
 def test_vllm_engine_without_vllm_names_the_fix(make_config, model64) -> None:
@@ -151,6 +178,7 @@ KEPT_ALIVE = """
 import json, sys
 from rlhf_batch.config import load_config
 from rlhf_batch.engines import vllm as ve
+from rlhf_batch.stages.registry import run_stage
 
 if __name__ == "__main__":
     a, G = sys.argv[1], 3
@@ -165,26 +193,18 @@ if __name__ == "__main__":
     kept = ve.shared_engine(a, cfg)  # the next stage run on the same policy
     again = ve.sample_rows(kept, rows, seeds, cfg.generate, {0})
     requests = len(ve._groups(rows, cfg.generate.seed_per_rollout))
-    print(json.dumps({"same": kept is first, "requests": requests, "fresh": fresh, "again": again}))
+    engines = {id(first)}
+    for sets in ([], [f"run_dir={sys.argv[3]}", "generate.prompts_per_part=12"]):  # the stage, twice
+        run_stage("generate", load_config(sys.argv[2], sets), 0, quiet=True)
+        engines.add(id(ve._LIVE["engine"]))
+    print(json.dumps({"same": kept is first, "requests": requests, "fresh": fresh, "again": again,
+                      "engines": len(engines)}))
 """
 
 
-def test_a_kept_alive_engine_samples_as_a_fresh_one(tmp_path: Path, model64: Path) -> None:
+def test_a_kept_alive_engine_samples_as_a_fresh_one(vllm_runs) -> None:
     """One request per prompt (n = G, seed_per_rollout = false); the engine a stage run left
     running is reused by the next one on the same policy and samples what it sampled fresh."""
-    need_vllm()
-    script = tmp_path / "kept.py"
-    script.write_text(KEPT_ALIVE)
-    res = subprocess.run(
-        [str(VLLM_PY), str(script), str(model64)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["same"] and out["requests"] == 2
-    assert out["again"] == out["fresh"]  # tokens, log-probs and finish reasons alike
-    assert all(len(r[0]) == len(r[1]) >= 1 for r in out["fresh"])
+    assert vllm_runs["same"] and vllm_runs["requests"] == 2
+    assert vllm_runs["again"] == vllm_runs["fresh"]  # tokens, log-probs and finish reasons alike
+    assert all(len(r[0]) == len(r[1]) >= 1 for r in vllm_runs["fresh"])
