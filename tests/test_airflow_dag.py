@@ -278,7 +278,6 @@ def test_dag_runs_as_run_does_fanned_out_overlapped_on_s3_with_torchrun(
     score over 2 ranks, one top-up round per iteration, train through torchrun with 2 processes,
     the run on the S3 server. Its rows equal a `run` on local disk with the same config; its
     policies too, to the 2-rank tolerance (2 ranks sum gradients in another order)."""
-    from rlhf_batch.commands.pipeline import run_pipeline
     from tests.store.test_s3_run import weights
 
     settings = {  # 13 informative groups of 12 prompts are never met: one top-up round per iteration
@@ -294,7 +293,12 @@ def test_dag_runs_as_run_does_fanned_out_overlapped_on_s3_with_torchrun(
     }
     local, local_cfg = make_config(name="local.toml", iterations=2, in_process=True, **settings)
     remote, cfg = make_config(name="s3.toml", run_dir=s3_run, iterations=2, **settings)
-    run_pipeline(local, [], quiet=True)
+    reference = subprocess.Popen(  # side by side with Airflow's run (its tasks run one at a time)
+        [sys.executable, "-m", "rlhf_batch", "run", str(local), "--quiet"],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "reference.err").open("w"),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     experiment = {"config": str(remote)}  # iterations and max_staleness: the config file's
     env = airflow_env(tmp_path, {"rlhf_batch_experiments": json.dumps({"e2e": experiment})}, True)
     env |= {**s3_server.env(), "OMP_NUM_THREADS": "1"}
@@ -307,6 +311,7 @@ def test_dag_runs_as_run_does_fanned_out_overlapped_on_s3_with_torchrun(
         timeout=1800,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert reference.wait(timeout=1800) == 0, (tmp_path / "reference.err").read_text()[-3000:]
     for it in (0, 1):
         for folder in ("rollouts", "scores"):  # 3 parts each: rank 0 wrote 0 and 2, rank 1 part 1
             m = manifests.manifest(layout.folder(s3_run, it, folder))
