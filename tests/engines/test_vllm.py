@@ -133,9 +133,10 @@ def test_vllm_engine_without_vllm_names_the_fix(make_config, model64) -> None:
     assert "needs the vllm package" in res.stderr and "make vllm" in res.stderr
 
 
-def demo_scores(run_dir: Path, *sets: str) -> list[float]:
-    """3 iterations of the demo on a head_dim-64 model of the demo's size (hidden 64, 1 head), with
-    more training per iteration than the demo (16 PPO epochs) so that 3 iterations show learning."""
+def demo_run(run_dir: Path, *sets: str) -> subprocess.Popen:
+    """Start 3 iterations of the demo on a head_dim-64 model of the demo's size (hidden 64, 1
+    head), with more training per iteration than the demo (16 PPO epochs) so that 3 iterations
+    show learning; one thread (the demo's), so two runs side by side share 2 cores."""
     init_model(run_dir / "models" / "policy", hidden=64, heads=1, kv_heads=1, seed=0)
     overrides = [  # the training measured below, whatever the demo's own settings
         f"run_dir={run_dir}",
@@ -151,22 +152,30 @@ def demo_scores(run_dir: Path, *sets: str) -> list[float]:
     ]
     cmd = [sys.executable, "-m", "rlhf_batch", "run", str(ROOT / "pipelines/demo.toml"), "--quiet"]
     cmd += ["--iterations", "3"] + [a for o in overrides for a in ("--set", o)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    assert res.returncode == 0, res.stderr[-4000:]
-    summary = re.findall(r"^ +(\d+) +([-\d.]+) +[-\d.]+$", res.stdout, re.MULTILINE)  # iter, score, reward
-    assert [int(i) for i, _ in summary] == [0, 1, 2], res.stdout[-3000:]
+    with open(f"{run_dir}.out", "w") as out, open(f"{run_dir}.err", "w") as err:  # files: no pipe fills
+        return subprocess.Popen(cmd, stdout=out, stderr=err)
+
+
+def demo_scores(proc: subprocess.Popen, run_dir: Path) -> list[float]:
+    """The mean score of each iteration of demo_run(run_dir)."""
+    proc.wait(timeout=1800)
+    out, err = Path(f"{run_dir}.out").read_text(), Path(f"{run_dir}.err").read_text()
+    assert proc.returncode == 0, err[-4000:]
+    summary = re.findall(r"^ +(\d+) +([-\d.]+) +[-\d.]+$", out, re.MULTILINE)  # iter, score, reward
+    assert [int(i) for i, _ in summary] == [0, 1, 2], out[-3000:]
     return [float(s) for _, s in summary]
 
 
 def test_the_demo_learns_with_the_vllm_engine_as_with_hf(tmp_path: Path) -> None:
     """`run` in process, but generate in .venv-vllm (generate.python). Measured over iterations
     0 -> 2: hf 0.003 -> 0.020, vllm 0.004 -> 0.017; with lr = 0 the score stays at 0.003 (its
-    standard error over 2048 rollouts is ~0.001)."""
+    standard error over 2048 rollouts is ~0.001). The two runs go side by side."""
     need_vllm()
-    vllm = demo_scores(
+    vllm_run = demo_run(
         tmp_path / "vllm", "generate.engine=vllm", f"generate.python={VLLM_PY}", "generate.enforce_eager=true"
     )
-    hf = demo_scores(tmp_path / "hf")
+    hf = demo_scores(demo_run(tmp_path / "hf"), tmp_path / "hf")
+    vllm = demo_scores(vllm_run, tmp_path / "vllm")
     gain_vllm, gain_hf = vllm[-1] - vllm[0], hf[-1] - hf[0]
     assert gain_hf > 0.008 and gain_vllm > 0.008, (hf, vllm)
     assert 0.4 < gain_vllm / gain_hf < 2.5, (hf, vllm)  # the same climb, up to sampling noise
