@@ -104,16 +104,22 @@ class RewardCache:
             self.known[slot] = found
         return self.known[slot]
 
-    def store(self, rf: RewardFunction, src: str, keys: list[str], values: list[Any], more: list[Any]) -> None:
+    def store(
+        self, rf: RewardFunction, src: str, keys: list[str], values: list[Any], more: list[Any]
+    ) -> None:
         """Write the verdicts of `keys` as one new file (atomic) and keep them in memory."""
         from rlhf_batch.store.atomic import write_parquet_atomic
 
-        fresh = {k: (v, x) for k, v, x in zip(keys, values, more, strict=True) if k not in self.entries(rf, src)}
+        fresh = {
+            k: (v, x) for k, v, x in zip(keys, values, more, strict=True) if k not in self.entries(rf, src)
+        }
         if not fresh:
             return
         name = hashlib.sha256("\n".join(sorted(fresh)).encode()).hexdigest()[:24]
         cols = [list(fresh), [v for v, _ in fresh.values()], [x for _, x in fresh.values()]]
-        table = pa.Table.from_arrays([pa.array(c, f.type) for c, f in zip(cols, SCHEMA, strict=True)], schema=SCHEMA)
+        table = pa.Table.from_arrays(
+            [pa.array(c, f.type) for c, f in zip(cols, SCHEMA, strict=True)], schema=SCHEMA
+        )
         d = self.folder(rf, src)
         from rlhf_batch.store import fs
 
@@ -157,13 +163,17 @@ class RewardCalls:
         values, extra = {}, {}
         where = f" on rollouts {rid[0]}..{rid[-1]}" if rid else ""
         for rf in fns:
-            said = f"reward function {rf.path} did not return within {self.timeout:g} s (score.reward_timeout)"
+            said = (
+                f"reward function {rf.path} did not return within {self.timeout:g} s (score.reward_timeout)"
+            )
             with time_limit(self.timeout, said + where):
                 values[rf.column], more = self.function_values(rf, rid, batch)
             extra.update(extra_columns(rf, more))
         return values, extra
 
-    def call(self, rf: RewardFunction, rid: Sequence[str], batch: dict[str, Any]) -> tuple[list[float | None], list[Extras] | None]:
+    def call(
+        self, rf: RewardFunction, rid: Sequence[str], batch: dict[str, Any]
+    ) -> tuple[list[float | None], list[Extras] | None]:
         if is_async(rf.fn):
             return async_rows(rf, rid, batch, self.concurrency, self.rate_per_s)
         return evaluate_rows(rf, rid, **batch)

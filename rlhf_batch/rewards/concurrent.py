@@ -27,7 +27,7 @@ from rlhf_batch.rewards.conventions import Extras, evaluate_rows
 
 def is_async(fn: Callable[..., Any]) -> bool:
     """Whether calling `fn` returns a coroutine: an ``async def`` function or ``__call__``."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 class Pacer:
