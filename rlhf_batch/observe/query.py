@@ -1,6 +1,6 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with nine views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with ten views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
@@ -10,6 +10,8 @@ an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
     rollout_stats  RUN_DIR/iter=*/train/rollout_stats.parquet: train's diagnostics per rollout and
                 epoch, joinable to rollouts on rollout_id
     eval        RUN_DIR/iter=*/eval/part-*.parquet: held-out samples with reward and correct
+    audit       RUN_DIR/iter=*/audit/part-*.parquet: `rlhf-batch audit`'s audit_<name> columns per
+                rollout (and its round, topup), joinable to rollouts and scores on rollout_id
     eval_metrics  RUN_DIR/iter=*/eval/_manifest.json: (iter, data_source, metric, value)
     stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
     health      over metrics: one row per trained iteration, its flags (sql/health.sql, observe/health.py)
@@ -51,6 +53,7 @@ VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schema
     "metrics": ("iter=*/train/metrics.parquet", "METRICS"),
     "rollout_stats": ("iter=*/train/rollout_stats.parquet", "ROLLOUT_STATS"),
     "eval": ("iter=*/eval/part-*.parquet", "EVAL"),
+    "audit": ("iter=*/audit/part-*.parquet", "AUDIT"),
 }
 TOPUP_VIEWS = ("rollouts", "scores")  # also the rows of the top-up rounds (iter=K/topup=RR/), column topup
 # The stage manifests are the record of each stage's run: `numbers` holds every number at the

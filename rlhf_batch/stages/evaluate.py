@@ -169,7 +169,11 @@ class Eval(Stage):
         t = t.append_column(EVAL.field("reward"), pa.array(reward, pa.float64()))
         t = t.append_column(EVAL.field("correct"), pa.array(correct, pa.bool_()))
         schema = with_extra(EVAL, t.schema)
-        counts = {"samples": t.num_rows, "unscored": sum(r is None for r in reward), **self.calls.take_counts()}
+        counts = {
+            "samples": t.num_rows,
+            "unscored": sum(r is None for r in reward),
+            **self.calls.take_counts(),
+        }
         return Part(t.select(schema.names), schema, counts, list_tokens(t, "prompt_ids", "response_ids"))
 
     def manifest_extra(self) -> dict[str, Any]:
