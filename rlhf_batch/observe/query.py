@@ -15,6 +15,8 @@ an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
     eval_metrics  RUN_DIR/iter=*/eval/_manifest.json: (iter, data_source, metric, value)
     stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
     health      over metrics: one row per trained iteration, its flags (sql/health.sql, observe/health.py)
+    reward_health  over scores, rollouts, audit, eval: one row per scored iteration, the flags of
+                reward hacking (core/reward_health.py), computed when a query names it
 
 rollouts, scores and stages also have a `topup` INTEGER column: 0 for an iteration's own rows,
 r for those of its dynamic-sampling top-up round r (RUN_DIR/iter=0003/topup=01/...; topup.py).
@@ -42,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import ConfigError, UserError
-from rlhf_batch.observe.health import create_view
+from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_view
 from rlhf_batch.sql import NAN_SAFE, quote
 from rlhf_batch.store.fs import is_remote, register, run_path
 
@@ -270,6 +272,8 @@ def _run_one(con: Any, query: str, fmt: str, out: Path | None) -> None:
             raise UserError(f"sql: give exactly one statement, got {len(statements)}")
         if statements[0].type != duckdb.StatementType.SELECT:
             raise UserError(f"sql: {statements[0].type.name} refused; {READ_ONLY}")
+        if REWARD_VIEW in query.lower() and REWARD_VIEW not in _names(con):
+            register_reward_view(con)  # computed when a query names it (observe/health.py)
         rel = con.sql(query)
         if out is not None:
             kind = SUFFIXES.get(out.suffix.lower()) if fmt == "table" else fmt
@@ -286,6 +290,10 @@ def _run_one(con: Any, query: str, fmt: str, out: Path | None) -> None:
             _write_text(rel.to_arrow_reader(), fmt, sys.stdout)
     except duckdb.Error as e:
         raise UserError(f"sql: {one_line(e)}") from None
+
+
+def _names(con: Any) -> set[str]:
+    return {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
 
 
 def _write_file(reader: Any, kind: str, out: Path) -> int:
@@ -343,7 +351,7 @@ def _repl(con: Any) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         print(
-            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health'])} (column iter). End a query with ';'. .quit to leave.",
+            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health', REWARD_VIEW])} (column iter). End a query with ';'. .quit to leave.",
             file=sys.stderr,
         )
     buf: list[str] = []

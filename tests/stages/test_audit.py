@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_batch.errors import ConfigError, StageError, UserError
-from rlhf_batch.observe.query import connect
+from rlhf_batch.observe.query import connect, run_sql
 from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import AUDIT
@@ -91,3 +91,39 @@ def test_audit_errors_are_one_line(make_config) -> None:
         run_stage("audit", cfg, 3, quiet=True)
     res = cli("audit", path, "--iter", "2:1")
     assert res.exit_code != 0 and isinstance(res.exception, UserError)
+
+
+@pytest.mark.slow
+def test_reward_health_flags_a_reward_the_audit_does_not_follow(make_config, capsys) -> None:
+    """Iterations 0 and 3 scored by response length, audited by whether the response ends with
+    the prompt's letter. Iteration 0's responses per prompt: "{l}{l}", "x{l}", "{l}{l}{l}", "zz"
+    (lengths 2, 2, 3, 2; ends with the letter 1, 1, 1, 0); iteration 3's: "{l}{l}{l}{l}",
+    "x{l}{l}{l}", "{l}{l}{l}{l}{l}", "zzzz" (lengths 4, 4, 5, 4; ends 1, 1, 1, 0). By hand, over the
+    12 rollouts of each: score mean 2.25 -> 4.25, pooled sd sqrt(12.0625 - 3.25^2) = 1.0308, z =
+    1.94 > 0.5 (rose); the audit (None for "zz..." rows: 9 values each) stays 1.0: sd 0, z = 0 < 0.1:
+    reward_vs_audit_letter_end. Length in tokens (characters + EOS) rises by 2 of every row: pooled
+    sd 1.0308 as the score's, z = 1.94 > 1.0: length_drift."""
+    audits = [f"{__name__}:ends_with_letter as letter_end"]
+    path, cfg = make_config(score={"reward_functions": [f"{HERE}:length_reward"], "audit_functions": audits})
+    write_rollouts(cfg, 0)
+    write_rollouts(cfg, 3, responses=("{l}{l}{l}{l}", "x{l}{l}{l}", "{l}{l}{l}{l}{l}", "zzzz"))
+    for it in (0, 3):
+        run_stage("score", cfg, it, quiet=True)
+    assert cli("audit", path, "--iter", "0:4", "--quiet").exit_code != 0  # iteration 1 has no rollouts
+    for it in (0, 3):
+        run_stage("audit", cfg, it, quiet=True)
+    from rlhf_batch.observe.health import register_reward_view
+
+    con = connect(cfg.run_dir)
+    register_reward_view(con)
+    rows = con.execute(
+        "SELECT iter, score_mean, length_mean, flags FROM reward_health ORDER BY iter"
+    ).fetchall()
+    con.close()
+    assert rows == [
+        (0, 2.25, 3.25, []),
+        (3, 4.25, 5.25, ["reward_vs_audit_letter_end", "length_drift"]),
+    ]
+    capsys.readouterr()
+    run_sql(cfg.run_dir, "SELECT iter, flags FROM reward_health WHERE flags <> []", fmt="json")
+    assert capsys.readouterr().out == '{"iter": 3, "flags": ["reward_vs_audit_letter_end", "length_drift"]}\n'
