@@ -192,10 +192,11 @@ class RewardCalls:
         self.counts[f"reward_cache_hits_{rf.name}"] += len(keys) - len(miss)
         self.counts[f"reward_cache_misses_{rf.name}"] += len(miss)
         if miss:
-            sub = {k: [v[i] for i in miss] for k, v in batch.items() if k != "columns"}
+            sub: dict[str, Any] = {k: [v[i] for i in miss] for k, v in batch.items() if k != "columns"}
             sub["columns"] = {c: [v[i] for i in miss] for c, v in batch["columns"].items()}
             got, more = self.call(rf, [rid[i] for i in miss], sub)
-            texts = [None if not m else json.dumps(list(m.items())) for m in (more or [None] * len(miss))]
+            rows: list[Extras] = more or [{} for _ in miss]
+            texts = [json.dumps(list(m.items())) if m else None for m in rows]
             self.cache.store(rf, src, [keys[i] for i in miss], got, texts)
         entries = [known[k] for k in keys]
         values = [v for v, _ in entries]

@@ -91,6 +91,10 @@ def test_audit_errors_are_one_line(make_config) -> None:
         run_stage("audit", cfg, 3, quiet=True)
     res = cli("audit", path, "--iter", "2:1")
     assert res.exit_code != 0 and isinstance(res.exception, UserError)
+    path, _ = make_config(score={"audit_functions": ["no_such_module:judge"]}, name="b.toml")
+    res = cli("validate", path)
+    assert res.exit_code == 1
+    assert "error: score.audit_functions: cannot import 'no_such_module'" in res.output
 
 
 @pytest.mark.slow
