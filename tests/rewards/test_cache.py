@@ -183,3 +183,12 @@ def test_config_keys_are_checked(tmp_path: Path) -> None:
     cfg.write_text("[score]\nreward_rate_per_s = -1.0\n")
     with pytest.raises(ConfigError, match="score.reward_rate_per_s"):
         load_config(cfg)
+
+
+def test_async_calls_end_at_the_timeout(tmp_path: Path) -> None:
+    module(tmp_path, "cache_judge_g", "import asyncio\n\nasync def slow(**_):\n    await asyncio.sleep(30)\n")
+    fns = load_reward_functions(["cache_judge_g:slow"])
+    with pytest.raises(
+        RewardError, match=r"cache_judge_g:slow did not return within 0.3 s \(score.reward_timeout\)"
+    ):
+        RewardCalls(timeout=0.3).values(fns, rids(2), batch(["a", "b"]))

@@ -5,6 +5,7 @@ joins rollouts and scores; with the reward cache, verdicts score computed are re
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,36 @@ def test_reward_health_flags_a_reward_the_audit_does_not_follow(make_config, cap
     capsys.readouterr()
     run_sql(cfg.run_dir, "SELECT iter, flags FROM reward_health WHERE flags <> []", fmt="json")
     assert capsys.readouterr().out == '{"iter": 3, "flags": ["reward_vs_audit_letter_end", "length_drift"]}\n'
+
+
+def test_a_resumed_audit_equals_an_uninterrupted_one(make_config, tmp_path: Path) -> None:
+    """The audit fails on part 2 of 3 (rows 10, 11); parts 0 and 1 stay on disk, the re-run writes
+    only part 2, and the folder equals one audited in one go."""
+    from tests.stages import test_score
+
+    audits = [f"{HERE}:length_reward", f"{HERE}:flaky_reward"]
+    _, cfg = make_config(score={"audit_functions": audits, "rows_per_part": 5})
+    _, whole = make_config(
+        score={"audit_functions": audits, "rows_per_part": 5}, run_dir=str(tmp_path / "whole")
+    )
+    write_rollouts(cfg)
+    shutil.copytree(layout.iter_dir(cfg.run_dir, 0), layout.iter_dir(whole.run_dir, 0))
+    run_stage("audit", whole, 0, quiet=True)
+    test_score.FAIL_ON.add(("c*1=", "ccc"))  # rollout 0000-p2-2: row 10, part 2
+    try:
+        with pytest.raises(Exception, match="flaky_reward raised ValueError"):
+            run_stage("audit", cfg, 0, quiet=True)
+    finally:
+        test_score.FAIL_ON.clear()
+    folder = layout.folder(cfg.run_dir, 0, "audit")
+    kept = digest(folder)
+    assert sorted(n for n in kept if n.startswith("part-")) == [
+        "part-00000-00000.parquet",
+        "part-00000-00001.parquet",
+    ]
+    run_stage("audit", cfg, 0, quiet=True)
+    after = digest(folder)
+    assert all(after[n] == h for n, h in kept.items() if n.startswith("part-"))  # not rewritten
+    a = manifests.read_complete(folder, AUDIT)
+    b = manifests.read_complete(layout.folder(whole.run_dir, 0, "audit"), AUDIT)
+    assert a.equals(b) and a.num_rows == 12
