@@ -144,6 +144,13 @@ class ScoreConfig:
     # seconds a reward function may take on one batch (a part) before the stage fails naming it and
     # the rollouts; 0: no limit. Also eval's. Changes no result (a run that times out has none)
     reward_timeout: float = knob(600.0)
+    # keep each function's verdict per rollout content under RUN_DIR/reward_cache and reuse it
+    # (score, eval, audit; rewards/cache.py). Changes no result of a per-rollout function
+    reward_cache: bool = knob(False)
+    reward_concurrency: int = knob(8)  # `async def` functions: calls in flight at once
+    reward_rate_per_s: float = knob(0.0)  # `async def` functions: calls started per second; 0: no limit
+    # verifiers that never enter the reward: `rlhf-batch audit` writes their columns audit_<name>
+    audit_functions: list[str] = knob([], "audit")
     reward_model_weight: float = knob(1.0, "score")
     score_clip: float = knob(0.0, "score")  # clip the score to [-c, c]; 0 disables
     kl_estimator: Literal["k1", "k2", "k3"] = knob("k1", "score")
@@ -161,6 +168,12 @@ class ScoreConfig:
 
     def validate(self) -> None:
         _need(self.reward_timeout >= 0, "score.reward_timeout", "must be >= 0 (0: no limit)")
+        _need(self.reward_concurrency >= 1, "score.reward_concurrency", "must be >= 1")
+        _need(
+            math.isfinite(self.reward_rate_per_s) and self.reward_rate_per_s >= 0,
+            "score.reward_rate_per_s",
+            "must be a finite number >= 0 (0: no limit)",
+        )
         _need(
             not self.reward_weights or len(self.reward_weights) == len(self.reward_functions),
             "score.reward_weights",

@@ -49,6 +49,8 @@ def validate(cfg: Any) -> tuple[list[str], list[str]]:
     check(lambda: _check_rewards(cfg, "score", columns["generate"]))
     if cfg.eval.prompts:  # eval's functions (default: score's) against the eval prompts' columns
         check(lambda: _check_rewards(cfg, "eval", columns["eval"]))
+    if cfg.score.audit_functions:  # against the generate prompts' columns, as score's
+        check(lambda: _check_audits(cfg, columns["generate"]))
     if cfg.lora.enabled:
         check(lambda: _check_lora(cfg))
     check(lambda: check_groups(cfg))
@@ -142,6 +144,20 @@ def _check_rewards(cfg: Any, stage: str, columns: list[str] | None) -> list[str]
     if problems:
         raise _Many(problems)
     return [f"{stage} reward function {rf.path}" for rf in fns]
+
+
+def _check_audits(cfg: Any, columns: list[str] | None) -> list[str]:
+    """score.audit_functions: every one imports, their columns differ, their arguments have columns."""
+    from rlhf_batch.config import reward_search_path
+    from rlhf_batch.rewards import load_reward_functions
+    from rlhf_batch.rewards.conventions import argument_problem
+
+    key = "score.audit_functions"
+    fns = load_reward_functions(cfg.score.audit_functions, (), (), reward_search_path(cfg), key)
+    problems = [f"{key}: {p}" for rf in fns if columns is not None and (p := argument_problem(rf, columns))]
+    if problems:
+        raise _Many(problems)
+    return [f"audit function {rf.path}" for rf in fns]
 
 
 class _Many(ConfigError):

@@ -206,6 +206,29 @@ def eval_(
 
 
 @app.command()
+def audit(
+    config: ConfigArg,
+    iterations: Annotated[
+        str,
+        typer.Option(
+            "--iter", "-i", help="An iteration K, or a range A:B (the iterations A..B-1, as a Python slice)."
+        ),
+    ] = "0",
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    quiet: QuietOpt = False,
+    rank: RankOpt = None,
+    world_size: WorldOpt = None,
+) -> None:
+    """Re-score stored rollouts with score.audit_functions into iter=K/audit (columns audit_<name>,
+    never in the reward); scores, advantages and training are left as they are."""
+    from rlhf_batch.commands.runs import iteration_range
+
+    for it in iteration_range(iterations):
+        _stage("audit", config, it, set_, force, quiet, fanout=(rank, world_size))
+
+
+@app.command()
 def topup(config: ConfigArg, iteration: IterOpt = 0, set_: SetOpt = None, quiet: QuietOpt = False) -> None:
     """Dynamic-sampling top-up rounds of iteration K (generate + score rounds while it has fewer
     informative groups than advantage.min_groups), as `run` does before advantage: for schedulers
@@ -338,8 +361,9 @@ def sql(
         typer.Option("--timeout", help="Stop a query still running after this many seconds (0: no limit)."),
     ] = 600.0,
 ) -> None:
-    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, health, eval, stages
-    with an iter column (rollouts, scores, stages: also topup, the dynamic-sampling round)."""
+    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, health, eval, audit,
+    reward_health, stages with an iter column (rollouts, scores, stages: also topup, the
+    dynamic-sampling round)."""
     from rlhf_batch.commands.runs import run_dir_of
     from rlhf_batch.observe.query import run_sql
 

@@ -39,3 +39,16 @@ def run_dir_of(target: str | None = None, run_dir: str | None = None, config: Pa
             f"{root}: holds no run (no iter=* folder){where}; give the config file or the run directory"
         )
     return root
+
+
+def iteration_range(spec: str) -> range:
+    """`--iter` of `audit`: K, or A:B for the iterations A, A + 1, ..., B - 1 (as Python slices)."""
+    first, sep, end = spec.partition(":")
+    try:
+        a = int(first)
+        b = int(end) if sep else a + 1
+    except ValueError:
+        raise UserError(f"--iter: give K or A:B (iterations A..B-1), got {spec!r}") from None
+    if a < 0 or b <= a:
+        raise UserError(f"--iter {spec}: need 0 <= A < B (A:B is the iterations A..B-1)")
+    return range(a, b)

@@ -93,3 +93,100 @@ def _metrics_files(run: Path, it: int) -> list[str]:
 
 def warning_line(it: int, warning: str) -> str:
     return f"warning: iteration {it} train health: {warning} ({HINT})"
+
+
+# Reward-hacking signatures (rlhf_batch/core/reward_health.py; docs/inspecting.md "Run health").
+# Changes are in units of the pooled standard deviation of the two iterations' rollouts (z):
+REWARD_THRESHOLDS = {
+    "window": 3,  # iteration K is compared with the latest iteration <= K - 3 that has both signals
+    "rise": 0.5,  # the score "rose": z(score) above this (Cohen's medium effect)
+    "flat": 0.1,  # an audit column or eval correctness "stayed flat": its z below this
+    "length_rise": 1.0,  # the mean response length "drifted": its z above this, with the score rising
+    "dominant_share": 0.9,  # one reward part explains more than this share of reward_raw's variance
+}
+REWARD_VIEW = "reward_health"
+
+
+def _moments(con: Any, sql: str) -> dict[int, Any]:
+    from rlhf_batch.core.reward_health import Moments
+
+    return {int(it): Moments(int(n), float(s), float(q)) for it, n, s, q in con.execute(sql).fetchall() if n}
+
+
+def _columns(con: Any, view: str) -> list[tuple[str, str]]:
+    cur = con.execute(f"SELECT * FROM {view} LIMIT 0")
+    names = [(d[0], str(d[1])) for d in cur.description]
+    cur.fetchall()  # the result finished: the connection takes further work
+    return names
+
+
+def reward_signals(con: Any) -> tuple[dict[str, dict[int, Any]], dict[int, dict[str, float | None]]]:
+    """The per-iteration Moments of score, length, every float audit column and eval's correct,
+    and each reward part's squared correlation with reward_raw (parts: the scores manifest's
+    `unscored_<column>` counts), from the connection's views."""
+    import json
+    import math
+
+    from rlhf_batch.sql import quote_ident
+
+    joined = (
+        "FROM scores s JOIN rollouts r USING (iter, rollout_id) WHERE s.score IS NOT NULL GROUP BY s.iter"
+    )
+    series = {
+        "score": _moments(con, f"SELECT s.iter, count(*), sum(s.score), sum(s.score * s.score) {joined}"),
+        "length": _moments(
+            con, f"SELECT s.iter, count(*), sum(len(r.response_ids)), sum(len(r.response_ids) ^ 2) {joined}"
+        ),
+    }
+    for col, kind in _columns(con, "audit"):
+        if col.startswith("audit_") and kind in ("DOUBLE", "FLOAT"):
+            c = quote_ident(col)
+            series[col] = _moments(
+                con, f"SELECT iter, count({c}), sum({c}), sum({c} * {c}) FROM audit GROUP BY iter"
+            )
+    correct = (
+        "SELECT iter, count(correct), sum(correct::DOUBLE), sum(correct::DOUBLE) FROM eval GROUP BY iter"
+    )
+    if found := _moments(con, correct):
+        series["correct"] = found
+    parts: dict[int, dict[str, float | None]] = {}
+    manifests = con.execute(
+        "SELECT iter, manifest FROM stages WHERE stage = 'scores' AND topup = 0"
+    ).fetchall()
+    have = {c for c, _ in _columns(con, "scores")}
+    for it, text in manifests:
+        counts = json.loads(text).get("counts") or {}
+        cols = [k.removeprefix("unscored_") for k in counts if k.startswith("unscored_")]
+        cols = [c for c in cols if c in have]
+        if not cols:
+            continue
+        exprs = ", ".join(f"corr({quote_ident(c)}, reward_raw)" for c in cols)
+        row = con.execute(
+            f"SELECT {exprs} FROM scores WHERE iter = {int(it)} AND reward_raw IS NOT NULL"
+        ).fetchall()[0]
+        parts[int(it)] = {
+            c: (r * r if r is not None and math.isfinite(r) else None) for c, r in zip(cols, row, strict=True)
+        }
+    return series, parts
+
+
+def register_reward_view(con: Any) -> None:
+    """The table `reward_health` (one row per scored iteration: iter, score_mean, length_mean,
+    flags, warning) computed now from the connection's views; `sql` does it when a query names it."""
+    import pyarrow as pa
+
+    from rlhf_batch.core.reward_health import flags
+
+    series, parts = reward_signals(con)
+    found = flags(series, parts, REWARD_THRESHOLDS)
+    its = sorted(found)
+    table = pa.table(
+        {
+            "iter": pa.array(its, pa.int32()),
+            "score_mean": pa.array([series["score"][k].mean for k in its], pa.float64()),
+            "length_mean": pa.array([series["length"][k].mean for k in its], pa.float64()),
+            "flags": pa.array([[f for f, _ in found[k]] for k in its], pa.list_(pa.string())),
+            "warning": pa.array(["; ".join(w for _, w in found[k]) for k in its], pa.string()),
+        }
+    )
+    con.register(REWARD_VIEW, table)

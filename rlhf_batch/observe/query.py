@@ -1,6 +1,6 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with nine views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with ten views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
@@ -10,9 +10,13 @@ an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
     rollout_stats  RUN_DIR/iter=*/train/rollout_stats.parquet: train's diagnostics per rollout and
                 epoch, joinable to rollouts on rollout_id
     eval        RUN_DIR/iter=*/eval/part-*.parquet: held-out samples with reward and correct
+    audit       RUN_DIR/iter=*/audit/part-*.parquet: `rlhf-batch audit`'s audit_<name> columns per
+                rollout (and its round, topup), joinable to rollouts and scores on rollout_id
     eval_metrics  RUN_DIR/iter=*/eval/_manifest.json: (iter, data_source, metric, value)
     stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
     health      over metrics: one row per trained iteration, its flags (sql/health.sql, observe/health.py)
+    reward_health  over scores, rollouts, audit, eval: one row per scored iteration, the flags of
+                reward hacking (core/reward_health.py), computed when a query names it
 
 rollouts, scores and stages also have a `topup` INTEGER column: 0 for an iteration's own rows,
 r for those of its dynamic-sampling top-up round r (RUN_DIR/iter=0003/topup=01/...; topup.py).
@@ -40,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import ConfigError, UserError
-from rlhf_batch.observe.health import create_view
+from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_view
 from rlhf_batch.sql import NAN_SAFE, quote
 from rlhf_batch.store.fs import is_remote, register, run_path
 
@@ -51,6 +55,7 @@ VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schema
     "metrics": ("iter=*/train/metrics.parquet", "METRICS"),
     "rollout_stats": ("iter=*/train/rollout_stats.parquet", "ROLLOUT_STATS"),
     "eval": ("iter=*/eval/part-*.parquet", "EVAL"),
+    "audit": ("iter=*/audit/part-*.parquet", "AUDIT"),
 }
 TOPUP_VIEWS = ("rollouts", "scores")  # also the rows of the top-up rounds (iter=K/topup=RR/), column topup
 # The stage manifests are the record of each stage's run: `numbers` holds every number at the
@@ -267,6 +272,8 @@ def _run_one(con: Any, query: str, fmt: str, out: Path | None) -> None:
             raise UserError(f"sql: give exactly one statement, got {len(statements)}")
         if statements[0].type != duckdb.StatementType.SELECT:
             raise UserError(f"sql: {statements[0].type.name} refused; {READ_ONLY}")
+        if REWARD_VIEW in query.lower() and REWARD_VIEW not in _names(con):
+            register_reward_view(con)  # computed when a query names it (observe/health.py)
         rel = con.sql(query)
         if out is not None:
             kind = SUFFIXES.get(out.suffix.lower()) if fmt == "table" else fmt
@@ -283,6 +290,10 @@ def _run_one(con: Any, query: str, fmt: str, out: Path | None) -> None:
             _write_text(rel.to_arrow_reader(), fmt, sys.stdout)
     except duckdb.Error as e:
         raise UserError(f"sql: {one_line(e)}") from None
+
+
+def _names(con: Any) -> set[str]:
+    return {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
 
 
 def _write_file(reader: Any, kind: str, out: Path) -> int:
@@ -340,7 +351,7 @@ def _repl(con: Any) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         print(
-            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health'])} (column iter). End a query with ';'. .quit to leave.",
+            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health', REWARD_VIEW])} (column iter). End a query with ';'. .quit to leave.",
             file=sys.stderr,
         )
     buf: list[str] = []

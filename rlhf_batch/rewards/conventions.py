@@ -41,12 +41,21 @@ def evaluate(
     """The values of `rf` on a batch and the extra columns it gives (verl's dict results).
     `batch`: call_reward_function's keyword arguments (prompts, responses, prompt_ids,
     response_ids, columns)."""
+    values, more = evaluate_rows(rf, rollout_ids, **batch)
+    return values, extra_columns(rf, more)
+
+
+def evaluate_rows(
+    rf: RewardFunction, rollout_ids: Sequence[str], **batch: Any
+) -> tuple[list[float | None], list[Extras] | None]:
+    """evaluate's values, and the extra values per row as `Extras` (None: the convention gives
+    none), which `extra_columns` turns into columns over a whole batch."""
     prompts, responses, columns = batch["prompts"], batch["responses"], batch["columns"]
     if rf.convention == "trl":
-        return trl_call(rf, rollout_ids, prompts, responses, batch["response_ids"], columns), {}
+        return trl_call(rf, rollout_ids, prompts, responses, batch["response_ids"], columns), None
     if rf.convention == "verl":
-        return verl_call(rf, rollout_ids, responses, columns)
-    return call_reward_function(rf, rollout_ids, **batch), {}
+        return verl_rows(rf, rollout_ids, responses, columns)
+    return call_reward_function(rf, rollout_ids, **batch), None
 
 
 def trl_call(
@@ -71,14 +80,29 @@ def trl_call(
     return call_batched(rf, rollout_ids, kwargs)
 
 
+# One row's extra values (a verl dict result's keys other than `score`), in the order it gave
+# them: key -> Cell, None for a None value. A Cell is what `_column` needs of a value, as JSON:
+# [kind, number, text] with kind "b" (bool), "f" (a number) or "t" (anything else), `number` the
+# value as a float (bools: 0.0 / 1.0; None for "t") and `text` its text form in a text column.
+Cell = list[Any]
+Extras = dict[str, Cell | None]
+
+
 def verl_call(
     rf: RewardFunction, rollout_ids: Sequence[str], responses: list[str], columns: dict[str, list[Any]]
 ) -> tuple[list[float | None], dict[str, pa.Array]]:
+    values, more = verl_rows(rf, rollout_ids, responses, columns)
+    return values, extra_columns(rf, more)
+
+
+def verl_rows(
+    rf: RewardFunction, rollout_ids: Sequence[str], responses: list[str], columns: dict[str, list[Any]]
+) -> tuple[list[float | None], list[Extras]]:
     n = len(rollout_ids)
     none: list[Any] = [None] * n
     source, truth, extra = (columns.get(c, none) for c in ("data_source", "ground_truth", "extra_info"))
     values: list[Any] = []
-    more: dict[str, list[Any]] = {}
+    more: list[Extras] = []
     for i, rid in enumerate(rollout_ids):
         try:
             out = rf.fn(
@@ -89,31 +113,50 @@ def verl_call(
             raise RewardError(
                 f"reward function {rf.path} raised {type(e).__name__}: {msg} (rollout {rid})"
             ) from e
+        row: Extras = {}
         if isinstance(out, dict):
             if "score" not in out:
                 raise RewardError(
                     f"reward function {rf.path} returned a dict without 'score' for rollout {rid} "
                     f"(keys: {', '.join(map(str, out))})"
                 )
-            for key, value in out.items():
-                if key != "score":
-                    more.setdefault(str(key), [None] * n)[i] = value
+            row = {str(k): cell(v) for k, v in out.items() if k != "score"}
             out = out["score"]
         values.append(out)
-    extras = {f"{rf.column}_{k}": _column(v) for k, v in more.items()}
-    return check_values(rf, rollout_ids, values), extras
+        more.append(row)
+    return check_values(rf, rollout_ids, values), more
 
 
-def _column(values: list[Any]) -> pa.Array:
+def cell(v: Any) -> Cell | None:
+    """What `extra_columns` needs of one extra value (see Cell); None for None."""
+    if v is None:
+        return None
+    text = v if isinstance(v, str) else json.dumps(v, default=str)
+    if isinstance(v, bool):
+        return ["b", float(v), text]
+    if isinstance(v, Real):
+        return ["f", float(v), text]
+    return ["t", None, text]
+
+
+def extra_columns(rf: RewardFunction, rows: list[Extras] | None) -> dict[str, pa.Array]:
+    """Columns ``reward_<fn>_<key>`` of the rows' extra values, in the order the keys first
+    appear (a row without a key: null there)."""
+    if rows is None:
+        return {}
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    return {f"{rf.column}_{k}": _column([row.get(k) for row in rows]) for k in keys}
+
+
+def _column(cells: list[Cell | None]) -> pa.Array:
     """bool when every value is a bool, float64 when every value is a number, else text (JSON
     for anything that is not a string); None stays null. All-null is float64."""
-    present = [v for v in values if v is not None]
-    if present and all(isinstance(v, bool) for v in present):
-        return pa.array(values, pa.bool_())
-    if all(isinstance(v, Real) and not isinstance(v, bool) for v in present):
-        return pa.array([None if v is None else float(v) for v in values], pa.float64())
-    text = [None if v is None else v if isinstance(v, str) else json.dumps(v, default=str) for v in values]
-    return pa.array(text, pa.string())
+    present = [c for c in cells if c is not None]
+    if present and all(c[0] == "b" for c in present):
+        return pa.array([None if c is None else bool(c[1]) for c in cells], pa.bool_())
+    if all(c[0] == "f" for c in present):
+        return pa.array([None if c is None else c[1] for c in cells], pa.float64())
+    return pa.array([None if c is None else c[2] for c in cells], pa.string())
 
 
 PASSED = {  # the keyword arguments each convention passes besides the data's columns

@@ -12,6 +12,11 @@ def quote(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def quote_ident(name: str) -> str:
+    """A SQL identifier (a column name a file holds), double-quoted."""
+    return '"' + name.replace('"', '""') + '"'
+
+
 def sql_text(name: str) -> str:
     """The text of rlhf_batch/sql/<name>.sql (package data)."""
     from importlib.resources import files

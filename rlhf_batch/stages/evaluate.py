@@ -39,6 +39,7 @@ from rlhf_batch.engines import make_engine
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.models.policy import start_policy
 from rlhf_batch.rewards import RewardFunction, load_reward_functions, strip_alias, weighted_sum
+from rlhf_batch.rewards.cache import RewardCalls
 from rlhf_batch.rewards.conventions import check_arguments
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.generate import generate_part
@@ -140,6 +141,7 @@ class Eval(Stage):
 
     def open(self, todo: list[int]) -> None:
         self.engine = make_engine(self.scfg, self.policy, self.tok, self.prompts)
+        self.calls = RewardCalls.from_config(self.cfg)  # the reward cache, async calls
 
     def write_part(self, n: int, bar: Any) -> Part:
         t = generate_part(self.engine, self.tok, self.prompts, n, self.scfg, self.iteration, self.policy, bar)
@@ -150,7 +152,7 @@ class Eval(Stage):
             rid,
             t["prompt_ids"].to_pylist(),
             t["response_ids"].to_pylist(),
-            self.cfg.score.reward_timeout,
+            calls=self.calls,
         )
         reward = weighted_sum(values, {rf.column: rf.weight for rf in self.fns}, len(rid))
         threshold = self.cfg.eval.correct_threshold
@@ -167,7 +169,11 @@ class Eval(Stage):
         t = t.append_column(EVAL.field("reward"), pa.array(reward, pa.float64()))
         t = t.append_column(EVAL.field("correct"), pa.array(correct, pa.bool_()))
         schema = with_extra(EVAL, t.schema)
-        counts = {"samples": t.num_rows, "unscored": sum(r is None for r in reward)}
+        counts = {
+            "samples": t.num_rows,
+            "unscored": sum(r is None for r in reward),
+            **self.calls.take_counts(),
+        }
         return Part(t.select(schema.names), schema, counts, list_tokens(t, "prompt_ids", "response_ids"))
 
     def manifest_extra(self) -> dict[str, Any]:

@@ -14,9 +14,17 @@ if TYPE_CHECKING:
 
 def stages() -> tuple[type[Stage], ...]:
     """The stage classes (imported here, not at start-up: `rlhf-batch --help` stays instant)."""
-    from rlhf_batch.stages import advantage, evaluate, generate, importer, score, train
+    from rlhf_batch.stages import advantage, audit, evaluate, generate, importer, score, train
 
-    return (evaluate.Eval, generate.Generate, importer.Import, score.Score, advantage.Advantage, train.Train)
+    return (
+        evaluate.Eval,
+        generate.Generate,
+        importer.Import,
+        score.Score,
+        advantage.Advantage,
+        train.Train,
+        audit.Audit,
+    )
 
 
 def pipeline() -> list[type[Stage]]:

@@ -65,10 +65,10 @@ from rlhf_batch.rewards import (
     RewardFunction,
     clip,
     load_reward_functions,
-    time_limit,
     weighted_sum,
 )
-from rlhf_batch.rewards.conventions import check_arguments, evaluate
+from rlhf_batch.rewards.cache import RewardCalls, table_batch
+from rlhf_batch.rewards.conventions import check_arguments
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.stages.base import Part, Stage, list_tokens
@@ -157,6 +157,7 @@ class Score(Stage):
         part = self.rollouts.slice(n * rows, rows)
         where = f"{self.rdir} (rows {n * rows}..{n * rows + part.num_rows - 1})"
         table, counts = self.scorer.score_part(part, where, bar.update)
+        counts.update(self.scorer.calls.take_counts())  # the reward cache's hits and misses
         return Part(table, table.schema, counts, list_tokens(part, "prompt_ids", "response_ids"))
 
     def manifest_extra(self) -> dict[str, Any]:
@@ -239,6 +240,7 @@ class Scorer:
 
     def __init__(self, cfg: Config, policies: list[str], fns: list[RewardFunction], kl_coef: float):
         self.cfg, self.fns, self.kl_coef = cfg, fns, kl_coef
+        self.calls = RewardCalls.from_config(cfg)  # rewards/cache.py: the cache, async calls
         self.kl = kl_used(cfg)
         self.device = dist.stage_device(cfg.device)
         self.ref_tok = check_tokenizers(cfg, policies)
@@ -354,7 +356,7 @@ class Scorer:
     def rewards(
         self, t: pa.Table, rid: list[str], prompt_ids: list[list[int]], response_ids: list[list[int]]
     ) -> tuple[dict[str, list[float | None]], dict[str, pa.Array]]:
-        return reward_values(self.fns, t, rid, prompt_ids, response_ids, self.cfg.score.reward_timeout)
+        return reward_values(self.fns, t, rid, prompt_ids, response_ids, calls=self.calls)
 
     def ref_logprobs(
         self,
@@ -396,29 +398,15 @@ def reward_values(
     prompt_ids: list[list[int]],
     response_ids: list[list[int]],
     timeout: float = 0.0,
+    calls: RewardCalls | None = None,
 ) -> tuple[dict[str, list[float | None]], dict[str, pa.Array]]:
     """Each reward function's values for the rollouts rows `t` (column reward_<name> -> one value
     per row) and the extra columns some give, each called by its convention (rewards.conventions)
     with the rows' prompts, responses, token ids and carried columns; each call may take at most
-    `timeout` seconds (score.reward_timeout; 0: no limit)."""
-    columns = {c: t[c].to_pylist() for c in t.column_names if c not in ROLLOUTS.names}
-    prompts, responses = t["prompt"].to_pylist(), t["response"].to_pylist()
-    values, extra = {}, {}
-    where = f" on rollouts {rid[0]}..{rid[-1]}" if rid else ""
-    for rf in fns:
-        said = f"reward function {rf.path} did not return within {timeout:g} s (score.reward_timeout)"
-        with time_limit(timeout, said + where):
-            values[rf.column], more = evaluate(
-                rf,
-                rid,
-                prompts=prompts,
-                responses=responses,
-                prompt_ids=prompt_ids,
-                response_ids=response_ids,
-                columns=columns,
-            )
-        extra.update(more)
-    return values, extra
+    `timeout` seconds (score.reward_timeout; 0: no limit). `calls`: the cache and async settings
+    (rewards.cache.RewardCalls; default: no cache, `timeout`)."""
+    calls = calls or RewardCalls(timeout)
+    return calls.values(fns, rid, table_batch(t, prompt_ids, response_ids))
 
 
 def _sequence_sums(kl: torch.Tensor, r_len: np.ndarray) -> torch.Tensor:

@@ -14,6 +14,8 @@
     RUN_DIR/init_policy/                                with lora.init_adapter: iteration 0's policy
     RUN_DIR/iter=0003/train/optimizer/                  AdamW state at the end of the iteration
     RUN_DIR/iter=0003/topup=01/rollouts/ (and scores/)  a top-up round of the iteration (topup.py)
+    RUN_DIR/iter=0003/audit/part-RRRRR-NNNNN.parquet    the audit functions' verdicts (`rlhf-batch audit`)
+    RUN_DIR/reward_cache/<function>/<source hash>/      the reward cache (rewards/cache.py)
 
 A stage (a command: generate, import, score, advantage, train, eval) writes one folder (rollouts,
 scores, advantages, train, eval); the unit of work and of resume inside a folder is a *part*.
@@ -38,6 +40,7 @@ ADAPTER_DIR = "adapter"  # inside a policy dir, with [lora]
 POLICY_REMOVED = "policy_removed.json"  # iter=K/: what the removed policy was (retention.py)
 ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL = "rollouts", "scores", "advantages", "train", "eval"
 FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL)
+AUDIT = "audit"  # written only by `rlhf-batch audit`, never by `run`
 
 
 def iter_dir(run_dir: str | Path, it: int) -> Path:

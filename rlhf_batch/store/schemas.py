@@ -110,6 +110,13 @@ ROLLOUT_STATS = pa.schema(  # train's diagnostics per rollout and epoch (core.ob
     ]
 )
 
+AUDIT = pa.schema(  # then audit_<name> (float64) per audit function and a verl one's extra columns
+    [
+        ("rollout_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("topup", pa.int32()),  # the rollout's round: 0, or its dynamic-sampling top-up round
+    ]
+)
 EVAL = pa.schema(  # the rollouts columns of the held-out samples, then their reward and correctness
     [
         *ROLLOUTS,
