@@ -70,6 +70,32 @@ def _need_side(device: str, threads: int, table: str) -> None:
     _need(threads >= 0, f"{table}.threads", "must be >= 0 (0: the run's threads)")
 
 
+PROMPT_STATS_COLUMNS = {  # the prompt_stats view (sql/prompt_stats.sql)
+    "prompt_id": "VARCHAR",
+    "attempts": "BIGINT",
+    "mean_score": "DOUBLE",
+    "pass_rate": "DOUBLE",
+    "last_iter": "INTEGER",
+}
+
+
+def prompt_filter_problem(value: str | list[float]) -> str:
+    """Why `generate.prompt_filter` is wrong ("" when right): a band [lo, hi] with
+    0 <= lo <= hi <= 1, or one SQL boolean expression over the prompt_stats columns."""
+    if isinstance(value, list):
+        if len(value) != 2 or not 0 <= value[0] <= value[1] <= 1:
+            return f"must be a pass-rate band [lo, hi] with 0 <= lo <= hi <= 1, got {value}"
+        return ""
+    from rlhf_batch.sql import predicate_problem
+
+    problem = predicate_problem(value, PROMPT_STATS_COLUMNS)
+    return (
+        f"is not an SQL predicate over prompt_stats ({', '.join(PROMPT_STATS_COLUMNS)}): {problem}"
+        if problem
+        else ""
+    )
+
+
 CPU_BATCH_SIZE = 64  # generate.batch_size = "auto" on a CPU (without RLHF_BATCH_GENERATE_MEMORY)
 
 
@@ -86,6 +112,11 @@ class GenerateConfig:
     num_generations: int = knob(8, "generate")  # G samples per prompt
     # B prompts per iteration from a per-epoch seeded shuffle; 0: every prompt, in file order
     prompts_per_iteration: int = knob(0, "generate")
+    # curriculum (data/curriculum.py): [lo, hi], a band of pass rates, or an SQL predicate over
+    # prompt_stats; a prompt of the batch seen in earlier iterations that fails it is skipped.
+    # "": off. Recorded in generate's inputs when on (so off, identities stay as they were)
+    prompt_filter: str | list[float] = knob("")
+    pass_threshold: float = knob(0.5)  # a scored rollout passes when score > this (prompt_stats)
     max_new_tokens: int = knob(256, "generate")
     temperature: float = knob(1.0, "generate", "import", "score", "train")
     top_p: float = knob(1.0, "generate")
@@ -111,6 +142,9 @@ class GenerateConfig:
         _need(self.num_generations >= 1, "generate.num_generations", "must be >= 1")
         _need(self.prompts_per_iteration >= 0, "generate.prompts_per_iteration", "must be >= 0 (0: all)")
         _need(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
+        if self.prompt_filter != "":
+            problem = prompt_filter_problem(self.prompt_filter)
+            _need(not problem, "generate.prompt_filter", problem)
         _need(self.temperature > 0, "generate.temperature", "must be > 0")
         _need(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
         _need(self.top_k >= 0, "generate.top_k", "must be >= 0")

@@ -1,6 +1,6 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with nine views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with ten views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
@@ -13,6 +13,8 @@ an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
     eval_metrics  RUN_DIR/iter=*/eval/_manifest.json: (iter, data_source, metric, value)
     stages      RUN_DIR/iter=*/*/_manifest.json: one row per complete stage (see STAGES_VIEW)
     health      over metrics: one row per trained iteration, its flags (sql/health.sql, observe/health.py)
+    prompt_stats  over scores: per prompt_id, attempts, mean_score, pass_rate (score > 0.5) and
+                last_iter over every iteration and round (sql/prompt_stats.sql, data/curriculum.py)
 
 rollouts, scores and stages also have a `topup` INTEGER column: 0 for an iteration's own rows,
 r for those of its dynamic-sampling top-up round r (RUN_DIR/iter=0003/topup=01/...; topup.py).
@@ -151,10 +153,20 @@ def _views(con: Any, root: Path) -> None:
     _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
     _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
     create_view(con)  # health, over metrics
+    _prompt_stats_view(con)
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
+
+
+def _prompt_stats_view(con: Any) -> None:
+    """prompt_stats: per prompt over every iteration's scores (sql/prompt_stats.sql), a pass being
+    score > the default generate.pass_threshold (what generate.prompt_filter decides on)."""
+    from rlhf_batch.config import GenerateConfig
+    from rlhf_batch.data.curriculum import stats_query
+
+    con.execute("CREATE VIEW prompt_stats AS " + stats_query(GenerateConfig().pass_threshold))
 
 
 def _read_parts(files: list[str], keys: list[str], extra: str = "") -> str:
@@ -340,7 +352,7 @@ def _repl(con: Any) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         print(
-            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health'])} (column iter). End a query with ';'. .quit to leave.",
+            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health', 'prompt_stats'])} (column iter). End a query with ';'. .quit to leave.",
             file=sys.stderr,
         )
     buf: list[str] = []

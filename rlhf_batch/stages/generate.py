@@ -36,7 +36,7 @@ from typing import Any
 import pyarrow as pa
 
 from rlhf_batch.config import Config
-from rlhf_batch.data import topup
+from rlhf_batch.data import curriculum, topup
 from rlhf_batch.data.prompt_files import fingerprint as prompt_fingerprint
 from rlhf_batch.data.prompts import Prompts, load_prompts
 from rlhf_batch.engines import engine_version, make_engine
@@ -70,6 +70,12 @@ class Generate(Stage):
             # the batch of the prompt order this round takes, when top-up rounds moved it off the
             # iteration's (topup.py; left out otherwise, so the identities of runs without them stay)
             **({"prompt_batch": self.batch} if self.batch != self.iteration else {}),
+            # generate.prompt_filter (curriculum.py): the filter and its history; off: left out
+            **(
+                {"prompt_filter": curriculum.inputs(self.cfg, self.iteration)}
+                if curriculum.enabled(self.cfg)
+                else {}
+            ),
         }
 
     def check(self) -> None:
@@ -93,6 +99,9 @@ class Generate(Stage):
 
         self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
         self.prompts = load_prompts(self.cfg.generate, self.tok, self.batch, self.cfg.seed)
+        self.filtered: dict[str, Any] = {}
+        if curriculum.enabled(self.cfg):
+            self.prompts, self.filtered = curriculum.apply(self.cfg, self.iteration, self.prompts)
         self.order = list(range(len(self.prompts.ids)))
         return math.ceil(len(self.order) / self.cfg.generate.prompts_per_part)
 
@@ -150,6 +159,7 @@ class Generate(Stage):
             "prompt_batch": self.prompts.batch,
             "engine": self.cfg.generate.engine,
             "engine_version": engine_version(self.cfg.generate.engine),
+            **({"prompt_filter": self.filtered} if self.filtered else {}),
         }
         return {**extra, "topup": self.topup, "prompts_sampled": len(self.order)} if self.topup else extra
 
