@@ -103,7 +103,8 @@ CPU_BATCH_SIZE = 64  # generate.batch_size = "auto" on a CPU (without RLHF_BATCH
 class GenerateConfig:
     # a file (.jsonl, .json, .parquet), a datasets dir, a dir of shards, a glob, a hub dataset id
     # (org/name[:split], from the HF cache), or a list of those (prompt_files.py)
-    prompts: str | list[str] = knob("", "generate")
+    # or a weighted mixture: [{path = ..., weight = ..., name = ...}, ...] (data/mixtures.py)
+    prompts: str | list[str] | list[dict[str, Any]] = knob("", "generate")
     prompt_column: str = knob("prompt", "generate")  # plain-text prompts
     messages_column: str = knob("messages", "generate")  # chat prompts: list of {role, content}
     id_column: str = knob("id", "generate")  # used as prompt_id when present, else a hash of the prompt
@@ -142,6 +143,11 @@ class GenerateConfig:
         _need(self.num_generations >= 1, "generate.num_generations", "must be >= 1")
         _need(self.prompts_per_iteration >= 0, "generate.prompts_per_iteration", "must be >= 0 (0: all)")
         _need(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
+        if isinstance(self.prompts, list) and any(isinstance(x, dict) for x in self.prompts):
+            from rlhf_batch.core.mixtures import spec_problem as mixture_problem
+
+            problem = mixture_problem(self.prompts, self.prompts_per_iteration)
+            _need(not problem, "generate.prompts", problem)
         if self.prompt_filter != "":
             problem = prompt_filter_problem(self.prompt_filter)
             _need(not problem, "generate.prompt_filter", problem)
@@ -703,7 +709,11 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         value = text  # a bare string: --set run_dir=/tmp/run1
     key = key.strip()
     if key in PATH_KEYS:  # command-line paths are relative to the cwd
-        value = [_absolute(key, v) for v in value] if isinstance(value, list) else _absolute(key, value)
+        value = (
+            [_fix_item(lambda s, k: _absolute(k, s), v, key) for v in value]
+            if isinstance(value, list)
+            else _absolute(key, value)
+        )
     *tables, last = key.split(".")
     node = raw
     for t in tables:
@@ -754,6 +764,10 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
             allowed = ", ".join(repr(a) for a in typing.get_args(typ))
             raise ConfigError(f"{where}: '{key}' must be one of {allowed}, got {value!r}")
         return value
+    if origin is dict:  # a table of a list (generate.prompts' sources): its keys are checked by validate
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: '{key}' must be a table, got {value!r}")
+        return dict(value)
     if origin is list:
         (inner,) = typing.get_args(typ)
         if not isinstance(value, list):
@@ -820,6 +834,13 @@ def _resolve_hub_ids(cfg: Config) -> None:
                 found.append(str(e))
 
 
+def _fix_item(fix: Any, v: Any, key: str) -> Any:
+    """One item of a list of paths; a mixture's source table has its `path` fixed."""
+    if isinstance(v, dict):
+        return {**v, "path": fix(v["path"], key)} if isinstance(v.get("path"), str) else v
+    return fix(v, key)
+
+
 def _resolve_paths(cfg: Config, base: Path) -> None:
     hub_ids = {v for k in MODEL_KEYS if _hub(k, v := getattr(*_key_node(cfg, k)), base)}
 
@@ -837,4 +858,8 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
         *tables, last = key.split(".")
         node = getattr(cfg, tables[0]) if tables else cfg
         value = getattr(node, last)
-        setattr(node, last, [fix(v, key) for v in value] if isinstance(value, list) else fix(value, key))
+        setattr(
+            node,
+            last,
+            [_fix_item(fix, v, key) for v in value] if isinstance(value, list) else fix(value, key),
+        )

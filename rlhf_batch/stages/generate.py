@@ -37,6 +37,8 @@ import pyarrow as pa
 
 from rlhf_batch.config import Config
 from rlhf_batch.data import curriculum, topup
+from rlhf_batch.data.mixtures import identity as mixture_identity
+from rlhf_batch.data.mixtures import is_mixture
 from rlhf_batch.data.prompt_files import fingerprint as prompt_fingerprint
 from rlhf_batch.data.prompts import Prompts, load_prompts
 from rlhf_batch.engines import engine_version, make_engine
@@ -70,6 +72,12 @@ class Generate(Stage):
             # the batch of the prompt order this round takes, when top-up rounds moved it off the
             # iteration's (topup.py; left out otherwise, so the identities of runs without them stay)
             **({"prompt_batch": self.batch} if self.batch != self.iteration else {}),
+            # a weighted mixture's names and weights (mixtures.py; the files are in `prompts`)
+            **(
+                {"mixture": mixture_identity(self.cfg.generate.prompts)}
+                if is_mixture(self.cfg.generate.prompts)
+                else {}
+            ),
             # generate.prompt_filter (curriculum.py): the filter and its history; off: left out
             **(
                 {"prompt_filter": curriculum.inputs(self.cfg, self.iteration)}
