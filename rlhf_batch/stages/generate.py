@@ -19,7 +19,9 @@ manifest counts the rollouts holding one (`with_special_tokens`).
 Prompt batches: with `generate.prompts_per_iteration` > 0 iteration K takes its batch of a
 per-epoch seeded shuffle of the prompt set (core/prompt_batches.py), a top-up round the next
 batch of the same order (topup.py); the manifest records the batch index, the epoch and the
-positions (`prompt_batch`).
+positions (`prompt_batch`). A weighted mixture (`generate.prompts = [{path, weight}, ...]`) takes
+seeded quotas of each source (data/mixtures.py); `generate.prompt_filter` then skips the batch's
+prompts whose pass rate over earlier iterations fails it (data/curriculum.py).
 
 Staleness: with `max_staleness = S` iteration K (each of its top-up rounds too) samples from the
 policy train of iteration K - 1 - S wrote, the initial policy while that is negative
