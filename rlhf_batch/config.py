@@ -96,6 +96,36 @@ def prompt_filter_problem(value: str | list[float]) -> str:
     )
 
 
+REPLAY_KEYS = ("iterations", "where", "max_share")  # of advantage.replay
+
+
+def replay_problem(r: dict[str, Any]) -> str:
+    """Why `advantage.replay` is wrong ("" when right): iterations >= 1, 0 < max_share < 1, and
+    `where` (optional) one SQL expression (its columns are checked by advantage against the
+    scored rollouts)."""
+    if unknown := sorted(set(r) - set(REPLAY_KEYS)):
+        return f"has no key '{unknown[0]}' (keys: {', '.join(REPLAY_KEYS)})"
+    w, f = r.get("iterations"), r.get("max_share")
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        return f"needs iterations = W >= 1 (the earlier iterations to replay from), got {w!r}"
+    if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < 1:
+        return f"needs max_share = f with 0 < f < 1 (the most replayed rows' share of the rows), got {f!r}"
+    where = r.get("where", "true")
+    if not isinstance(where, str) or not where.strip():
+        return f"where must be an SQL predicate over the scored rollouts' columns, got {where!r}"
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    try:
+        if len(con.extract_statements(f"SELECT 1 FROM t WHERE ({where})")) != 1:
+            return "where must be one SQL expression"
+    except duckdb.Error as e:
+        return "where: " + next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+    finally:
+        con.close()
+    return ""
+
+
 CPU_BATCH_SIZE = 64  # generate.batch_size = "auto" on a CPU (without RLHF_BATCH_GENERATE_MEMORY)
 
 
@@ -233,8 +263,15 @@ class AdvantageConfig:
     min_groups: int = knob(0, "advantage")
     max_topup_rounds: int = knob(2, "advantage")  # the cap on top-up rounds per iteration
     rows_per_part: int = knob(4096, "advantage")
+    # replay (stages/replay.py): {iterations = W, where = "<SQL predicate>", max_share = f}: stored
+    # training rows of up to W earlier iterations join this one's; {}: off. Recorded in advantage's
+    # inputs when on (so off, identities stay as they were)
+    replay: dict[str, Any] = field(default_factory=dict, metadata={"decides": ()})
 
     def validate(self) -> None:
+        if self.replay:
+            problem = replay_problem(self.replay)
+            _need(not problem, "advantage.replay", problem)
         _need(self.ddof in (0, 1), "advantage.ddof", "must be 0 or 1")
         _need(self.eps >= 0, "advantage.eps", "must be >= 0")
         _need(self.window >= 1, "advantage.window", "must be >= 1")
@@ -379,12 +416,12 @@ MASK_TIS_CAP = 3.0
 STALE_TIS_CAP = 5.0
 
 
-def resolve_objective(tc: TrainConfig, max_staleness: int) -> None:
+def resolve_objective(tc: TrainConfig, max_staleness: int, replay: bool = False) -> None:
     """`train.recompute_old` and `train.tis_cap` left unset: the decoupled objective (recompute on,
     cap STALE_TIS_CAP) when rollouts may be stale (max_staleness > 0), else off and 0, as before.
     A value set in the config is kept; with recompute_old = false there is no anchor to weigh
     against, so the cap stays 0."""
-    stale = max_staleness > 0
+    stale = max_staleness > 0 or replay  # advantage.replay: rows of earlier policies
     if tc.recompute_old is None:
         tc.recompute_old = stale
     if tc.tis_cap is None and tc.tis_mode != "truncate":
@@ -506,7 +543,8 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        resolve_objective(self.train, self.max_staleness)  # before anything reads identity()
+        # replay's rows are stale too (stages/replay.py): the decoupled objective's defaults
+        resolve_objective(self.train, self.max_staleness, bool(self.advantage.replay))
 
     def side(self, stage: str) -> tuple[str, int, str | None]:
         """(device, threads, CUDA devices or None) that `stage` runs with: generate.device/threads
