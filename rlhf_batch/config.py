@@ -70,6 +70,62 @@ def _need_side(device: str, threads: int, table: str) -> None:
     _need(threads >= 0, f"{table}.threads", "must be >= 0 (0: the run's threads)")
 
 
+PROMPT_STATS_COLUMNS = {  # the prompt_stats view (sql/prompt_stats.sql)
+    "prompt_id": "VARCHAR",
+    "attempts": "BIGINT",
+    "mean_score": "DOUBLE",
+    "pass_rate": "DOUBLE",
+    "last_iter": "INTEGER",
+}
+
+
+def prompt_filter_problem(value: str | list[float]) -> str:
+    """Why `generate.prompt_filter` is wrong ("" when right): a band [lo, hi] with
+    0 <= lo <= hi <= 1, or one SQL boolean expression over the prompt_stats columns."""
+    if isinstance(value, list):
+        if len(value) != 2 or not 0 <= value[0] <= value[1] <= 1:
+            return f"must be a pass-rate band [lo, hi] with 0 <= lo <= hi <= 1, got {value}"
+        return ""
+    from rlhf_batch.sql import predicate_problem
+
+    problem = predicate_problem(value, PROMPT_STATS_COLUMNS)
+    return (
+        f"is not an SQL predicate over prompt_stats ({', '.join(PROMPT_STATS_COLUMNS)}): {problem}"
+        if problem
+        else ""
+    )
+
+
+REPLAY_KEYS = ("iterations", "where", "max_share")  # of advantage.replay
+
+
+def replay_problem(r: dict[str, Any]) -> str:
+    """Why `advantage.replay` is wrong ("" when right): iterations >= 1, 0 < max_share < 1, and
+    `where` (optional) one SQL expression (its columns are checked by advantage against the
+    scored rollouts)."""
+    if unknown := sorted(set(r) - set(REPLAY_KEYS)):
+        return f"has no key '{unknown[0]}' (keys: {', '.join(REPLAY_KEYS)})"
+    w, f = r.get("iterations"), r.get("max_share")
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        return f"needs iterations = W >= 1 (the earlier iterations to replay from), got {w!r}"
+    if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < 1:
+        return f"needs max_share = f with 0 < f < 1 (the most replayed rows' share of the rows), got {f!r}"
+    where = r.get("where", "true")
+    if not isinstance(where, str) or not where.strip():
+        return f"where must be an SQL predicate over the scored rollouts' columns, got {where!r}"
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    try:
+        if len(con.extract_statements(f"SELECT 1 FROM t WHERE ({where})")) != 1:
+            return "where must be one SQL expression"
+    except duckdb.Error as e:
+        return "where: " + next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
+    finally:
+        con.close()
+    return ""
+
+
 CPU_BATCH_SIZE = 64  # generate.batch_size = "auto" on a CPU (without RLHF_BATCH_GENERATE_MEMORY)
 
 
@@ -77,7 +133,8 @@ CPU_BATCH_SIZE = 64  # generate.batch_size = "auto" on a CPU (without RLHF_BATCH
 class GenerateConfig:
     # a file (.jsonl, .json, .parquet), a datasets dir, a dir of shards, a glob, a hub dataset id
     # (org/name[:split], from the HF cache), or a list of those (prompt_files.py)
-    prompts: str | list[str] = knob("", "generate")
+    # or a weighted mixture: [{path = ..., weight = ..., name = ...}, ...] (data/mixtures.py)
+    prompts: str | list[str] | list[dict[str, Any]] = knob("", "generate")
     prompt_column: str = knob("prompt", "generate")  # plain-text prompts
     messages_column: str = knob("messages", "generate")  # chat prompts: list of {role, content}
     id_column: str = knob("id", "generate")  # used as prompt_id when present, else a hash of the prompt
@@ -86,6 +143,11 @@ class GenerateConfig:
     num_generations: int = knob(8, "generate")  # G samples per prompt
     # B prompts per iteration from a per-epoch seeded shuffle; 0: every prompt, in file order
     prompts_per_iteration: int = knob(0, "generate")
+    # curriculum (data/curriculum.py): [lo, hi], a band of pass rates, or an SQL predicate over
+    # prompt_stats; a prompt of the batch seen in earlier iterations that fails it is skipped.
+    # "": off. Recorded in generate's inputs when on (so off, identities stay as they were)
+    prompt_filter: str | list[float] = knob("")
+    pass_threshold: float = knob(0.5)  # a scored rollout passes when score > this (prompt_stats)
     max_new_tokens: int = knob(256, "generate")
     temperature: float = knob(1.0, "generate", "import", "score", "train")
     top_p: float = knob(1.0, "generate")
@@ -111,6 +173,14 @@ class GenerateConfig:
         _need(self.num_generations >= 1, "generate.num_generations", "must be >= 1")
         _need(self.prompts_per_iteration >= 0, "generate.prompts_per_iteration", "must be >= 0 (0: all)")
         _need(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
+        if isinstance(self.prompts, list) and any(isinstance(x, dict) for x in self.prompts):
+            from rlhf_batch.core.mixtures import spec_problem as mixture_problem
+
+            problem = mixture_problem(self.prompts, self.prompts_per_iteration)
+            _need(not problem, "generate.prompts", problem)
+        if self.prompt_filter != "":
+            problem = prompt_filter_problem(self.prompt_filter)
+            _need(not problem, "generate.prompt_filter", problem)
         _need(self.temperature > 0, "generate.temperature", "must be > 0")
         _need(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
         _need(self.top_k >= 0, "generate.top_k", "must be >= 0")
@@ -206,8 +276,15 @@ class AdvantageConfig:
     min_groups: int = knob(0, "advantage")
     max_topup_rounds: int = knob(2, "advantage")  # the cap on top-up rounds per iteration
     rows_per_part: int = knob(4096, "advantage")
+    # replay (stages/replay.py): {iterations = W, where = "<SQL predicate>", max_share = f}: stored
+    # training rows of up to W earlier iterations join this one's; {}: off. Recorded in advantage's
+    # inputs when on (so off, identities stay as they were)
+    replay: dict[str, Any] = field(default_factory=dict, metadata={"decides": ()})
 
     def validate(self) -> None:
+        if self.replay:
+            problem = replay_problem(self.replay)
+            _need(not problem, "advantage.replay", problem)
         _need(self.ddof in (0, 1), "advantage.ddof", "must be 0 or 1")
         _need(self.eps >= 0, "advantage.eps", "must be >= 0")
         _need(self.window >= 1, "advantage.window", "must be >= 1")
@@ -352,12 +429,12 @@ MASK_TIS_CAP = 3.0
 STALE_TIS_CAP = 5.0
 
 
-def resolve_objective(tc: TrainConfig, max_staleness: int) -> None:
+def resolve_objective(tc: TrainConfig, max_staleness: int, replay: bool = False) -> None:
     """`train.recompute_old` and `train.tis_cap` left unset: the decoupled objective (recompute on,
     cap STALE_TIS_CAP) when rollouts may be stale (max_staleness > 0), else off and 0, as before.
     A value set in the config is kept; with recompute_old = false there is no anchor to weigh
     against, so the cap stays 0."""
-    stale = max_staleness > 0
+    stale = max_staleness > 0 or replay  # advantage.replay: rows of earlier policies
     if tc.recompute_old is None:
         tc.recompute_old = stale
     if tc.tis_cap is None and tc.tis_mode != "truncate":
@@ -479,7 +556,8 @@ class Config:
     lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
-        resolve_objective(self.train, self.max_staleness)  # before anything reads identity()
+        # replay's rows are stale too (stages/replay.py): the decoupled objective's defaults
+        resolve_objective(self.train, self.max_staleness, bool(self.advantage.replay))
 
     def side(self, stage: str) -> tuple[str, int, str | None]:
         """(device, threads, CUDA devices or None) that `stage` runs with: generate.device/threads
@@ -682,7 +760,11 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         value = text  # a bare string: --set run_dir=/tmp/run1
     key = key.strip()
     if key in PATH_KEYS:  # command-line paths are relative to the cwd
-        value = [_absolute(key, v) for v in value] if isinstance(value, list) else _absolute(key, value)
+        value = (
+            [_fix_item(lambda s, k: _absolute(k, s), v, key) for v in value]
+            if isinstance(value, list)
+            else _absolute(key, value)
+        )
     *tables, last = key.split(".")
     node = raw
     for t in tables:
@@ -733,6 +815,10 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
             allowed = ", ".join(repr(a) for a in typing.get_args(typ))
             raise ConfigError(f"{where}: '{key}' must be one of {allowed}, got {value!r}")
         return value
+    if origin is dict:  # a table of a list (generate.prompts' sources): its keys are checked by validate
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: '{key}' must be a table, got {value!r}")
+        return dict(value)
     if origin is list:
         (inner,) = typing.get_args(typ)
         if not isinstance(value, list):
@@ -799,6 +885,13 @@ def _resolve_hub_ids(cfg: Config) -> None:
                 found.append(str(e))
 
 
+def _fix_item(fix: Any, v: Any, key: str) -> Any:
+    """One item of a list of paths; a mixture's source table has its `path` fixed."""
+    if isinstance(v, dict):
+        return {**v, "path": fix(v["path"], key)} if isinstance(v.get("path"), str) else v
+    return fix(v, key)
+
+
 def _resolve_paths(cfg: Config, base: Path) -> None:
     hub_ids = {v for k in MODEL_KEYS if _hub(k, v := getattr(*_key_node(cfg, k)), base)}
 
@@ -816,4 +909,8 @@ def _resolve_paths(cfg: Config, base: Path) -> None:
         *tables, last = key.split(".")
         node = getattr(cfg, tables[0]) if tables else cfg
         value = getattr(node, last)
-        setattr(node, last, [fix(v, key) for v in value] if isinstance(value, list) else fix(value, key))
+        setattr(
+            node,
+            last,
+            [_fix_item(fix, v, key) for v in value] if isinstance(value, list) else fix(value, key),
+        )

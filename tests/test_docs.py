@@ -148,7 +148,8 @@ def key_problems(text: str) -> list[str]:
 def _toml_keys(doc: dict[str, Any], prefix: str = "") -> set[str]:
     keys = set()
     for k, v in doc.items():
-        keys |= _toml_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k}
+        table = isinstance(v, dict) and prefix + k not in KEYS  # a key may hold a table (advantage.replay)
+        keys |= _toml_keys(v, f"{prefix}{k}.") if table else {prefix + k}
     return keys
 
 

@@ -32,12 +32,17 @@ SUFFIXES = (".parquet", ".jsonl", ".json")
 
 def describe(spec: Any) -> str:
     """The prompt set as messages name it."""
-    return spec if isinstance(spec, str) else ", ".join(map(str, spec))
+    return (
+        spec
+        if isinstance(spec, str)
+        else ", ".join(str(x["path"] if isinstance(x, dict) else x) for x in spec)
+    )
 
 
 def sources(spec: Any, key: str = "generate.prompts") -> list[Path]:
     """The files (or datasets directories) of a prompt set, in reading order."""
     items = [spec] if isinstance(spec, str) else list(spec or [])
+    items = [x.get("path", "") if isinstance(x, dict) else x for x in items]  # a weighted mixture's sources
     if not items or not all(items):
         raise StageError(f"{key}: no prompt file configured")
     return [p for item in items for p in _expand(str(item))]

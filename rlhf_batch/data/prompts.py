@@ -19,6 +19,7 @@ from typing import Any
 import pyarrow as pa
 
 from rlhf_batch.config import Config, GenerateConfig
+from rlhf_batch.data.mixtures import is_mixture, source_sizes, take, with_source
 from rlhf_batch.data.prompt_files import concat, describe, read_file, read_prompt_table, sources
 from rlhf_batch.data.prompt_ids import check_distinct, given_ids, hashed_id, repeat_numbers
 from rlhf_batch.errors import StageError, UserError
@@ -113,11 +114,14 @@ def prompt_set_problems(
         )
     if problems:
         return None, problems
+    where = describe(cfg.prompts)
     try:
         table = concat(paths, tables)
+        if is_mixture(cfg.prompts):  # weighted sources: a `source` column (mixtures.py)
+            sizes = source_sizes(cfg.prompts, key, [t.num_rows for t in tables])
+            table = with_source(table, cfg.prompts, sizes, where)
     except UserError as e:
         return None, [str(e)]
-    where = describe(cfg.prompts)
     problems = _row_problems(table, cfg, where)
     try:
         given_ids(table, cfg.id_column, where)
@@ -192,6 +196,8 @@ def _take_batch(
     """The rows batch `batch` takes (core.prompt_batches) and what the manifest records."""
     from rlhf_batch.core.prompt_batches import rows_for
 
+    if is_mixture(cfg.prompts):  # per-source seeded quotas (mixtures.py)
+        return take(table, cfg.prompts, cfg.prompts_per_iteration, batch, seed, where)
     try:
         b, rows = rows_for(batch, table.num_rows, cfg.prompts_per_iteration, seed)
     except ValueError as e:

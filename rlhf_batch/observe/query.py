@@ -1,6 +1,6 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with ten views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with thirteen views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
@@ -17,6 +17,10 @@ an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
     health      over metrics: one row per trained iteration, its flags (sql/health.sql, observe/health.py)
     reward_health  over scores, rollouts, audit, eval: one row per scored iteration, the flags of
                 reward hacking (core/reward_health.py), computed when a query names it
+    prompt_stats  over scores: per prompt_id, attempts, mean_score, pass_rate (score > 0.5) and
+                last_iter over every iteration and round (sql/prompt_stats.sql, data/curriculum.py)
+    source_stats  over rollouts and scores: per iteration and prompt source (a weighted mixture's
+                `source`, null without one), prompts, rollouts, mean_score, mean_reward, pass_rate
 
 rollouts, scores and stages also have a `topup` INTEGER column: 0 for an iteration's own rows,
 r for those of its dynamic-sampling top-up round r (RUN_DIR/iter=0003/topup=01/...; topup.py).
@@ -45,7 +49,7 @@ from typing import Any
 
 from rlhf_batch.errors import ConfigError, UserError
 from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_view
-from rlhf_batch.sql import NAN_SAFE, quote
+from rlhf_batch.sql import NAN_SAFE, quote, sql_text
 from rlhf_batch.store.fs import is_remote, register, run_path
 
 VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schemas)
@@ -156,10 +160,26 @@ def _views(con: Any, root: Path) -> None:
     _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
     _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
     create_view(con)  # health, over metrics
+    _prompt_stats_view(con)
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
+
+
+def _prompt_stats_view(con: Any) -> None:
+    """prompt_stats: per prompt over every iteration's scores (sql/prompt_stats.sql), a pass being
+    score > the default generate.pass_threshold (what generate.prompt_filter decides on); and
+    source_stats: per iteration and prompt source (sql/source_stats.sql)."""
+    from rlhf_batch.config import GenerateConfig
+    from rlhf_batch.data.curriculum import stats_query
+
+    threshold = repr(float(GenerateConfig().pass_threshold))
+    con.execute("CREATE VIEW prompt_stats AS " + stats_query(float(threshold)))
+    columns = {r[0] for r in con.execute("SELECT name FROM pragma_table_info('rollouts')").fetchall()}
+    source = "r.source" if "source" in columns else "NULL::VARCHAR"  # a weighted mixture's sources
+    text = sql_text("source_stats").replace("{source}", source).replace("{threshold}", threshold)
+    con.execute("CREATE VIEW source_stats AS " + text)
 
 
 def _read_parts(files: list[str], keys: list[str], extra: str = "") -> str:
@@ -351,7 +371,7 @@ def _repl(con: Any) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         print(
-            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health', REWARD_VIEW])} (column iter). End a query with ';'. .quit to leave.",
+            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health', REWARD_VIEW, 'prompt_stats', 'source_stats'])} (column iter). End a query with ';'. .quit to leave.",
             file=sys.stderr,
         )
     buf: list[str] = []

@@ -92,9 +92,13 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
         if m.get("topup_rounds"):
             details.append(f"with top-up rounds {', '.join(map(str, m['topup_rounds']))}")
     if stage == "rollouts" and topup and m and (b := m.get("prompt_batch") or {}).get("batch") is not None:
-        details.append(
-            f"prompt batch {b['batch']} (epoch {b['epoch']}, positions {b['positions'][0]}-{b['positions'][1]})"
-        )
+        if "sources" in b:  # a weighted mixture: each source's quota (data/mixtures.py)
+            quotas = ", ".join(f"{n} {t['quota']}" for n, t in b["sources"].items())
+            details.append(f"prompt batch {b['batch']} (quotas: {quotas})")
+        else:
+            details.append(
+                f"prompt batch {b['batch']} (epoch {b['epoch']}, positions {b['positions'][0]}-{b['positions'][1]})"
+            )
     if stage == "eval" and m:
         details += eval_details(m)
     if stage == "train" and m:

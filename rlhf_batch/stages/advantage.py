@@ -75,6 +75,7 @@ from rlhf_batch.core.batching import aligned_chunks
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.runtime import faults
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
+from rlhf_batch.stages import replay
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.store import fs, layout, manifests
@@ -113,7 +114,7 @@ class Advantage(Stage):
         check_groups(self.cfg)
         self.window = _window(self.cfg, self.iteration)
         self.rounds = topup_rounds(self.cfg, self.iteration)
-        inputs = {
+        inputs: dict[str, Any] = {
             f"iter={it:04d}/{folder}": manifests.file_fingerprint(
                 layout.folder(self.cfg.run_dir, it, folder) / layout.MANIFEST
             )
@@ -124,6 +125,8 @@ class Advantage(Stage):
             for folder in (layout.ROLLOUTS, layout.SCORES):
                 path = layout.folder(self.cfg.run_dir, self.iteration, folder, r) / layout.MANIFEST
                 inputs[f"iter={self.iteration:04d}/topup={r:02d}/{folder}"] = manifests.file_fingerprint(path)
+        if replay.enabled(self.cfg):  # the replayed iterations' advantages (replay.py); off: left out
+            inputs["replay"] = replay.inputs(self.cfg, self.iteration)
         return inputs
 
     def check(self) -> None:
@@ -134,17 +137,27 @@ class Advantage(Stage):
         self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds)
         faults.fault_point("advantages:pool")
         self.counts = _counts(self.con, self.cfg, self.iteration)
+        self.replayed = None
+        if replay.enabled(self.cfg):  # stored rows of earlier iterations, after the own ones
+            self.replayed = replay.choose(self.con, self.cfg, self.iteration, self.counts["rows_out"])
+            self.counts["rows_replayed"] = self.replayed.rows
 
     def plan(self) -> int:
-        return math.ceil(self.counts["rows_out"] / self.cfg.advantage.rows_per_part)
+        self.own_parts = math.ceil(self.counts["rows_out"] / self.cfg.advantage.rows_per_part)
+        return self.own_parts + replay.parts(self.replayed, self.cfg.advantage.rows_per_part)
 
     def write_parts(self, todo: list[int], out: StageOutput, bar: Any) -> None:
-        _write_parts(self.con, out, self.cfg, self.iteration, self.params, todo, bar)
+        own = [n for n in todo if n < self.own_parts]
+        _write_parts(self.con, out, self.cfg, self.iteration, self.params, own, bar)
+        if self.replayed is not None:
+            replay.write_parts(self.con, self.cfg, self.iteration, self.replayed, self.own_parts, todo, out, bar)
 
     def manifest_extra(self) -> dict[str, Any]:
         extra = {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
         if self.cfg.advantage.min_groups:
             extra["topup_rounds"] = self.rounds
+        if self.replayed is not None:
+            extra["replay"] = replay.record(self.cfg, self.iteration, self.replayed)
         if self.counts["rows_out"] == 0:  # train takes zero steps and says why
             extra["no_trainable_rows"] = f"every training row was filtered out: {_why(self.counts, self.cfg)}"
         return extra

@@ -19,7 +19,9 @@ manifest counts the rollouts holding one (`with_special_tokens`).
 Prompt batches: with `generate.prompts_per_iteration` > 0 iteration K takes its batch of a
 per-epoch seeded shuffle of the prompt set (core/prompt_batches.py), a top-up round the next
 batch of the same order (topup.py); the manifest records the batch index, the epoch and the
-positions (`prompt_batch`).
+positions (`prompt_batch`). A weighted mixture (`generate.prompts = [{path, weight}, ...]`) takes
+seeded quotas of each source (data/mixtures.py); `generate.prompt_filter` then skips the batch's
+prompts whose pass rate over earlier iterations fails it (data/curriculum.py).
 
 Staleness: with `max_staleness = S` iteration K (each of its top-up rounds too) samples from the
 policy train of iteration K - 1 - S wrote, the initial policy while that is negative
@@ -36,7 +38,9 @@ from typing import Any
 import pyarrow as pa
 
 from rlhf_batch.config import Config
-from rlhf_batch.data import topup
+from rlhf_batch.data import curriculum, topup
+from rlhf_batch.data.mixtures import identity as mixture_identity
+from rlhf_batch.data.mixtures import is_mixture
 from rlhf_batch.data.prompt_files import fingerprint as prompt_fingerprint
 from rlhf_batch.data.prompts import Prompts, load_prompts
 from rlhf_batch.engines import engine_version, make_engine
@@ -70,6 +74,18 @@ class Generate(Stage):
             # the batch of the prompt order this round takes, when top-up rounds moved it off the
             # iteration's (topup.py; left out otherwise, so the identities of runs without them stay)
             **({"prompt_batch": self.batch} if self.batch != self.iteration else {}),
+            # a weighted mixture's names and weights (mixtures.py; the files are in `prompts`)
+            **(
+                {"mixture": mixture_identity(self.cfg.generate.prompts)}
+                if is_mixture(self.cfg.generate.prompts)
+                else {}
+            ),
+            # generate.prompt_filter (curriculum.py): the filter and its history; off: left out
+            **(
+                {"prompt_filter": curriculum.inputs(self.cfg, self.iteration)}
+                if curriculum.enabled(self.cfg)
+                else {}
+            ),
         }
 
     def check(self) -> None:
@@ -93,6 +109,9 @@ class Generate(Stage):
 
         self.tok = load_tokenizer(self.policy, self.cfg.trust_remote_code)
         self.prompts = load_prompts(self.cfg.generate, self.tok, self.batch, self.cfg.seed)
+        self.filtered: dict[str, Any] = {}
+        if curriculum.enabled(self.cfg):
+            self.prompts, self.filtered = curriculum.apply(self.cfg, self.iteration, self.prompts)
         self.order = list(range(len(self.prompts.ids)))
         return math.ceil(len(self.order) / self.cfg.generate.prompts_per_part)
 
@@ -150,6 +169,7 @@ class Generate(Stage):
             "prompt_batch": self.prompts.batch,
             "engine": self.cfg.generate.engine,
             "engine_version": engine_version(self.cfg.generate.engine),
+            **({"prompt_filter": self.filtered} if self.filtered else {}),
         }
         return {**extra, "topup": self.topup, "prompts_sampled": len(self.order)} if self.topup else extra
 

@@ -1,0 +1,148 @@
+"""generate.prompt_filter: a batch's prompts are skipped by their pass rate over earlier
+iterations' scores, the skipped ones recorded; `sql`'s prompt_stats view. Real in-process runs
+of the tiny model; the expected numbers are worked out from the score files with plain Python."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from rlhf_batch.commands.cli import app
+from rlhf_batch.commands.pipeline import run_pipeline
+from rlhf_batch.config import load_config
+from rlhf_batch.errors import ConfigError
+from rlhf_batch.runtime import faults
+from rlhf_batch.store import layout, manifests
+
+runner = CliRunner()
+SCORE = {"reward_functions": ["tests.data.test_curriculum:by_count"], "kl_in_reward": False}
+
+
+def by_count(*, count: list[int], response_ids: list[list[int]], **_: Any) -> list[float]:
+    """count % 3 == 0: always 1 (pass rate 1); == 1: always 0 (pass rate 0); else the parity of
+    the first response token (a pass rate in between, most of the time)."""
+    out = []
+    for n, ids in zip(count, response_ids, strict=True):
+        out.append(1.0 if n % 3 == 0 else 0.0 if n % 3 == 1 else float(ids[0] % 2) if ids else 0.0)
+    return out
+
+
+def configure(make_config, where: Path, name: str, iterations: int, **generate: Any) -> tuple[Path, Any]:
+    return make_config(
+        name=f"{name}.toml",
+        run_dir=str(where / name),
+        iterations=iterations,
+        in_process=True,
+        generate={"prompts_per_part": 5, **generate},
+        score=SCORE,
+        train={"lr": 1e-3},
+    )
+
+
+def scores(run_dir: str, its: list[int]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = defaultdict(list)
+    for it in its:
+        for row in pq.read_table(layout.folder(run_dir, it, "scores")).to_pylist():
+            out[row["prompt_id"]].append(row["score"])
+    return out
+
+
+def sampled(run_dir: str, it: int) -> list[str]:
+    rows = pq.read_table(layout.folder(run_dir, it, "rollouts")).to_pylist()
+    return list(dict.fromkeys(r["prompt_id"] for r in rows))
+
+
+@pytest.mark.slow
+def test_band_skips_prompts_by_earlier_pass_rates_and_records_them(
+    make_config, demo_prompts, tmp_path
+) -> None:
+    path, cfg = configure(make_config, tmp_path, "band", 3, prompt_filter=[0.2, 0.8])
+    run_pipeline(path, [], quiet=True)
+    file_ids = [json.loads(line)["id"] for line in demo_prompts.read_text().splitlines()]
+    for it in (0, 1, 2):
+        # history: iterations 0 .. it-1; pass = score > 0.5; kept: 0.2 <= passes / attempts <= 0.8
+        hist = scores(cfg.run_dir, list(range(it)))
+        rate = {p: sum(s > 0.5 for s in v) / len(v) for p, v in hist.items()}
+        expected_skip = [p for p in file_ids if p in rate and not 0.2 <= rate[p] <= 0.8]
+        m = manifests.manifest(layout.folder(cfg.run_dir, it, "rollouts"))
+        assert m["prompt_filter"]["skipped"] == expected_skip, it
+        assert m["prompt_filter"]["history"] == ([0, it - 1] if it else [])
+        assert m["prompt_counts"]["prompts_skipped_filter"] == len(expected_skip)
+        assert sampled(cfg.run_dir, it) == [p for p in file_ids if p not in expected_skip]
+        assert "prompt_filter" in m["inputs"]
+    # the demo counts 1..4 give each class: count 3 passes always, counts 1 and 4 never
+    assert len(manifests.manifest(layout.folder(cfg.run_dir, 1, "rollouts"))["prompt_filter"]["skipped"]) >= 6
+
+    # sql's prompt_stats: attempts, mean score, pass rate (score > 0.5), last iteration, per prompt
+    res = runner.invoke(
+        app, ["sql", "--run-dir", cfg.run_dir, "SELECT * FROM prompt_stats ORDER BY prompt_id", "-f", "json"]
+    )
+    assert res.exit_code == 0, res.output
+    got = [json.loads(line) for line in res.stdout.splitlines()]
+    allh = scores(cfg.run_dir, [0, 1, 2])
+    last = {p: max(it for it in (0, 1, 2) if p in sampled(cfg.run_dir, it)) for p in allh}
+    assert got == [
+        {
+            "prompt_id": p,
+            "attempts": len(allh[p]),
+            "mean_score": pytest.approx(sum(allh[p]) / len(allh[p])),
+            "pass_rate": pytest.approx(sum(s > 0.5 for s in allh[p]) / len(allh[p])),
+            "last_iter": last[p],
+        }
+        for p in sorted(allh)
+    ]
+
+
+def test_predicate_is_checked_and_off_leaves_no_trace(make_config, tmp_path) -> None:
+    path, _ = configure(make_config, tmp_path, "bad", 1)
+    for value, words in [
+        ('"pass_rat > 0.2"', "pass_rat"),
+        ('"pass_rate > 0.2; SELECT 1"', "generate.prompt_filter"),
+        ("[0.9, 0.2]", "lo <= hi"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(path, [f"generate.prompt_filter={value}"])
+        assert "generate.prompt_filter" in str(e.value) and words in str(e.value)
+        assert "\n" not in str(e.value)
+    ok = load_config(path, ['generate.prompt_filter="attempts < 4 OR pass_rate BETWEEN 0.1 AND 0.9"'])
+    assert ok.generate.prompt_filter.startswith("attempts")
+    from rlhf_batch.stages.registry import run_stage
+
+    m = run_stage("generate", load_config(path), 0, quiet=True)
+    assert "prompt_filter" not in m and "prompt_filter" not in m["inputs"]
+    assert "prompts_skipped_filter" not in m["prompt_counts"]
+
+
+@pytest.mark.slow
+def test_a_killed_filtered_generate_resumes_to_the_same_prompts(make_config, tmp_path) -> None:
+    flt = "pass_rate BETWEEN 0.2 AND 0.8"
+    ref_path, ref = configure(make_config, tmp_path, "ref", 2, prompt_filter=flt)
+    run_pipeline(ref_path, [], quiet=True)
+    path, cfg = configure(make_config, tmp_path, "killed", 1, prompt_filter=flt)
+    run_pipeline(path, [], quiet=True)
+    env = {
+        **os.environ,
+        faults.FAULT_ENV: "rollouts:part-0:done",
+        "PYTHONPATH": str(Path(__file__).parents[2]),
+    }
+    cmd = [sys.executable, "-m", "rlhf_batch", "generate", str(path), "--iter", "1", "--quiet"]
+    cmd += ["--set", "iterations=2"]
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr
+    assert manifests.manifest(layout.folder(cfg.run_dir, 1, "rollouts")) is None
+    run_pipeline(path, ["iterations=2"], quiet=True)
+    for folder in ("rollouts", "scores", "advantages"):
+        a, b = (pq.read_table(layout.folder(d, 1, folder)) for d in (cfg.run_dir, ref.run_dir))
+        drop = ["policy"] if folder == "rollouts" else []
+        assert a.drop_columns(drop).equals(b.drop_columns(drop)), folder
+    ma, mb = (manifests.manifest(layout.folder(d, 1, "rollouts")) for d in (cfg.run_dir, ref.run_dir))
+    assert ma["prompt_filter"] == mb["prompt_filter"] and ma["prompt_filter"]["skipped"]

@@ -1,0 +1,160 @@
+"""advantage.replay: stored training rows of earlier iterations join an iteration's advantages,
+chosen by a predicate over the scored rollouts, at most a share of the rows, recorded in the
+manifest, and read by train. Real in-process runs of the tiny model; the expected rows are
+worked out from the Parquet files with plain Python."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from rlhf_batch.commands.pipeline import run_pipeline
+from rlhf_batch.config import STALE_TIS_CAP, load_config
+from rlhf_batch.errors import ConfigError, StageError
+from rlhf_batch.runtime import faults
+from rlhf_batch.store import layout, manifests
+
+SCORE = {"reward_functions": ["tests.commands.test_topup:first_token_parity"], "kl_in_reward": False}
+REPLAY = {
+    "iterations": 2,
+    "where": "score > 0.5 AND finish_reason = 'stop' OR sample_idx = 0",
+    "max_share": 0.25,
+}
+
+
+def configure(
+    make_config, tmp_path: Path, name: str, iterations: int, replay: dict | None = None
+) -> tuple[Path, Any]:
+    return make_config(
+        name=f"{name}.toml",
+        run_dir=str(tmp_path / name),
+        iterations=iterations,
+        in_process=True,
+        score=SCORE,
+        advantage={"rows_per_part": 8, **({"replay": replay} if replay else {})},
+        train={"lr": 1e-3},
+    )
+
+
+def rows(run_dir: str, it: int, folder: str) -> list[dict[str, Any]]:
+    return pq.read_table(layout.folder(run_dir, it, folder)).to_pylist()
+
+
+def test_the_cap_keeps_the_replayed_share_at_most_f() -> None:
+    from rlhf_batch.stages.replay import cap
+
+    # f = 1/4, 12 own rows: 4 replayed are 4/16 = 1/4 exactly; 5 would be 5/17 > 1/4
+    assert cap(12, 0.25) == 4
+    # f = 0.3 (3/10), 10 own rows: 3 x 10 / 7 = 4.29 -> 4 (4/14 = 0.286; 5/15 = 0.333 > 0.3)
+    assert cap(10, 0.3) == 4
+    # f = 0.2 (1/5, not the binary double just above it), 4 own rows: 4 / 4 = 1 exactly -> 1
+    assert cap(4, 0.2) == 1 and cap(0, 0.5) == 0
+
+
+@pytest.mark.slow
+def test_replayed_rows_are_the_stored_rows_that_match_capped_and_recorded(make_config, tmp_path) -> None:
+    path, cfg = configure(make_config, tmp_path, "replay", 3, REPLAY)
+    assert cfg.train.recompute_old is True and cfg.train.tis_cap == STALE_TIS_CAP  # stale rows: decoupled
+    run_pipeline(path, [], quiet=True)
+    for it in (1, 2):
+        m = manifests.manifest(layout.folder(cfg.run_dir, it, "advantages"))
+        adv = rows(cfg.run_dir, it, "advantages")
+        own = [r for r in adv if r["rollout_id"].startswith(f"{it:04d}-")]
+        replayed = [r for r in adv if not r["rollout_id"].startswith(f"{it:04d}-")]
+        assert len(own) == m["counts"]["rows_out"] and len(replayed) == m["counts"]["rows_replayed"]
+        # own rows first (parts 0 .. ceil(own / 8) - 1), then the replay parts
+        assert adv[: len(own)] == own
+        # candidates: each source iteration's own advantage rows whose scored rollout matches
+        cand = {}
+        for j in range(max(0, it - 2), it):
+            scored = {r["rollout_id"]: r for r in rows(cfg.run_dir, j, "rollouts")}
+            for s in rows(cfg.run_dir, j, "scores"):
+                scored[s["rollout_id"]]["score"] = s["score"]
+            for r in rows(cfg.run_dir, j, "advantages"):
+                x = scored.get(r["rollout_id"])
+                if x and ((x["score"] > 0.5 and x["finish_reason"] == "stop") or x["sample_idx"] == 0):
+                    cand[r["rollout_id"]] = r  # as stored at iteration j
+        cap = math.floor(0.25 * len(own) / 0.75)  # replayed / (own + replayed) <= 1/4
+        rec = m["replay"]
+        assert rec["candidates"] == len(cand) and rec["max_rows"] == cap
+        assert len(replayed) == min(cap, len(cand)) > 0
+        assert len(replayed) / len(adv) <= 0.25
+        assert all(r == cand[r["rollout_id"]] for r in replayed)  # advantage, log-probs, ... as stored
+        listed = {rid for src in rec["from"].values() for rid in src["rollout_ids"]}
+        assert listed == {r["rollout_id"] for r in replayed}
+        for j, src in rec["from"].items():
+            assert src["staleness"] == it - int(j)  # lock-step: the iteration difference
+            assert all(rid.startswith(f"{int(j):04d}-") for rid in src["rollout_ids"])
+        # train read them: its per-rollout diagnostics cover the replayed rows
+        stats = {
+            r["rollout_id"]
+            for r in pq.read_table(
+                layout.folder(cfg.run_dir, it, "train") / "rollout_stats.parquet"
+            ).to_pylist()
+        }
+        assert {r["rollout_id"] for r in replayed} <= stats
+    assert manifests.manifest(layout.folder(cfg.run_dir, 0, "advantages"))["replay"]["rows"] == 0
+
+
+@pytest.mark.slow
+def test_replay_settings_are_checked_and_off_leaves_no_trace(make_config, tmp_path) -> None:
+    path, cfg = configure(make_config, tmp_path, "bad", 1)
+    assert cfg.train.recompute_old is False and cfg.train.tis_cap == 0.0
+    for value, words in [
+        ("{iterations = 0, max_share = 0.2}", "iterations = W >= 1"),
+        ("{iterations = 1, max_share = 1.0}", "0 < f < 1"),
+        ("{iterations = 1, max_share = 0.2, were = 'x'}", "no key 'were'"),
+        ("{iterations = 1, max_share = 0.2, where = 'score >'}", "where"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(path, [f"advantage.replay={value}"])
+        assert "advantage.replay" in str(e.value) and words in str(e.value) and "\n" not in str(e.value)
+    run_pipeline(path, [], quiet=True)
+    m = manifests.manifest(layout.folder(cfg.run_dir, 0, "advantages"))
+    assert "replay" not in m and "replay" not in m["inputs"] and "rows_replayed" not in m["counts"]
+    # a column the scored rollouts do not have: one line naming the option, nothing written
+    from rlhf_batch.stages.registry import run_stage
+
+    bad = load_config(path, ["advantage.replay={iterations = 1, max_share = 0.5, where = 'nope > 1'}"])
+    run_stage("generate", bad, 1, quiet=True)
+    run_stage("score", bad, 1, quiet=True)
+    with pytest.raises(StageError) as e:
+        run_stage("advantage", bad, 1, quiet=True)
+    assert str(e.value).startswith("advantage.replay.where:") and "nope" in str(e.value)
+    assert not layout.folder(cfg.run_dir, 1, "advantages").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_replay_advantage_resumes_to_the_same_parts(make_config, tmp_path) -> None:
+    ref_path, ref = configure(make_config, tmp_path, "ref", 2, REPLAY)
+    run_pipeline(ref_path, [], quiet=True)
+    path, cfg = configure(make_config, tmp_path, "killed", 2, REPLAY)
+    run_pipeline(path, ["iterations=1"], quiet=True)
+    from rlhf_batch.stages.registry import run_stage
+
+    run_stage("generate", cfg, 1, quiet=True)
+    run_stage("score", cfg, 1, quiet=True)
+    m_ref = manifests.manifest(layout.folder(ref.run_dir, 1, "advantages"))
+    own_parts = math.ceil(m_ref["counts"]["rows_out"] / 8)
+    assert len(m_ref["parts"]) > own_parts  # a replay part exists
+    env = {**os.environ, faults.FAULT_ENV: f"advantages:part-{own_parts - 1}:done"}
+    env["PYTHONPATH"] = str(Path(__file__).parents[2])
+    cmd = [sys.executable, "-m", "rlhf_batch", "advantage", str(path), "--iter", "1", "--quiet"]
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr  # killed after the own parts, before the replay part
+    assert manifests.manifest(layout.folder(cfg.run_dir, 1, "advantages")) is None
+    run_pipeline(path, [], quiet=True)
+    for folder in ("advantages",):
+        a, b = (pq.read_table(layout.folder(d, 1, folder)) for d in (cfg.run_dir, ref.run_dir))
+        assert a.equals(b)
+    m = manifests.manifest(layout.folder(cfg.run_dir, 1, "advantages"))
+    assert m["replay"] == m_ref["replay"] and [p["rows"] for p in m["parts"]] == [
+        p["rows"] for p in m_ref["parts"]
+    ]
