@@ -104,8 +104,9 @@ class Advantage(Stage):
 
     def identity(self) -> dict[str, Any]:
         ident = super().identity()
-        if self.cfg.advantage.estimator != "opd":  # folders written before the key stay complete
+        if self.cfg.advantage.estimator != "opd":  # folders written before the keys stay complete
             ident["advantage"].pop("opd_task_weight", None)
+            ident["advantage"].pop("opd_baseline", None)
         return ident
 
     def inputs(self) -> dict[str, Any]:
@@ -150,7 +151,9 @@ class Advantage(Stage):
         own = [n for n in todo if n < self.own_parts]
         _write_parts(self.con, out, self.cfg, self.iteration, self.params, own, bar)
         if self.replayed is not None:
-            replay.write_parts(self.con, self.cfg, self.iteration, self.replayed, self.own_parts, todo, out, bar)
+            replay.write_parts(
+                self.con, self.cfg, self.iteration, self.replayed, self.own_parts, todo, out, bar
+            )
 
     def manifest_extra(self) -> dict[str, Any]:
         extra = {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
@@ -436,13 +439,15 @@ def _write_parts(
     if a.estimator == "opd":
         query = query.replace("/* teacher_logprobs */", "teacher_logprobs,")
         schema = with_extra(ADVANTAGES, TOKEN_ADVANTAGES)
+    baseline = opd_baseline(con, values) if a.estimator == "opd" and a.opd_baseline == "mean" else 0.0
     reader = con.sql(query, params=values).to_arrow_reader(min(a.rows_per_part, 65536))
     wanted = set(todo)
     for n, table in enumerate(_chunks(reader, a.rows_per_part)):
         if n in wanted:
             if a.estimator == "opd":
                 table = table.append_column(
-                    "token_advantages", token_advantages(table, a.opd_task_weight, _where(cfg, iteration))
+                    "token_advantages",
+                    token_advantages(table, a.opd_task_weight, _where(cfg, iteration), baseline),
                 )
             out.write(n, Part(table, schema, tokens=list_tokens(table, "input_ids")))
             bar.update(1)
@@ -451,10 +456,25 @@ def _write_parts(
     reader.close()
 
 
-def token_advantages(table: pa.Table, weight: float, where: str) -> pa.ListArray:
+def opd_baseline(con: Any, values: dict[str, Any]) -> float:
+    """advantage.opd_baseline = "mean": the mean of teacher_logprobs - behavior_logprobs over every
+    response token of the iteration's scored rollouts (float64; 0 when there is none). One number
+    per iteration, whatever the parts, so each part's advantages are known alone."""
+    row = con.execute(
+        "SELECT sum(list_sum(s.teacher_logprobs)::DOUBLE) - sum(list_sum(r.behavior_logprobs)::DOUBLE), "
+        "sum(len(r.behavior_logprobs)) FROM read_parquet($rollout_files, union_by_name = true) r "
+        "JOIN read_parquet($score_files, union_by_name = true) s USING (rollout_id) "
+        "WHERE s.reward IS NOT NULL AND NOT isnan(s.reward) AND len(s.teacher_logprobs) = len(r.behavior_logprobs)",
+        {"rollout_files": values["rollout_files"], "score_files": values["score_files"]},
+    ).fetchall()
+    diff, tokens = row[0] if row else (None, None)
+    return float(diff) / float(tokens) if diff is not None and tokens else 0.0
+
+
+def token_advantages(table: pa.Table, weight: float, where: str, baseline: float = 0.0) -> pa.ListArray:
     """opd's advantage of every response token: teacher_logprobs - behavior_logprobs (the per-token
-    reverse KL's negative, no discount) + weight x the row's group advantage, in float64, stored
-    as float32. A row whose teacher log-probs are null, of another length or not finite is a
+    reverse KL's negative, no discount) - `baseline` (opd_baseline) + weight x the row's group
+    advantage, in float64, stored as float32. A row whose teacher log-probs are null, of another length or not finite is a
     StageError naming it."""
     import pyarrow.compute as pc
 
@@ -472,7 +492,7 @@ def token_advantages(table: pa.Table, weight: float, where: str) -> pa.ListArray
     t = pc.list_flatten(teacher).to_numpy(zero_copy_only=False).astype(np.float64)  # [sum T]
     b = pc.list_flatten(behavior).to_numpy(zero_copy_only=False).astype(np.float64)  # [sum T]
     adv = table.column("advantage").to_numpy().astype(np.float64)  # [N]
-    tok = (t - b + weight * np.repeat(adv, lens)).astype(np.float32)  # [sum T]
+    tok = (t - b - baseline + weight * np.repeat(adv, lens)).astype(np.float32)  # [sum T]
     if not np.isfinite(tok).all():
         row = int(np.searchsorted(np.cumsum(lens), np.flatnonzero(~np.isfinite(tok))[0], side="right"))
         raise StageError(f"{where}: rollout {rids[row]}: column 'teacher_logprobs' has a NaN or inf log-prob")

@@ -10,6 +10,7 @@ import pytest
 from rlhf_batch.errors import ConfigError, SchemaError
 from rlhf_batch.models.tiny import init_model
 from rlhf_batch.stages import advantage, score, train
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from tests.stages.test_score import write_rollouts
 
@@ -27,7 +28,9 @@ def teacher(tmp_path):  # same tokenizer, other weights: a real teacher signal
 
 
 def test_opd_stores_teacher_minus_behaviour_per_token_and_trains(make_config, teacher) -> None:
-    _, cfg = make_config(score={"teacher_model": str(teacher)}, advantage={"estimator": "opd"})
+    _, cfg = make_config(
+        score={"teacher_model": str(teacher)}, advantage={"estimator": "opd", "opd_baseline": "none"}
+    )
     write_rollouts(cfg)
     score.run(cfg, 0, quiet=True)
     m = advantage.run(cfg, 0, quiet=True)
@@ -47,9 +50,30 @@ def test_opd_stores_teacher_minus_behaviour_per_token_and_trains(make_config, te
     assert sum(r["sequences"] for r in metrics) == 12 and all(np.isfinite(r["loss"]) for r in metrics)
 
 
+def test_opd_baseline_mean_subtracts_the_iterations_mean_token_difference(make_config, teacher) -> None:
+    """The default baseline: one constant per iteration, the mean of teacher - behaviour over all
+    response tokens of the scored rollouts (here all 12), so the stored advantages average 0."""
+    _, cfg = make_config(score={"teacher_model": str(teacher)}, advantage={"estimator": "opd"})
+    write_rollouts(cfg)
+    run_stage("score", cfg, 0, quiet=True)
+    run_stage("advantage", cfg, 0, quiet=True)
+    rollouts, scores, adv = _table(cfg, "rollouts"), _table(cfg, "scores"), _table(cfg, "advantages")
+    diffs = {
+        rid: np.array(scores[rid]["teacher_logprobs"], np.float64)
+        - np.array(r["behavior_logprobs"], np.float64)
+        for rid, r in rollouts.items()
+    }
+    c = np.concatenate(list(diffs.values())).mean()  # sum over every token / number of tokens
+    assert abs(c) > 0.1  # the raw signal is far from centred: another model's log-probs
+    for rid, row in adv.items():
+        assert row["token_advantages"] == pytest.approx((diffs[rid] - c).tolist(), abs=1e-5)
+    assert abs(np.concatenate([row["token_advantages"] for row in adv.values()]).mean()) < 1e-5
+
+
 def test_opd_task_weight_adds_the_grpo_advantage(make_config, teacher) -> None:
     _, cfg = make_config(
-        score={"teacher_model": str(teacher)}, advantage={"estimator": "opd", "opd_task_weight": 0.5}
+        score={"teacher_model": str(teacher)},
+        advantage={"estimator": "opd", "opd_task_weight": 0.5, "opd_baseline": "none"},
     )
     write_rollouts(cfg)
     score.run(cfg, 0, quiet=True)
