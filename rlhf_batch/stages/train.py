@@ -242,7 +242,7 @@ def _train(
     torch.manual_seed(cfg.seed * 1_000_003 + iteration)
     seed = (cfg.seed % 2**32, iteration)
     steps = plan_steps(
-        data.resp_lens,
+        data.trained_lens,  # the sampled tokens: the normaliser counts no environment token
         data.seq_lens,
         tc.tokens_per_step,
         tc.max_tokens_per_batch,
