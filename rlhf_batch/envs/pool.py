@@ -100,6 +100,7 @@ def _answer(factory: Any, envs: dict[str, Any], call: Call) -> tuple[Any, ...]:
 def _worker(ref: str, conn: Any) -> None:
     factory = load_factory(ref)
     envs: dict[str, Any] = {}
+    conn.send("ready")  # the time limit of a call starts when the worker can take it
     while True:
         call = conn.recv()
         if call is None:
@@ -126,6 +127,14 @@ class EnvPool:
         proc.start()
         child.close()
         self.procs[w], self.conns[w] = proc, parent
+        try:
+            parent.recv()  # "ready": started, the factory's module imported
+        except (EOFError, OSError):
+            proc.join()
+            raise UserError(
+                f"generate.environment: the worker process for {self.ref!r} exited at start "
+                f"(exit code {proc.exitcode})"
+            ) from None
 
     def _replace(self, w: int) -> None:
         self.procs[w].kill()
