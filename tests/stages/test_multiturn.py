@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from rlhf_batch.data.demo import write_prompts
@@ -17,7 +18,7 @@ from rlhf_batch.models.load import load_tokenizer
 from rlhf_batch.runtime import faults
 from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
-from rlhf_batch.store.schemas import ROLLOUTS
+from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES
 
 
 def ask(prompts: Path, more: str = "") -> str:
@@ -154,3 +155,81 @@ def test_bad_environment_keys_are_one_line_errors(make_config) -> None:
     assert not layout.folder(cfg.run_dir, 0, "rollouts").exists() or not layout.list_parts(
         layout.folder(cfg.run_dir, 0, "rollouts")
     )
+
+
+class Once:
+    """Ends the trajectory at once (done), or after answering "x" once (`answer`)."""
+
+    def __init__(self, answer: bool) -> None:
+        self.answer, self.n = answer, 0
+
+    def step(self, text: str) -> Step:
+        self.n += 1
+        return Step("x") if self.answer and self.n == 1 else Step(done=True)
+
+
+def done_at_once(row: dict) -> Once:
+    return Once(False)
+
+
+def answer_once(row: dict) -> Once:
+    return Once(True)
+
+
+KL = "\n[score]\nkl_in_reward = true\n[train]\nkl_loss_coef = 0.01\n"
+TIMING = ["tokens_per_s"]
+
+
+def _pipeline(cfg) -> dict[str, pa.Table]:
+    for stage in ("generate", "score", "advantage", "train"):
+        run_stage(stage, cfg, 0, quiet=True)
+    sdir = lambda f: layout.folder(cfg.run_dir, 0, f)  # noqa: E731
+    return {
+        "rollouts": rollouts(cfg),
+        "scores": manifests.read_complete(sdir("scores"), SCORES),
+        "advantages": manifests.read_complete(sdir("advantages"), ADVANTAGES),
+        "metrics": manifests.read_table(sdir("train") / "metrics.parquet").drop(TIMING),
+    }
+
+
+@pytest.fixture
+def ref_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlhf_batch.models.tiny import init_model
+
+    return init_model(tmp_path_factory.mktemp("ref") / "ref", arch="qwen2", seed=1)
+
+
+@pytest.mark.slow
+def test_a_mask_of_ones_gives_the_single_turn_numbers(make_config, ref_model, tmp_path: Path) -> None:
+    _, single = make_config(KL, ref_model=str(ref_model))
+    env = '[generate]\nenvironment = "tests.stages.test_multiturn:done_at_once"\n'
+    _, multi = make_config(env + KL, ref_model=str(ref_model), run_dir=str(tmp_path / "multi"), name="m.toml")
+    a, b = _pipeline(single), _pipeline(multi)
+    assert set(pc.list_flatten(b["rollouts"]["loss_mask"]).to_pylist()) == {1}
+    assert a["scores"]["kl_sum"].to_pylist() != [0.0] * a["scores"].num_rows  # the reference differs
+    mt = [c for c in b["rollouts"].column_names if c not in a["rollouts"].column_names]
+    assert b["rollouts"].drop(mt).equals(a["rollouts"])
+    assert b["scores"].equals(a["scores"])
+    assert b["advantages"].drop(["loss_mask"]).equals(a["advantages"])
+    assert b["metrics"].equals(a["metrics"])
+
+
+@pytest.mark.slow
+def test_environment_tokens_count_in_no_kl_and_no_normaliser(make_config, ref_model) -> None:
+    env = '[generate]\nenvironment = "tests.stages.test_multiturn:answer_once"\nmax_turns = 2\n'
+    _, cfg = make_config(env + KL, ref_model=str(ref_model))
+    out = _pipeline(cfg)
+    r, s = out["rollouts"].to_pylist(), out["scores"].to_pylist()
+    for roll, sc in zip(r, s, strict=True):
+        mask = roll["loss_mask"]
+        assert 0 in mask  # every trajectory holds the tool message
+        # k1 per sampled token: behaviour - reference (the policy here is the sampler)
+        want = sum(
+            b - f for b, f, m in zip(roll["behavior_logprobs"], sc["ref_logprobs"], mask, strict=True) if m
+        )
+        assert sc["kl_sum"] == pytest.approx(want, rel=1e-5, abs=1e-5)
+        assert all(k == 0.0 for k, m in zip(sc["kl"], mask, strict=True) if not m)
+    adv = out["advantages"]
+    sampled = sum(sum(m) for m in adv["loss_mask"].to_pylist())
+    assert sampled < sum(len(m) for m in adv["loss_mask"].to_pylist())
+    assert sum(out["metrics"]["tokens"].to_pylist()) == sampled  # one epoch: each row once
