@@ -314,8 +314,8 @@ def sql(
         typer.Option("--timeout", help="Stop a query still running after this many seconds (0: no limit)."),
     ] = 600.0,
 ) -> None:
-    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, health, eval, stages
-    with an iter column (rollouts, scores, stages: also topup, the dynamic-sampling round)."""
+    """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, health, eval, stages,
+    turns with an iter column (rollouts, scores, stages: also topup, the dynamic-sampling round)."""
     from rlhf_batch.commands.runs import run_dir_of
     from rlhf_batch.observe.query import run_sql
 

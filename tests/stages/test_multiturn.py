@@ -15,6 +15,8 @@ from rlhf_batch.data.demo import write_prompts
 from rlhf_batch.envs.base import Step
 from rlhf_batch.errors import ConfigError, UserError
 from rlhf_batch.models.load import load_tokenizer
+from rlhf_batch.observe.query import connect
+from rlhf_batch.observe.report import collect
 from rlhf_batch.runtime import faults
 from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
@@ -97,6 +99,7 @@ def flaky(row: dict) -> Flaky:
     return Flaky(row)
 
 
+@pytest.mark.slow
 def test_a_failing_environment_ends_its_trajectory_not_the_stage(make_config) -> None:
     env = 'environment = "tests.stages.test_multiturn:flaky"\nmax_turns = 3\nenv_timeout_s = 1.5\n'
     _, cfg = make_config("[generate]\n" + env + "num_generations = 1\nprompts_per_part = 12\n")
@@ -113,6 +116,20 @@ def test_a_failing_environment_ends_its_trajectory_not_the_stage(make_config) ->
         roles = ["assistant"] if r["letter"] in want else ["assistant", "user"] * 2 + ["assistant"]
         assert r["turn_roles"] == roles
     assert m["counts"]["env_errors"] == sum(r["letter"] in want for r in rows) > 0
+    # the turns view: a row per segment, the error on the trajectory's last one
+    con = connect(cfg.run_dir)
+    got = con.execute(
+        "SELECT role, count(*), count(env_error) FROM turns GROUP BY role ORDER BY role"
+    ).fetchall()
+    ok = sum(r["letter"] not in want for r in rows)
+    assert got == [
+        ("assistant", 3 * ok + m["counts"]["env_errors"], m["counts"]["env_errors"]),
+        ("user", 2 * ok, 0),
+    ]
+    # the report: turns per trajectory, failures and environment time by iteration
+    (row,) = collect(Path(cfg.run_dir))["iters"]
+    assert row["turns"] == m["counts"]["turns"] / len(rows) and row["env_errors"] == m["counts"]["env_errors"]
+    assert row["env_s"] >= 1.5  # the hung call's time limit at least
 
 
 def test_token_budget_cuts_the_trajectory(make_config, hidden) -> None:
