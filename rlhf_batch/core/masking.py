@@ -36,7 +36,8 @@ def sampled_lengths(mask: np.ndarray | None, offsets: np.ndarray, lengths: np.nd
     if mask is None:
         return lengths
     ends = np.concatenate([[0], np.cumsum(mask.astype(np.int64))])  # [N + 1]
-    return (ends[offsets[1:]] - ends[offsets[:-1]]).astype(lengths.dtype)  # [B]
+    out: np.ndarray = (ends[offsets[1:]] - ends[offsets[:-1]]).astype(lengths.dtype)  # [B]
+    return out
 
 
 def padded_rows(mask: np.ndarray, offsets: np.ndarray, rows: list[int], width: int) -> np.ndarray:

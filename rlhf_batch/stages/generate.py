@@ -116,9 +116,10 @@ class Generate(Stage):
             self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s)
 
     def close(self) -> None:
-        if getattr(self, "pool", None) is not None:
-            self.pool.close()
-            self.pool = None
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.close()
+            del self.pool
 
     def on_complete(self) -> None:
         if self.cfg.generate.environment:  # the turn checkpoints of parts written since

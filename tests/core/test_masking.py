@@ -34,3 +34,25 @@ def test_check_mask_names_each_problem() -> None:
     assert "2 values for 3" in check_mask([1, 0], 3, [-1.0, 0.0, -2.0])
     assert "other than 0 and 1" in check_mask([1, 2, 1], 3, [-1.0, 0.0, -2.0])
     assert "not 0.0" in check_mask([1, 0, 1], 3, [-1.0, -0.5, -2.0])
+
+
+def test_flat_mask_reads_the_column_and_names_a_bad_row() -> None:
+    import pyarrow as pa
+
+    from rlhf_batch.errors import StageError
+    from rlhf_batch.stages.loss_mask import flat_mask
+
+    ids = ["r0", "r1"]
+    lengths = np.array([3, 2])
+    col = lambda rows: pa.table({"rollout_id": ids, "loss_mask": pa.array(rows, pa.list_(pa.int8()))})  # noqa: E731
+    assert flat_mask(pa.table({"rollout_id": ids}), lengths) is None  # single-turn
+    assert flat_mask(col([[1, 1, 1], None]), lengths) is None  # all ones (null: ones)
+    assert flat_mask(col([[1, 0, 1], None]), lengths).tolist() == [True, False, True, True, True]
+    with pytest.raises(
+        StageError, match=r"^rollout r1: column 'loss_mask' has 3 values for 2 response tokens$"
+    ):
+        flat_mask(col([[1, 1, 1], [1, 1, 1]]), lengths)
+    with pytest.raises(
+        StageError, match=r"^rollout r0: column 'loss_mask' holds a value other than 0 and 1$"
+    ):
+        flat_mask(col([[1, 2, 1], [1, 1]]), lengths)
