@@ -1,7 +1,9 @@
 """`report`: PNG plots and one report.html for a run, complete or partial.
 
 Reads only complete stages: scores and rollouts per iteration (with the staleness of the policy
-that sampled them, from the rollouts manifest), the advantage manifests (the
+that sampled them, and for multi-turn rollouts the assistant turns per trajectory, the
+trajectories an environment failure ended and the seconds spent in the environment, from the
+rollouts manifest), the advantage manifests (the
 share of groups filtered), the train metrics (iter=K/train/metrics.parquet) and the eval
 manifests and parts (held-out metrics per data source, example completions), and every stage
 manifest's `timing` (start-up and work seconds; top-up rounds added to their stage).

@@ -250,3 +250,13 @@ def test_environment_tokens_count_in_no_kl_and_no_normaliser(make_config, ref_mo
     sampled = sum(sum(m) for m in adv["loss_mask"].to_pylist())
     assert sampled < sum(len(m) for m in adv["loss_mask"].to_pylist())
     assert sum(out["metrics"]["tokens"].to_pylist()) == sampled  # one epoch: each row once
+
+
+def test_single_turn_identity_is_unchanged(make_config) -> None:
+    _, single = make_config()
+    _, multi = make_config('[generate]\nenvironment = "rlhf_batch.envs.demo:ask_letter"\nenv_workers = 3\n')
+    keys = ("environment", "max_turns", "max_trajectory_tokens", "env_timeout_s", "env_workers")
+    assert not set(keys) & set(single.identity("generate")["generate"])  # as before these keys
+    got = multi.identity("generate")["generate"]
+    assert got["environment"] == "rlhf_batch.envs.demo:ask_letter" and got["max_turns"] == 4
+    assert "env_workers" not in got  # how many processes step the environments decides nothing
