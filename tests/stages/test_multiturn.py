@@ -206,6 +206,7 @@ def _pipeline(cfg) -> dict[str, pa.Table]:
         "scores": manifests.read_complete(sdir("scores"), SCORES),
         "advantages": manifests.read_complete(sdir("advantages"), ADVANTAGES),
         "metrics": manifests.read_table(sdir("train") / "metrics.parquet").drop(TIMING),
+        "rollout_stats": manifests.read_table(sdir("train") / "rollout_stats.parquet"),
     }
 
 
@@ -250,6 +251,11 @@ def test_environment_tokens_count_in_no_kl_and_no_normaliser(make_config, ref_mo
     sampled = sum(sum(m) for m in adv["loss_mask"].to_pylist())
     assert sampled < sum(len(m) for m in adv["loss_mask"].to_pylist())
     assert sum(out["metrics"]["tokens"].to_pylist()) == sampled  # one epoch: each row once
+    trained = dict(
+        zip(adv["rollout_id"].to_pylist(), [sum(m) for m in adv["loss_mask"].to_pylist()], strict=True)
+    )
+    for row in out["rollout_stats"].to_pylist():
+        assert row["tokens"] == trained[row["rollout_id"]]
 
 
 def test_single_turn_identity_is_unchanged(make_config) -> None:
