@@ -15,6 +15,11 @@ alone (ours: every stage of every iteration, in-process as `run` does it with
 `in_process = true`; TRL: `trainer.train()`). Rows go to benchmarks/results.md, the curves to
 benchmarks/learning.png.
 
+`--task ask` runs the multi-turn demo task instead (rlhf_batch/envs/demo.py: the prompt hides the
+letter, the model asks, the environment reveals it, the model answers; score = the answer's
+letter_count score + 0.2 for asking with "?"; generate.max_turns 2), ours only (TRL's side would
+need an environment of its own), rows marked "(multi-turn)".
+
 TRL runs in its own venv, `.venv-trl` (`make trl`, pinned by constraints-trl.txt with the same
 torch); without it (as in the smoke test) only rlhf-batch runs and the TRL cells read '-'.
 
@@ -35,6 +40,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+
+ASK_ENV = "rlhf_batch.envs.demo:ask_letter"  # the multi-turn task's environment (data/demo.ASK_ENV)
 
 TRL_PYTHON = common.ROOT / ".venv-trl" / "bin" / "python"
 DEMO = common.ROOT / "pipelines" / "demo.toml"
@@ -79,16 +86,21 @@ def overrides(spec: dict[str, Any]) -> list[str]:
     out = [f"run_dir={spec['run_dir']}", f"iterations={spec['iterations']}"]
     out += [f"generate.prompts_per_iteration={spec['prompts_per_iteration']}"]
     out += [f"generate.prompts={spec['prompts']}", f"policy_model={spec['model']}", "demo=false"]
+    if spec.get("task") == "ask":  # the multi-turn demo task (module docstring)
+        out += [f'generate.environment="{ASK_ENV}"', "generate.max_turns=2"]
+        out += ['score.reward_functions=["rlhf_batch.rewards.demo:ask_letter"]']
     return out + [f"seed={spec['seed']}", f"threads={spec['threads']}", *spec.get("set", [])]
 
 
-def seed_inputs(tmp: Path, seed: int) -> dict[str, str]:
-    """The tiny model initialised with `seed` and the 256 demo prompts, written below `tmp`."""
+def seed_inputs(tmp: Path, seed: int, task: str = "demo") -> dict[str, str]:
+    """The tiny model initialised with `seed` and the 256 demo prompts (the multi-turn task's
+    with the letter hidden), written below `tmp`."""
     from rlhf_batch.data.demo import write_prompts
     from rlhf_batch.models.tiny import init_model
 
     model = init_model(Path(tmp, "model"), seed=seed)
-    return {"model": str(model), "prompts": str(write_prompts(Path(tmp, "prompts.jsonl"), 256))}
+    prompts = write_prompts(Path(tmp, "prompts.jsonl"), 256, hidden=task == "ask")
+    return {"model": str(model), "prompts": str(prompts)}
 
 
 def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
@@ -243,11 +255,11 @@ def plot(path: Path, ours: list[float], trl: list[float] | None, title: str) -> 
 
 
 def run_seed(
-    seed: int, iterations: int, b: int, threads: int, use_trl: bool, ours_set: list[str]
+    seed: int, iterations: int, b: int, threads: int, use_trl: bool, ours_set: list[str], task: str = "demo"
 ) -> tuple[dict, dict | None]:
     """Both sides from the same tiny model (initialised with `seed`) and prompts."""
     with tempfile.TemporaryDirectory(dir=common.CACHE) as tmp:
-        inputs = seed_inputs(Path(tmp), seed)
+        inputs = seed_inputs(Path(tmp), seed, task)
         spec = {
             **inputs,
             "iterations": iterations,
@@ -256,7 +268,7 @@ def run_seed(
             "threads": threads,
             **end_tokens(Path(inputs["model"])),
         }
-        ours_spec = {**spec, "run_dir": str(Path(tmp, "ours")), "set": ours_set}
+        ours_spec = {**spec, "run_dir": str(Path(tmp, "ours")), "set": ours_set, "task": task}
         ours = run_side(Path(sys.executable), "ours", ours_spec)
         trl = run_side(TRL_PYTHON, "trl", {**spec, "run_dir": str(Path(tmp, "trl"))}) if use_trl else None
     return ours, trl
@@ -350,6 +362,7 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads of each side (default 1, as the demo)"
     )
     p.add_argument("--note", default="", help="appended to the wall-time row (e.g. the machine's load)")
+    p.add_argument("--task", choices=["demo", "ask"], default="demo", help="ask: the multi-turn demo task")
     args = p.parse_args()
     if args.worker:
         spec = json.loads(args.spec)
@@ -358,27 +371,31 @@ def main() -> None:
     seeds = [int(x) for x in args.seeds.split(",")]
     iterations = 2 if args.tiny else args.iterations
     b = 16 if args.tiny else SHARED["prompts_per_iteration"]
-    use_trl = not args.no_trl and TRL_PYTHON.exists()
+    use_trl = not args.no_trl and TRL_PYTHON.exists() and args.task == "demo"
+    what = " (multi-turn)" if args.task == "ask" else ""
     common.CACHE.mkdir(parents=True, exist_ok=True)
 
     def workload(seed_text: str) -> str:
         return (
-            f"demo task, 256 prompts, {b} per iteration x G 8, {iterations} iterations, tiny Qwen2 "
+            ("multi-turn ask-letter task (max_turns 2), " if args.task == "ask" else "")
+            + f"demo task, 256 prompts, {b} per iteration x G 8, {iterations} iterations, tiny Qwen2 "
             f"(2 layers, {seed_text}), {args.threads} torch thread(s) each; {mapping(b)}"
             + (f"; ours with {', '.join(args.set)}" if args.set else "")
         )
 
     runs = []
     for seed in seeds:
-        ours, trl = run_seed(seed, iterations, b, args.threads, use_trl, args.set)
-        record(args.results, "", workload(f"seed {seed}"), args.note, ours, trl)
+        ours, trl = run_seed(seed, iterations, b, args.threads, use_trl, args.set, args.task)
+        record(args.results, what, workload(f"seed {seed}"), args.note, ours, trl)
         runs.append((ours, trl))
     if len(seeds) > 1:
         ours = mean_of([o for o, _ in runs])
         trl = mean_of([t for _, t in runs if t]) if use_trl else None
-        record(args.results, ", mean over seeds", workload(f"seeds {args.seeds}"), args.note, ours, trl)
-    png = args.png or args.results.parent / "learning.png"
-    title = f"demo task, {b} prompts x 8 per iteration"
+        record(
+            args.results, what + ", mean over seeds", workload(f"seeds {args.seeds}"), args.note, ours, trl
+        )
+    png = args.png or args.results.parent / ("learning_multiturn.png" if what else "learning.png")
+    title = ("multi-turn " if what else "") + f"demo task, {b} prompts x 8 per iteration"
     if len(seeds) > 1:
         title += f", mean of seeds {args.seeds}" if len(seeds) <= 4 else f", mean of {len(seeds)} seeds"
     plot(png, ours["scores"], trl["scores"] if trl else None, title)

@@ -53,6 +53,12 @@ def _fail(message: str) -> None:
     found.append(message)
 
 
+def _is_ref(ref: str) -> bool:
+    """'module:attribute' with dotted identifiers on both sides."""
+    mod, _, attr = ref.partition(":")
+    return all(p.isidentifier() for p in mod.split(".")) and all(p.isidentifier() for p in attr.split("."))
+
+
 def _need(ok: bool, key: str, what: str) -> None:
     if not ok:
         _fail(f"'{key}' {what}")
@@ -168,9 +174,30 @@ class GenerateConfig:
     # devices); "" and 0: the run's `device` and `threads`
     device: str = knob("")
     threads: int = knob(0)
+    # multi-turn (docs/multi-turn.md): "module:factory", factory(row) -> envs.base.Environment;
+    # "": single-turn
+    environment: str = knob("", "generate")
+    max_turns: int = knob(4, "generate")  # assistant turns per trajectory
+    max_trajectory_tokens: int = knob(0, "generate")  # response tokens (sampled + environment); 0: no limit
+    env_timeout_s: float = knob(30.0, "generate")  # one environment call; 0: no limit
+    env_workers: int = knob(2)  # processes the environment steps run in
 
     def validate(self) -> None:
         _need(self.num_generations >= 1, "generate.num_generations", "must be >= 1")
+        _need(
+            not self.environment or _is_ref(self.environment),
+            "generate.environment",
+            f"must be 'module:factory', got {self.environment!r}",
+        )
+        _need(self.max_turns >= 1, "generate.max_turns", "must be >= 1")
+        _need(self.max_trajectory_tokens >= 0, "generate.max_trajectory_tokens", "must be >= 0 (0: no limit)")
+        _need(self.env_timeout_s >= 0, "generate.env_timeout_s", "must be >= 0 (0: no limit)")
+        _need(self.env_workers >= 1, "generate.env_workers", "must be >= 1")
+        _need(
+            not self.environment or self.engine == "hf",
+            "generate.environment",
+            "is not supported with generate.engine = 'vllm' yet (use engine = 'hf')",
+        )
         _need(self.prompts_per_iteration >= 0, "generate.prompts_per_iteration", "must be >= 0 (0: all)")
         _need(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         if isinstance(self.prompts, list) and any(isinstance(x, dict) for x in self.prompts):
@@ -592,6 +619,9 @@ class Config:
                     table["batch_size"] = CPU_BATCH_SIZE  # "auto" on a CPU: the old default, same identity
                 if table.get("seed_per_rollout") is True:
                     del table["seed_per_rollout"]  # recorded only when off: older identities stay
+                if table.get("environment") == "":  # single-turn: older identities stay
+                    for k in ("environment", "max_turns", "max_trajectory_tokens", "env_timeout_s"):
+                        del table[k]
                 if table:
                     out[f.name] = table
             elif stage in f.metadata["decides"]:

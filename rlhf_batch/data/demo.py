@@ -20,8 +20,12 @@ LETTERS = "abcde"
 MAX_COUNT = 4
 
 
-def write_prompts(path: str | Path, n: int, seed: int = 0) -> Path:
-    """Write `n` distinct demo prompts as JSONL: id, prompt, letter, count."""
+ASK_ENV = "rlhf_batch.envs.demo:ask_letter"  # the multi-turn demo task's environment
+
+
+def write_prompts(path: str | Path, n: int, seed: int = 0, hidden: bool = False) -> Path:
+    """Write `n` demo prompts as JSONL: id, prompt, letter, count. `hidden`: the multi-turn
+    task's prompts, "?*3=" (the environment reveals the letter; envs/demo.py)."""
     combos = [(c, k) for c in LETTERS for k in range(1, MAX_COUNT + 1)]
     rng = random.Random(seed)
     p = Path(path)
@@ -29,7 +33,10 @@ def write_prompts(path: str | Path, n: int, seed: int = 0) -> Path:
     for i in range(n):
         c, k = rng.choice(combos)
         rows.append(
-            json.dumps({"id": f"demo-{i:06d}", "prompt": f"{c}*{k}=", "letter": c, "count": k}) + "\n"
+            json.dumps(
+                {"id": f"demo-{i:06d}", "prompt": f"{'?' if hidden else c}*{k}=", "letter": c, "count": k}
+            )
+            + "\n"
         )
     p.parent.mkdir(parents=True, exist_ok=True)
     write_file_atomic(p, lambda tmp: tmp.write_text("".join(rows)))
@@ -44,4 +51,4 @@ def ensure_demo_assets(cfg: Config) -> None:
         init_model(cfg.policy_model, seed=cfg.seed)
     prompts = cfg.generate.prompts
     if prompts and isinstance(prompts, str) and not Path(prompts).exists():
-        write_prompts(prompts, 256, seed=cfg.seed)
+        write_prompts(prompts, 256, seed=cfg.seed, hidden=cfg.generate.environment == ASK_ENV)

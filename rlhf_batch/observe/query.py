@@ -1,6 +1,6 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with thirteen views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with fourteen views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
@@ -21,6 +21,8 @@ an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
                 last_iter over every iteration and round (sql/prompt_stats.sql, data/curriculum.py)
     source_stats  over rollouts and scores: per iteration and prompt source (a weighted mixture's
                 `source`, null without one), prompts, rollouts, mean_score, mean_reward, pass_rate
+    turns       over rollouts: one row per segment of a multi-turn trajectory (TURNS_VIEW); empty
+                when no rollout has turns
 
 rollouts, scores and stages also have a `topup` INTEGER column: 0 for an iteration's own rows,
 r for those of its dynamic-sampling top-up round r (RUN_DIR/iter=0003/topup=01/...; topup.py).
@@ -67,6 +69,26 @@ TOPUP_VIEWS = ("rollouts", "scores")  # also the rows of the top-up rounds (iter
 # e.g. numbers['unscored'], numbers['kl_coef'], numbers['groups_total'], numbers['prompts_truncated'].
 # startup_s, work_s, tokens and tokens_per_s come from its `timing` (timing.py; null before it).
 STAGES_GLOB = "iter=*/*/_manifest.json"
+# Multi-turn rollouts (generate.environment): one row per segment of response_ids, in order:
+# `segment` from 0, `role` (assistant, tool, user), `start` (offset in response_ids), `tokens`,
+# `sampled` (the assistant's, trained), `turns` (the trajectory's assistant turns), and on the
+# trajectory's last segment its `env_error` (null elsewhere) and `env_seconds`.
+TURNS_VIEW = """
+SELECT iter, topup, rollout_id, prompt_id, i - 1 AS segment, turn_roles[i] AS role,
+       turn_starts[i] AS start,
+       coalesce(turn_starts[i + 1], len(response_ids)) - turn_starts[i] AS tokens,
+       turn_roles[i] = 'assistant' AS sampled, turns,
+       CASE WHEN i = len(turn_roles) THEN env_error END AS env_error,
+       CASE WHEN i = len(turn_roles) THEN env_seconds END AS env_seconds
+FROM (SELECT *, unnest(range(1, len(turn_roles) + 1)) AS i FROM rollouts WHERE turn_roles IS NOT NULL)
+"""
+TURNS_EMPTY = """
+SELECT NULL::INTEGER AS iter, NULL::INTEGER AS topup, NULL::VARCHAR AS rollout_id,
+       NULL::VARCHAR AS prompt_id, NULL::BIGINT AS segment, NULL::VARCHAR AS role,
+       NULL::INTEGER AS start, NULL::BIGINT AS tokens, NULL::BOOLEAN AS sampled,
+       NULL::INTEGER AS turns, NULL::VARCHAR AS env_error, NULL::DOUBLE AS env_seconds
+WHERE false
+"""
 STAGES_TOPUP_GLOB = "iter=*/topup=*/*/_manifest.json"  # a top-up round's rollouts and scores
 STAGES_VIEW = """
 SELECT iter, regexp_extract(filename, '([^/]+)/_manifest\\.json$', 1) AS stage, topup,
@@ -161,6 +183,8 @@ def _views(con: Any, root: Path) -> None:
     _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
     create_view(con)  # health, over metrics
     _prompt_stats_view(con)
+    has_turns = "turn_roles" in [r[0] for r in con.execute("DESCRIBE rollouts").fetchall()]
+    con.execute("CREATE VIEW turns AS " + (TURNS_VIEW if has_turns else TURNS_EMPTY))
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
@@ -371,7 +395,7 @@ def _repl(con: Any) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         print(
-            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health', REWARD_VIEW, 'prompt_stats', 'source_stats'])} (column iter). End a query with ';'. .quit to leave.",
+            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health', REWARD_VIEW, 'prompt_stats', 'source_stats', 'turns'])} (column iter). End a query with ';'. .quit to leave.",
             file=sys.stderr,
         )
     buf: list[str] = []

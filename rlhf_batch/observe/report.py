@@ -1,7 +1,9 @@
 """`report`: PNG plots and one report.html for a run, complete or partial.
 
 Reads only complete stages: scores and rollouts per iteration (with the staleness of the policy
-that sampled them, from the rollouts manifest), the advantage manifests (the
+that sampled them, and for multi-turn rollouts the assistant turns per trajectory, the
+trajectories an environment failure ended and the seconds spent in the environment, from the
+rollouts manifest), the advantage manifests (the
 share of groups filtered), the train metrics (iter=K/train/metrics.parquet) and the eval
 manifests and parts (held-out metrics per data source, example completions), and every stage
 manifest's `timing` (start-up and work seconds; top-up rounds added to their stage).
@@ -51,6 +53,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
                 manifests.read_complete(rdir, ROLLOUTS, ["response_ids"])["response_ids"]
             )
             row["length"] = _mean(lengths)
+            row.update(_turns(rm))
         adv = manifests.manifest(layout.folder(run_dir, it, "advantages"))
         if adv is not None:
             c = adv.get("counts", {})
@@ -84,6 +87,22 @@ def _stage_times(run_dir: Path, it: int) -> dict[str, dict[str, float]]:
         t["startup_s"] += timing["startup_s"]
         t["work_s"] += timing["work_s"]
     return out
+
+
+TURN_KEYS = ("turns", "env_errors", "env_s")  # per iteration, multi-turn rollouts only
+
+
+def _turns(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Assistant turns per trajectory, trajectories an environment failure ended, and seconds
+    spent in environment calls, from a multi-turn rollouts manifest ({} for single-turn)."""
+    c, rows = manifest.get("counts", {}), manifest.get("rows") or 0
+    if "turns" not in c:
+        return {}
+    return {
+        "turns": c["turns"] / rows if rows else None,
+        "env_errors": int(c.get("env_errors", 0)),
+        "env_s": c.get("env_milliseconds", 0) / 1000,
+    }
 
 
 def _mean(col: Any) -> float | None:
@@ -364,6 +383,7 @@ def _html(run_dir: Path, data: dict[str, Any], plots: list[str], examples: list[
         return "" if v is None else f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
 
     keys = ["iter", "staleness", "score", "reward", "kl", "length", "filtered"]
+    keys += [k for k in TURN_KEYS if any(k in r for r in data["iters"])]  # multi-turn runs
     table = "".join(
         "<tr>" + "".join(f"<td>{cell(r.get(k))}</td>" for k in keys) + "</tr>" for r in data["iters"]
     )

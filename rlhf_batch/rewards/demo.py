@@ -30,3 +30,16 @@ def letter_count(
         hits = sum(ch == c for ch in response[:n])
         out.append(hits / max(n, len(response)))
     return out
+
+
+ASKED_WEIGHT = 0.2  # the multi-turn demo: asking first is worth a little, the answer most
+
+
+def ask_letter(*, env_answer: list[float], env_asked: list[float], **_: Any) -> list[float | None]:
+    """Reward function of the multi-turn demo task (rlhf_batch.envs.demo): the answer's score plus
+    0.2 for asking with exactly "?" first, from the environment's reward parts.
+
+    >>> ask_letter(env_answer=[1.0, 0.5], env_asked=[1.0, 0.0])
+    [1.2, 0.5]
+    """
+    return [a + ASKED_WEIGHT * q for a, q in zip(env_answer, env_asked, strict=True)]

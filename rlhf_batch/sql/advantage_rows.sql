@@ -16,8 +16,11 @@
 -- With estimator 'opd' the stage replaces each `/* teacher_logprobs */` by `teacher_logprobs,`
 -- (the scores' extra column, absent without a teacher) and adds the per-token advantages in
 -- Python (stages/advantage.token_advantages); the query of the other estimators is this text.
+-- Multi-turn rollouts (a `loss_mask` column in a rollouts part): the stage replaces
+-- `/* loss_mask */` by `loss_mask,` and `/* r.loss_mask */` by `r.loss_mask,` (null in a part
+-- without the column: all ones); without one the query is this text.
 WITH r AS (
-    SELECT rollout_id, prompt_id, prompt_ids, response_ids, behavior_logprobs,
+    SELECT rollout_id, prompt_id, prompt_ids, response_ids, behavior_logprobs, /* loss_mask */
            coalesce(finish_reason = 'length', false) AS truncated
     FROM read_parquet($rollout_files, union_by_name = true)
 ), s AS (
@@ -32,6 +35,7 @@ WITH r AS (
         len(r.prompt_ids)::INTEGER AS prompt_len,
         r.behavior_logprobs,
         /* teacher_logprobs */ s.ref_logprobs,
+        /* r.loss_mask */
         CAST(CASE
             WHEN g.constant THEN 0.0
             WHEN r.truncated AND $zero_truncated THEN 0.0

@@ -75,13 +75,14 @@ from rlhf_batch.core.batching import aligned_chunks
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.runtime import faults
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
-from rlhf_batch.stages import replay
+from rlhf_batch.stages import loss_mask, replay
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
 from rlhf_batch.store import fs, layout, manifests
 from rlhf_batch.store.output import StageOutput
 from rlhf_batch.store.schemas import (
     ADVANTAGES,
+    LOSS_MASK,
     ROLLOUTS,
     SCORES,
     TEACHER,
@@ -330,10 +331,12 @@ def _prepare(
         batch_std = float(
             con.execute(sql_text("advantage_batch_std"), {"ddof": a.ddof}).fetchall()[0][0] or 0.0
         )
+    folders = [layout.folder(cfg.run_dir, iteration, "rollouts", r) for r in (0, *rounds)]
     return {
         "rollout_files": [f for f, _ in rollouts[iteration]],
         "score_files": [f for f, _ in scores[iteration]],
         "batch_std": batch_std,
+        "loss_mask": loss_mask.has_mask(folders),  # multi-turn rollouts: carried to train
     }
 
 
@@ -439,6 +442,9 @@ def _write_parts(
     if a.estimator == "opd":
         query = query.replace("/* teacher_logprobs */", "teacher_logprobs,")
         schema = with_extra(ADVANTAGES, TOKEN_ADVANTAGES)
+    if params["loss_mask"]:
+        query = query.replace("/* loss_mask */", "loss_mask,").replace("/* r.loss_mask */", "r.loss_mask,")
+        schema = with_extra(schema, LOSS_MASK)
     baseline = opd_baseline(con, values) if a.estimator == "opd" and a.opd_baseline == "mean" else 0.0
     reader = con.sql(query, params=values).to_arrow_reader(min(a.rows_per_part, 65536))
     wanted = set(todo)

@@ -97,6 +97,10 @@ class Generate(Stage):
 
         check_model_dir(self.policy, "policy")
         check_targets(self.cfg)
+        if self.cfg.generate.environment:
+            from rlhf_batch.envs.pool import load_factory
+
+            load_factory(self.cfg.generate.environment)  # a bad name: one line, before anything is written
         nxt = layout.folder(self.cfg.run_dir, self.iteration + 1, layout.ROLLOUTS)
         if self.topup and self.cfg.generate.prompts_per_iteration and nxt.exists():
             raise StageError(
@@ -124,6 +128,24 @@ class Generate(Stage):
 
     def open(self, todo: list[int]) -> None:
         self.engine = make_engine(self.cfg, self.policy, self.tok, self.prompts)
+        g = self.cfg.generate
+        if g.environment:
+            from rlhf_batch.envs.pool import EnvPool
+
+            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s)
+
+    def close(self) -> None:
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.close()
+            del self.pool
+
+    def on_complete(self) -> None:
+        if self.cfg.generate.environment:  # the turn checkpoints of parts written since
+            from rlhf_batch.stages.multiturn import TURNS_DIR
+            from rlhf_batch.store import fs
+
+            fs.remove(self.sdir / TURNS_DIR)
 
     def write_parts(self, todo: list[int], out: Any, bar: Any) -> None:
         """Part by part; an engine that samples best all at once (`one_call`: vllm) gets every
@@ -142,6 +164,8 @@ class Generate(Stage):
         return None
 
     def write_part(self, n: int, bar: Any) -> Part:
+        if self.cfg.generate.environment:
+            return self.part(self.multi_turn_part(n, bar))
         table = generate_part(
             self.engine,
             self.tok,
@@ -156,9 +180,33 @@ class Generate(Stage):
         )
         return self.part(table)
 
+    def multi_turn_part(self, n: int, bar: Any) -> pa.Table:
+        """Part n's trajectories, turn by turn with the environment (stages/multiturn.py)."""
+        from rlhf_batch.stages import multiturn
+
+        plan = part_rows(
+            self.prompts, n, self.cfg, self.iteration, self.order, topup.sample_offset(self.cfg, self.topup)
+        )
+        carried = self.prompts.carried.take(pa.array([i for i, _ in plan.rows], pa.int64())).to_pylist()
+        rows = [
+            {**c, "prompt_id": self.prompts.ids[i], "prompt": self.prompts.texts[i]}
+            for c, (i, _) in zip(carried, plan.rows, strict=True)
+        ]
+        trajs = multiturn.sample_part(self.engine, self.pool, self.tok, self.cfg, plan, rows, self.sdir, n)
+        results = [(t.ids, t.logps, t.finish) for t in trajs]
+        table = part_table(plan, results, self.tok, self.prompts, n, self.cfg, self.policy)
+        for name, col in multiturn.turn_columns(trajs).items():
+            table = table.append_column(name, col)
+        bar.update(len(trajs))
+        return table
+
     def part(self, table: pa.Table) -> Part:
         schema = with_extra(ROLLOUTS, self.prompts.carried.schema)
+        if self.cfg.generate.environment:
+            schema = with_extra(schema, _turn_schema(table, schema))
         counts = {"rollouts": table.num_rows, "with_special_tokens": _with_special(table, self.tok)}
+        if self.cfg.generate.environment:
+            counts |= _turn_counts(table)
         return Part(table, schema, counts, list_tokens(table, "prompt_ids", "response_ids"))
 
     def manifest_extra(self) -> dict[str, Any]:
@@ -250,6 +298,22 @@ def part_table(
     for name in carried.column_names:
         table = table.append_column(carried.schema.field(name), carried.column(name))
     return table
+
+
+def _turn_schema(table: pa.Table, base: pa.Schema) -> pa.Schema:
+    """The multi-turn columns after `base`: TURNS, then the environment's reward parts."""
+    return pa.schema([table.schema.field(n) for n in table.column_names if n not in base.names])
+
+
+def _turn_counts(table: pa.Table) -> dict[str, int]:
+    """The manifest's counts of a multi-turn part."""
+    import pyarrow.compute as pc
+
+    return {
+        "turns": int(pc.sum(table["turns"]).as_py() or 0),
+        "env_errors": table.num_rows - table["env_error"].null_count,
+        "env_milliseconds": int(1000 * (pc.sum(table["env_seconds"]).as_py() or 0.0)),
+    }
 
 
 def _with_special(table: pa.Table, tok: Any) -> int:

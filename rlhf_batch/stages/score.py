@@ -57,6 +57,7 @@ from rlhf_batch.core.kl import (
     make_controller,
     sequence_kl,
 )
+from rlhf_batch.core.masking import zero_unsampled
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.models.forward import batched_logprobs
 from rlhf_batch.models.load import load_model
@@ -73,6 +74,7 @@ from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.executor import execute
+from rlhf_batch.stages.loss_mask import flat_mask
 from rlhf_batch.stages.score_checks import (
     check_rollouts,
     check_teacher,
@@ -309,6 +311,7 @@ class Scorer:
             kl = kl_estimate(
                 torch.from_numpy(beh).double(), torch.from_numpy(ref).double(), self.cfg.score.kl_estimator
             )  # [N] float64
+            kl = zero_unsampled(kl, flat_mask(t, r_len))  # multi-turn: KL on sampled tokens only
             kl_sum = _sequence_sums(kl, r_len)  # [B] float64
             kl_cols: dict[str, Any] = {
                 "ref_logprobs": pa.ListArray.from_arrays(offsets, pa.array(ref, pa.float32())),

@@ -242,7 +242,7 @@ def _train(
     torch.manual_seed(cfg.seed * 1_000_003 + iteration)
     seed = (cfg.seed % 2**32, iteration)
     steps = plan_steps(
-        data.resp_lens,
+        data.trained_lens,  # the sampled tokens: the normaliser counts no environment token
         data.seq_lens,
         tc.tokens_per_step,
         tc.max_tokens_per_batch,
@@ -282,7 +282,7 @@ def _train(
         _show(bar, rows[-1], rate.add(rows[-1]["tokens"]))
         done = step.index + 1
         if tc.checkpoint_every and done % tc.checkpoint_every == 0 and done < len(steps):
-            per_rollout = trainer.stats.gather(data.rollout_ids, data.resp_lens)
+            per_rollout = trainer.stats.gather(data.rollout_ids, data.trained_lens)
             state = {"key": out.key, "epoch": step.epoch, "metrics": rows, "rollout_stats": per_rollout}
             _checkpoint(trainer, ckpt_dir, done, state)
             trainer.stats = train_stats.RolloutStats(per_rollout)  # the rows so far, once
@@ -291,7 +291,7 @@ def _train(
     fresh = cfg.train.fresh_optimizer and iteration > 0
     carried = train_carry.record(offset, offset + len(steps), total, iteration - 1 if prev else None, fresh)
     extra = train_carry.state_extra(cfg, offset + len(steps), total, carried["carried_from"])
-    per_rollout = trainer.stats.gather(data.rollout_ids, data.resp_lens)
+    per_rollout = trainer.stats.gather(data.rollout_ids, data.trained_lens)
     _save(cfg, out.sdir, policy, trainer, start, rows, extra, per_rollout)
     return TrainResult(rows, tc.ppo_epochs, len(data), start, trainer.world, carried, trainer.sharded)
 

@@ -40,7 +40,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rlhf_batch.core.batching import token_budget_batches
+from rlhf_batch.core.masking import padded_rows, sampled_lengths
 from rlhf_batch.errors import StageError
+from rlhf_batch.stages.loss_mask import flat_mask
 from rlhf_batch.store import manifests
 from rlhf_batch.store.manifests import read_complete as read_stage
 from rlhf_batch.store.schemas import ADVANTAGES
@@ -62,6 +64,12 @@ class TrainRows:
     adv: np.ndarray  # [N] float32
     behavior: np.ndarray | None = None  # [sum T] the engine's log-probs, kept when `old` is recomputed
     tok_adv: np.ndarray | None = None  # [sum T] float32, per-token advantages (opd); None: `adv` per row
+    loss_mask: np.ndarray | None = None  # [sum T] bool, sampled by the policy (multi-turn); None: all
+
+    @property
+    def trained_lens(self) -> np.ndarray:
+        """[N] the tokens each row trains on: the sampled ones (core/masking.py)."""
+        return sampled_lengths(self.loss_mask, self.resp_off, self.resp_lens)
 
     def check_vocabulary(self, vocab_size: int, where: str) -> None:
         """StageError naming the rollout whose input_ids hold a token outside [0, vocab_size)."""
@@ -97,7 +105,9 @@ def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
     """Read and check a complete advantages stage; errors name the directory, rollout and column.
     `ref_logprobs` may be null in every row (score used no KL) unless `need_ref`."""
     per_token = _has_token_advantages(sdir)  # advantage.estimator = "opd"
-    table = read_stage(sdir, ADVANTAGES, columns=COLUMNS + ["token_advantages"] * per_token).combine_chunks()
+    masked = _has_column(sdir, "loss_mask")  # multi-turn rollouts
+    columns = COLUMNS + ["token_advantages"] * per_token + ["loss_mask"] * masked
+    table = read_stage(sdir, ADVANTAGES, columns=columns).combine_chunks()
     if table.num_rows == 0:
         raise StageError(
             f"{sdir}: the advantages table has 0 rows (every group filtered out?); nothing to train on"
@@ -109,7 +119,9 @@ def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
             f"{sdir}: train.kl_loss_coef > 0 needs ref_logprobs, but they are null (scored without KL); "
             "score the iteration again with train.kl_loss_coef set"
         )
-    for name in [c for c in table.column_names[1:] if not (no_ref and c == "ref_logprobs")]:
+    for name in [
+        c for c in table.column_names[1:] if not (no_ref and c == "ref_logprobs") and c != "loss_mask"
+    ]:
         col = table.column(name)
         if col.null_count:
             row = pc.index(pc.is_null(col), True).as_py()
@@ -148,6 +160,16 @@ def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
         resp_off=resp_off,
         adv=adv,
         tok_adv=tok_adv,
+        loss_mask=flat_mask(table, resp) if masked else None,
+    )
+
+
+def _has_column(sdir: Path, name: str) -> bool:
+    """Whether the parts carry column `name`, from the first part's footer."""
+    parts = (manifests.manifest(sdir) or {}).get("parts", [])
+    return (
+        bool(parts)
+        and manifests.parquet_file(sdir / parts[0]["file"]).schema_arrow.get_field_index(name) >= 0
     )
 
 
@@ -287,6 +309,8 @@ def micro_batch(s: TrainRows, rows: Sequence[int], device: Any) -> Any:
         if s.ref is not None:
             ref[k, : resp[k]] = s.ref[s.resp_off[i] : s.resp_off[i + 1]]
     select, place, mask = response_positions(seq, s.prompt_lens[rows])  # [N], [N], [B, T]
+    if s.loss_mask is not None:  # multi-turn: the environment's tokens are context, not trained
+        mask = mask & padded_rows(s.loss_mask, s.resp_off, rows, mask.shape[1])  # [B, T]
     extra = {}
     if s.behavior is not None:  # truncated importance sampling: the engine's log-probs too
         beh = np.zeros((b, t), np.float32)  # [B, T]

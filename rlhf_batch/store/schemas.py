@@ -70,6 +70,21 @@ ADVANTAGES = pa.schema(
 TEACHER = pa.schema([("teacher_logprobs", LOGPROBS)])
 TOKEN_ADVANTAGES = pa.schema([("token_advantages", LOGPROBS)])
 
+# Multi-turn rollouts (generate.environment, docs/multi-turn.md): beside ROLLOUTS, response_ids
+# then holds every token after the prompt, the environment's included; absent from single-turn
+# rollouts (readers take a missing loss_mask as all ones). The advantages carry `loss_mask`.
+LOSS_MASK = pa.schema([("loss_mask", pa.list_(pa.int8()))])  # per response token, 1: sampled by the policy
+TURNS = pa.schema(
+    [
+        *LOSS_MASK,
+        ("turn_starts", pa.list_(pa.int32())),  # offset in response_ids of each segment, first 0
+        ("turn_roles", pa.list_(pa.string())),  # "assistant", "tool" or "user", one per segment
+        ("turns", pa.int32()),  # assistant turns
+        ("env_error", pa.string()),  # why the environment ended the trajectory early; null: it did not
+        ("env_seconds", pa.float64()),  # time spent in the environment's calls
+    ]
+)
+
 METRICS = pa.schema(
     [
         ("step", pa.int32()),

@@ -1,0 +1,189 @@
+"""Multi-turn generation of one part (generate.environment; docs/multi-turn.md).
+
+Turn by turn over the part's trajectories: one batched sampling call (the engine's `sample`)
+for the live ones, then their environments' steps in the worker pool (envs/pool.py). Turn t of a
+trajectory samples from its own generator seeded by the rollout's seed (t = 0) or
+row_seed(seed, "turn-t"), so its tokens depend only on its seed and its history. A trajectory ends
+when its environment ends it (done, no observation), fails (`env_error`), after
+`generate.max_turns` assistant turns, or at `generate.max_trajectory_tokens` response tokens (its
+last turn cut, or the observation that would not fit left out: finish_reason 'length').
+
+After each turn the state of every trajectory of the part is committed to
+`turns/part-NNNNN.json` in the stage's folder; a run killed mid-part resumes at its last complete
+turn (the environments are made again and replayed from the committed texts) and writes the same
+rows as an uninterrupted run. The file is removed once the part is written.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from rlhf_batch.config import Config
+from rlhf_batch.envs.glue import observation_ids
+from rlhf_batch.envs.pool import Call, EnvPool
+from rlhf_batch.runtime.faults import fault_point
+from rlhf_batch.store import fs
+from rlhf_batch.store.atomic import write_json_atomic
+from rlhf_batch.store.ids import row_seed
+from rlhf_batch.store.schemas import TURNS
+
+TURNS_DIR = "turns"
+
+
+@dataclass
+class Trajectory:
+    ids: list[int] = field(default_factory=list)  # every response token
+    logps: list[float] = field(default_factory=list)  # 0.0 on the environment's tokens
+    mask: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)  # the assistant turns' texts (for the environment)
+    finish: str = "stop"
+    done: bool = False
+    error: str | None = None
+    seconds: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def add(self, ids: list[int], logps: list[float], role: str) -> None:
+        self.starts.append(len(self.ids))
+        self.roles.append(role)
+        self.ids += ids
+        self.logps += logps
+        self.mask += [int(role == "assistant")] * len(ids)
+
+
+class _Quiet:
+    """The engine's progress bar during a turn: the stage's bar counts finished trajectories."""
+
+    def update(self, n: int) -> None: ...
+
+    def set_postfix(self, **_: Any) -> None: ...
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    return seed if turn == 0 else row_seed(seed, f"turn-{turn}")
+
+
+def checkpoint_path(sdir: Path, n: int) -> Path:
+    return sdir / TURNS_DIR / f"part-{n:05d}.json"
+
+
+def _load(path: Path, rids: list[str]) -> tuple[int, list[Trajectory]] | None:
+    try:
+        state = json.loads(fs.get_bytes(path)) if fs.is_remote(path) else json.loads(path.read_text())
+    except (FileNotFoundError, OSError, ValueError):
+        return None
+    if state.get("rollout_ids") != rids:  # another part's plan: start the part over
+        return None
+    return int(state["turn"]), [Trajectory(**t) for t in state["trajectories"]]
+
+
+def _save(path: Path, rids: list[str], turn: int, trajs: list[Trajectory]) -> None:
+    fs.makedirs(path.parent)
+    state = {"rollout_ids": rids, "turn": turn, "trajectories": [asdict(t) for t in trajs]}
+    write_json_atomic(path, state)
+
+
+def sample_part(
+    engine: Any,
+    pool: EnvPool,
+    tok: Any,
+    cfg: Config,
+    plan: Any,
+    rows: list[dict[str, Any]],
+    where: Path,
+    n: int,
+) -> list[Trajectory]:
+    """Every trajectory of part n (`plan`: generate.PartRows; `rows`: each one's prompt row)."""
+    g = cfg.generate
+    path = checkpoint_path(where, n)
+    first, trajs = _load(path, plan.rids) or (0, [Trajectory() for _ in plan.rids])
+    positions = getattr(
+        getattr(getattr(engine, "model", None), "config", None), "max_position_embeddings", None
+    )
+
+    def fits(i: int, extra: int) -> bool:
+        """Whether trajectory i can take `extra` more tokens and still sample a whole turn."""
+        total = len(trajs[i].ids) + extra
+        if g.max_trajectory_tokens and total >= g.max_trajectory_tokens:
+            return False
+        return not positions or len(plan.prompts[i]) + total + g.max_new_tokens <= positions
+
+    for turn in range(first, g.max_turns):
+        live = [i for i, t in enumerate(trajs) if not t.done]
+        if not live:
+            break
+        contexts = [plan.prompts[i] + trajs[i].ids for i in live]
+        results = engine.sample(contexts, [turn_seed(plan.seeds[i], turn) for i in live], _Quiet())
+        stepped = [i for i, res in zip(live, results, strict=True) if _assistant_turn(trajs[i], res, tok, g)]
+        _env_turn(pool, tok, trajs, stepped, rows, plan.rids, turn + 1 == g.max_turns, fits)
+        fault_point(f"rollouts:part-{n}:turn-{turn}")
+        _save(path, plan.rids, turn + 1, trajs)
+    return trajs
+
+
+def _assistant_turn(t: Trajectory, res: tuple[list[int], list[float], str], tok: Any, g: Any) -> bool:
+    """Append a sampled turn; False when the token budget cut it (the trajectory ends there)."""
+    ids, logps, reason = res
+    room = g.max_trajectory_tokens - len(t.ids) if g.max_trajectory_tokens else len(ids)
+    cut = len(ids) > room
+    if cut:
+        ids, logps, reason = ids[:room], logps[:room], "length"
+    t.add(ids, logps, "assistant")
+    t.texts.append(tok.decode(ids[:-1] if reason == "stop" else ids, skip_special_tokens=False))
+    t.finish, t.done = reason, cut
+    return not cut
+
+
+def _env_turn(
+    pool: EnvPool,
+    tok: Any,
+    trajs: list[Trajectory],
+    idx: list[int],
+    rows: list[dict[str, Any]],
+    rids: list[str],
+    last: bool,
+    fits: Any,
+) -> None:
+    """The environments answer the turn just sampled (trajectories `idx`)."""
+    calls = [Call(rids[i], rows[i], tuple(trajs[i].texts)) for i in idx]
+    for i, out in zip(idx, pool.step(calls, idx), strict=True):
+        t = trajs[i]
+        t.seconds += out.seconds
+        for k, v in out.reward_parts.items():
+            t.parts[k] = t.parts.get(k, 0.0) + v
+        if out.error is not None:
+            t.error, t.done = out.error, True
+            continue
+        step = out.step
+        if step is None or step.ends or last:
+            t.done = True
+            continue
+        stopped = t.finish == "stop"
+        obs = observation_ids(tok, step.role, step.observation or "", t.ids[-1] if t.ids else None, stopped)
+        if not fits(i, len(obs)):
+            t.done, t.finish = True, "length"  # no room for the observation and another turn
+            continue
+        t.add(obs, [0.0] * len(obs), step.role)
+
+
+def turn_columns(trajs: list[Trajectory]) -> dict[str, pa.Array]:
+    """The TURNS columns and the environment's reward parts (env_<name>, 0.0 where a trajectory
+    got none) of a part."""
+    cols = {
+        "loss_mask": [t.mask for t in trajs],
+        "turn_starts": [t.starts for t in trajs],
+        "turn_roles": [t.roles for t in trajs],
+        "turns": [t.roles.count("assistant") for t in trajs],
+        "env_error": [t.error for t in trajs],
+        "env_seconds": [t.seconds for t in trajs],
+    }
+    out = {k: pa.array(v, TURNS.field(k).type) for k, v in cols.items()}
+    for name in sorted({k for t in trajs for k in t.parts}):
+        out[f"env_{name}"] = pa.array([t.parts.get(name, 0.0) for t in trajs], pa.float64())
+    return out

@@ -1,0 +1,268 @@
+"""Multi-turn generation with an environment: the trajectory columns, the seed contract, failures
+of the environment, a kill between turns, and the loss mask through score, advantage and train."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from rlhf_batch.data.demo import write_prompts
+from rlhf_batch.envs.base import Step
+from rlhf_batch.errors import ConfigError, UserError
+from rlhf_batch.models.load import load_tokenizer
+from rlhf_batch.observe.query import connect
+from rlhf_batch.observe.report import collect
+from rlhf_batch.runtime import faults
+from rlhf_batch.stages.registry import run_stage
+from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES
+
+
+def ask(prompts: Path, more: str = "") -> str:
+    """The multi-turn demo task's config (6 hidden prompts x 2 in parts of 3 prompts)."""
+    return f"""
+[generate]
+prompts = "{prompts}"
+environment = "rlhf_batch.envs.demo:ask_letter"
+max_turns = 2
+num_generations = 2
+prompts_per_part = 3
+{more}
+[score]
+reward_functions = ["rlhf_batch.rewards.demo:ask_letter"]
+"""
+
+
+def rollouts(cfg) -> pa.Table:
+    return manifests.read_complete(layout.folder(cfg.run_dir, 0, "rollouts"), ROLLOUTS)
+
+
+@pytest.fixture
+def hidden(tmp_path: Path) -> Path:
+    return write_prompts(tmp_path / "hidden.jsonl", 6, seed=0, hidden=True)
+
+
+@pytest.mark.slow
+def test_trajectories_interleave_sampled_and_environment_tokens(make_config, hidden, tiny_model) -> None:
+    _, cfg = make_config(ask(hidden))
+    m = run_stage("generate", cfg, 0, quiet=True)
+    t = rollouts(cfg)
+    tok = load_tokenizer(str(tiny_model))
+    assert m["rows"] == 12 and m["counts"]["turns"] == 24 and m["counts"]["env_errors"] == 0
+    for r in t.to_pylist():
+        ids, mask, starts = r["response_ids"], r["loss_mask"], r["turn_starts"]
+        assert len(mask) == len(ids) == len(r["behavior_logprobs"])
+        assert r["turn_roles"] == ["assistant", "tool", "assistant"] and starts[0] == 0
+        # the tool segment: the chat template's message with the hidden letter, never trained
+        tool = ids[starts[1] : starts[2]]
+        assert set(mask[starts[1] : starts[2]]) == {0} and set(mask[: starts[1]] + mask[starts[2] :]) == {1}
+        assert all(lp == 0.0 for lp in r["behavior_logprobs"][starts[1] : starts[2]])
+        assert f"<|im_start|>tool\n{r['letter']}<|im_end|>\n<|im_start|>assistant\n" in tok.decode(tool)
+        assert r["prompt"] == f"?*{r['count']}="  # the letter is not in the prompt
+        assert r["env_asked"] in (0.0, 1.0) and 0.0 <= r["env_answer"] <= 1.0
+    # the seed contract: turn 1 is what single-turn generate samples for the same rollout id
+    _, single = make_config(run_dir=str(Path(cfg.run_dir).parent / "single"), name="single.toml")
+    single.generate.prompts, single.generate.num_generations, single.generate.prompts_per_part = (
+        str(hidden),
+        2,
+        3,
+    )
+    run_stage("generate", single, 0, quiet=True)
+    one = {r["rollout_id"]: r["response_ids"] for r in rollouts(single).to_pylist()}
+    for r in t.to_pylist():
+        assert r["response_ids"][: r["turn_starts"][1]] == one[r["rollout_id"]]
+    assert not (layout.folder(cfg.run_dir, 0, "rollouts") / "turns").exists()  # removed once complete
+
+
+class Flaky:
+    """Fails as its prompt's letter says: a raises, b hangs, c returns garbage; d and e answer."""
+
+    def __init__(self, row: dict) -> None:
+        self.letter = row["letter"]
+
+    def step(self, text: str) -> Step:
+        if self.letter == "a":
+            raise ValueError("no such tool")
+        if self.letter == "b":
+            time.sleep(60)
+        if self.letter == "c":
+            return "text"  # type: ignore[return-value]
+        return Step("ok", role="user")
+
+
+def flaky(row: dict) -> Flaky:
+    return Flaky(row)
+
+
+@pytest.mark.slow
+def test_a_failing_environment_ends_its_trajectory_not_the_stage(make_config) -> None:
+    env = 'environment = "tests.stages.test_multiturn:flaky"\nmax_turns = 3\nenv_timeout_s = 1.5\n'
+    _, cfg = make_config("[generate]\n" + env + "num_generations = 1\nprompts_per_part = 12\n")
+    m = run_stage("generate", cfg, 0, quiet=True)
+    rows = rollouts(cfg).to_pylist()
+    want = {
+        "a": "raised ValueError: no such tool",
+        "b": "timed out after 1.5 s",
+        "c": "the environment returned str, not a Step",
+    }
+    for r in rows:
+        assert r["env_error"] == want.get(r["letter"])
+        assert r["turns"] == (1 if r["letter"] in want else 3)
+        roles = ["assistant"] if r["letter"] in want else ["assistant", "user"] * 2 + ["assistant"]
+        assert r["turn_roles"] == roles
+    assert m["counts"]["env_errors"] == sum(r["letter"] in want for r in rows) > 0
+    # the turns view: a row per segment, the error on the trajectory's last one
+    con = connect(cfg.run_dir)
+    got = con.execute(
+        "SELECT role, count(*), count(env_error) FROM turns GROUP BY role ORDER BY role"
+    ).fetchall()
+    ok = sum(r["letter"] not in want for r in rows)
+    assert got == [
+        ("assistant", 3 * ok + m["counts"]["env_errors"], m["counts"]["env_errors"]),
+        ("user", 2 * ok, 0),
+    ]
+    # the report: turns per trajectory, failures and environment time by iteration
+    (row,) = collect(Path(cfg.run_dir))["iters"]
+    assert row["turns"] == m["counts"]["turns"] / len(rows) and row["env_errors"] == m["counts"]["env_errors"]
+    assert row["env_s"] >= 1.5  # the hung call's time limit at least
+
+
+def test_token_budget_cuts_the_trajectory(make_config, hidden) -> None:
+    _, cfg = make_config(ask(hidden, "max_trajectory_tokens = 9\nmax_new_tokens = 6"))
+    run_stage("generate", cfg, 0, quiet=True)
+    for r in rollouts(cfg).to_pylist():
+        # turn 1 (<= 6 tokens) fits; the tool message (>= 20 tokens of template) does not
+        assert len(r["response_ids"]) <= 6 and r["turns"] == 1 and r["finish_reason"] == "length"
+        assert r["turn_roles"] == ["assistant"] and r["env_error"] is None
+
+
+@pytest.mark.slow
+def test_kill_between_turns_resumes_identical(make_config, hidden, tmp_path: Path) -> None:
+    path, cfg = make_config(ask(hidden))
+    cmd = [sys.executable, "-m", "rlhf_batch", "generate", str(path), "--quiet"]
+    env = {**os.environ, faults.FAULT_ENV: "rollouts:part-1:turn-1"}  # part 0 written, part 1 at turn 2
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr
+    sdir = layout.folder(cfg.run_dir, 0, "rollouts")
+    assert (sdir / "turns" / "part-00001.json").exists()  # turn 1 of part 1 committed
+    assert len(layout.list_parts(sdir)) == 1
+    resumed = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    _, clean = make_config(ask(hidden), run_dir=str(tmp_path / "clean"), name="clean.toml")
+    run_stage("generate", clean, 0, quiet=True)
+    a, b = rollouts(cfg).drop(["env_seconds", "policy"]), rollouts(clean).drop(["env_seconds", "policy"])
+    assert a.equals(b)
+
+
+def test_bad_environment_keys_are_one_line_errors(make_config) -> None:
+    with pytest.raises(ConfigError, match="'generate.environment' must be 'module:factory', got 'nocolon'"):
+        make_config('[generate]\nenvironment = "nocolon"\n')
+    with pytest.raises(
+        ConfigError, match="'generate.environment' is not supported with generate.engine = 'vllm'"
+    ):
+        make_config('[generate]\nenvironment = "a:b"\nengine = "vllm"\n')
+    _, cfg = make_config('[generate]\nenvironment = "tests.stages.nope:factory"\n')
+    with pytest.raises(UserError, match=r"^generate.environment: cannot load 'tests.stages.nope:factory'"):
+        run_stage("generate", cfg, 0, quiet=True)
+    assert not layout.folder(cfg.run_dir, 0, "rollouts").exists() or not layout.list_parts(
+        layout.folder(cfg.run_dir, 0, "rollouts")
+    )
+
+
+class Once:
+    """Ends the trajectory at once (done), or after answering "x" once (`answer`)."""
+
+    def __init__(self, answer: bool) -> None:
+        self.answer, self.n = answer, 0
+
+    def step(self, text: str) -> Step:
+        self.n += 1
+        return Step("x") if self.answer and self.n == 1 else Step(done=True)
+
+
+def done_at_once(row: dict) -> Once:
+    return Once(False)
+
+
+def answer_once(row: dict) -> Once:
+    return Once(True)
+
+
+KL = "\n[score]\nkl_in_reward = true\n[train]\nkl_loss_coef = 0.01\n"
+TIMING = ["tokens_per_s"]
+
+
+def _pipeline(cfg) -> dict[str, pa.Table]:
+    for stage in ("generate", "score", "advantage", "train"):
+        run_stage(stage, cfg, 0, quiet=True)
+    sdir = lambda f: layout.folder(cfg.run_dir, 0, f)  # noqa: E731
+    return {
+        "rollouts": rollouts(cfg),
+        "scores": manifests.read_complete(sdir("scores"), SCORES),
+        "advantages": manifests.read_complete(sdir("advantages"), ADVANTAGES),
+        "metrics": manifests.read_table(sdir("train") / "metrics.parquet").drop(TIMING),
+        "rollout_stats": manifests.read_table(sdir("train") / "rollout_stats.parquet"),
+    }
+
+
+@pytest.fixture
+def ref_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rlhf_batch.models.tiny import init_model
+
+    return init_model(tmp_path_factory.mktemp("ref") / "ref", arch="qwen2", seed=1)
+
+
+@pytest.mark.slow
+def test_a_mask_of_ones_gives_the_single_turn_numbers(make_config, ref_model, tmp_path: Path) -> None:
+    _, single = make_config(KL, ref_model=str(ref_model))
+    env = '[generate]\nenvironment = "tests.stages.test_multiturn:done_at_once"\n'
+    _, multi = make_config(env + KL, ref_model=str(ref_model), run_dir=str(tmp_path / "multi"), name="m.toml")
+    a, b = _pipeline(single), _pipeline(multi)
+    assert set(pc.list_flatten(b["rollouts"]["loss_mask"]).to_pylist()) == {1}
+    assert a["scores"]["kl_sum"].to_pylist() != [0.0] * a["scores"].num_rows  # the reference differs
+    mt = [c for c in b["rollouts"].column_names if c not in a["rollouts"].column_names]
+    assert b["rollouts"].drop(mt).equals(a["rollouts"])
+    assert b["scores"].equals(a["scores"])
+    assert b["advantages"].drop(["loss_mask"]).equals(a["advantages"])
+    assert b["metrics"].equals(a["metrics"])
+
+
+@pytest.mark.slow
+def test_environment_tokens_count_in_no_kl_and_no_normaliser(make_config, ref_model) -> None:
+    env = '[generate]\nenvironment = "tests.stages.test_multiturn:answer_once"\nmax_turns = 2\n'
+    _, cfg = make_config(env + KL, ref_model=str(ref_model))
+    out = _pipeline(cfg)
+    r, s = out["rollouts"].to_pylist(), out["scores"].to_pylist()
+    for roll, sc in zip(r, s, strict=True):
+        mask = roll["loss_mask"]
+        assert 0 in mask  # every trajectory holds the tool message
+        # k1 per sampled token: behaviour - reference (the policy here is the sampler)
+        want = sum(
+            b - f for b, f, m in zip(roll["behavior_logprobs"], sc["ref_logprobs"], mask, strict=True) if m
+        )
+        assert sc["kl_sum"] == pytest.approx(want, rel=1e-5, abs=1e-5)
+        assert all(k == 0.0 for k, m in zip(sc["kl"], mask, strict=True) if not m)
+    adv = out["advantages"]
+    sampled = sum(sum(m) for m in adv["loss_mask"].to_pylist())
+    assert sampled < sum(len(m) for m in adv["loss_mask"].to_pylist())
+    assert sum(out["metrics"]["tokens"].to_pylist()) == sampled  # one epoch: each row once
+    trained = dict(
+        zip(adv["rollout_id"].to_pylist(), [sum(m) for m in adv["loss_mask"].to_pylist()], strict=True)
+    )
+    for row in out["rollout_stats"].to_pylist():
+        assert row["tokens"] == trained[row["rollout_id"]]
+
+
+def test_single_turn_identity_is_unchanged(make_config) -> None:
+    _, single = make_config()
+    _, multi = make_config('[generate]\nenvironment = "rlhf_batch.envs.demo:ask_letter"\nenv_workers = 3\n')
+    keys = ("environment", "max_turns", "max_trajectory_tokens", "env_timeout_s", "env_workers")
+    assert not set(keys) & set(single.identity("generate")["generate"])  # as before these keys
+    got = multi.identity("generate")["generate"]
+    assert got["environment"] == "rlhf_batch.envs.demo:ask_letter" and got["max_turns"] == 4
+    assert "env_workers" not in got  # how many processes step the environments decides nothing
