@@ -168,21 +168,18 @@ def _read_parts(files: list[str], keys: list[str], extra: str = "") -> str:
 
 def listed(root: Path, pattern: str) -> list[str]:
     """The files of `pattern` (below `root`) that a complete folder's manifest lists: no part of a
-    partial folder, no orphan part, no metrics of a train that did not finish."""
+    partial folder, no orphan part, no metrics of a train that did not finish (a folder a forced
+    run's output is being swapped into: its staged copy, `manifests.current`)."""
     from rlhf_batch.store.layout import METRICS_FILE, ROLLOUT_STATS_FILE
-    from rlhf_batch.store.manifests import manifest
+    from rlhf_batch.store.manifests import current, manifest
 
-    out, parts = [], {}
-    for f in sorted(root.glob(pattern)):
-        if f.parent not in parts:
-            m = manifest(f.parent)
-            parts[f.parent] = (
-                {p["file"] for p in m["parts"]} | {METRICS_FILE, ROLLOUT_STATS_FILE}
-                if m is not None
-                else set()
-            )
-        if f.name in parts[f.parent]:
-            out.append(str(f))
+    out = []
+    for folder in sorted({f.parent for f in root.glob(pattern)}):
+        src = current(folder)
+        if (m := manifest(src)) is None:
+            continue
+        names = {p["file"] for p in m["parts"]} | {METRICS_FILE, ROLLOUT_STATS_FILE}
+        out += [str(f) for f in sorted(src.glob(Path(pattern).name)) if f.name in names]
     return out
 
 

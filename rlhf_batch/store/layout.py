@@ -160,3 +160,8 @@ def unportable(obj: Any, root: Path) -> Any:
 def tmp_name(path: Path, pid: int) -> Path:
     """The hidden temporary name a file is written under before its rename."""
     return path.with_name(f".{path.name}.{pid}.tmp")
+
+
+def staged(final: Path) -> Path:
+    """Where a forced run of the folder `final` writes its output until it is swapped in."""
+    return final.with_name(f".{final.name}.new")

@@ -31,9 +31,7 @@ from rlhf_batch.store import fs, layout
 OUTSIDE = {layout.TRAIN: (layout.POLICY_DIR,)}
 
 
-def staged(final: Path) -> Path:
-    """Where a forced run of the folder `final` writes."""
-    return final.with_name(f".{final.name}.new")
+staged = layout.staged  # where a forced run of a folder writes
 
 
 def retired(final: Path) -> Path:
@@ -114,9 +112,11 @@ def same_output(final: Path) -> bool:
     """Whether the staged output of `final` is the one already there: both complete with the
     same identity and the same parts, byte for byte (a forced re-run that changed nothing; the
     old folder is then kept, so the manifest later stages fingerprinted stays as it was)."""
-    from rlhf_batch.store.manifests import manifest
+    from rlhf_batch.store.manifests import read_json
 
-    old, new = manifest(final), manifest(staged(final))
+    # the folder's own manifest (not `manifests.manifest`, which falls back to the staged one)
+    own = [read_json(d / layout.MANIFEST) if committed(d) else None for d in (final, staged(final))]
+    old, new = own
     if old is None or new is None or old.get("key") != new.get("key") or not new.get("parts"):
         return False
     names = [p["file"] for p in new["parts"]]
