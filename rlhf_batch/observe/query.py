@@ -42,7 +42,7 @@ from typing import Any
 from rlhf_batch.errors import ConfigError, UserError
 from rlhf_batch.observe.health import create_view
 from rlhf_batch.sql import NAN_SAFE, quote
-from rlhf_batch.store.fs import is_remote, register, run_path
+from rlhf_batch.store.fs import register, run_path
 
 VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schemas)
     "rollouts": ("iter=*/rollouts/part-*.parquet", "ROLLOUTS"),
@@ -94,11 +94,12 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def existing_run(run_dir: str | Path) -> Path:
-    root = run_path(run_dir)
-    root = root if is_remote(root) else root.expanduser().resolve()
+def existing_run(run_dir: str | Path, where: str = "") -> Path:
+    """The run directory `run_dir` (resolved; a UPath resolves to itself), which must exist and
+    be readable by DuckDB's globs; `where`: how it was named, for the error."""
+    root = run_path(run_dir).expanduser().resolve()
     if not root.is_dir():
-        raise UserError(f"{root}: run directory not found")
+        raise UserError(f"{root}: run directory not found{where}")
     if any(c in str(root) for c in "*?[]{}"):
         raise UserError(f"{root}: the run directory's path must not contain glob characters (*?[]{{}})")
     return root

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.store import layout
 from rlhf_batch.store.atomic import COUNTS_KEY, IDENTITY_KEY, write_json_atomic, write_json_exclusive
-from rlhf_batch.store.fs import arrow_source, guard, is_remote, run_path
+from rlhf_batch.store.fs import arrow_source, guard, run_path, store_of
 from rlhf_batch.store.layout import MANIFEST, STARTED, list_parts, part_number
 from rlhf_batch.store.schemas import check_values, validate
 
@@ -97,7 +97,7 @@ FOOTER_READERS = 16  # footers read at once from an object store: each read wait
 def footers(paths: list[Path]) -> list[tuple[int, dict[str, int], str | None]]:
     """`footer_identity` of every path, in order; concurrently on an object store (a stage of a
     few hundred parts otherwise waits for hundreds of round trips one after another)."""
-    if len(paths) < 2 or not is_remote(paths[0]):
+    if len(paths) < 2 or store_of(paths[0]).local:
         return [footer_identity(p) for p in paths]
     from concurrent.futures import ThreadPoolExecutor
 

@@ -74,7 +74,5 @@ def remove_policy(pol: Path, why: dict[str, Any]) -> None:
 
 
 def _root(pol: Path) -> Path:
-    """The run directory of the policy dir `pol` (absolute when local)."""
-    from rlhf_batch.store.fs import is_remote
-
-    return pol.parent.parent if is_remote(pol) else pol.parent.parent.absolute()
+    """The run directory of the policy dir `pol` (absolute; a UPath is absolute already)."""
+    return pol.parent.parent.absolute()

@@ -18,7 +18,7 @@ def test_local_paths_stay_pathlib_paths(tmp_path: Path) -> None:
     assert fs.run_path(str(tmp_path)) == tmp_path and type(fs.run_path(str(tmp_path))) is type(tmp_path)
     assert fs.run_path(f"file://{tmp_path}") == tmp_path
     assert fs.scheme("runs/demo") == "" and fs.scheme("file:///x") == "" and fs.scheme("s3://b/p") == "s3"
-    assert not fs.is_remote(tmp_path)
+    assert fs.store_of(tmp_path) is fs.LOCAL and fs.store_of(fs.run_path("s3://b/p")) is fs.S3
 
 
 def test_a_scheme_without_its_package_or_unknown_is_a_one_line_error() -> None:
