@@ -197,3 +197,41 @@ def test_a_forced_eval_killed_anywhere_keeps_or_finishes_and_is_always_readable(
     assert res.returncode == 0, res.stderr[-2000:]
     assert '"temperature": 0.7' in (it0 / "eval" / layout.MANIFEST).read_text()
     assert staged_left(run_dir) == [] and set(objects(it0 / "eval")) == set(old)
+
+
+@pytest.mark.slow
+def test_a_forced_import_killed_anywhere_keeps_or_finishes_its_rollouts(
+    s3_server, tiny_model: Path, demo_prompts: Path, tmp_path: Path, monkeypatch
+) -> None:
+    import json
+
+    from rlhf_batch.store import manifests
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    run_dir = f"s3://{new_bucket(s3_server)}/run"
+    path = write_config(
+        tmp_path / "c.toml", tiny_model, demo_prompts, run_dir=run_dir, score={"rows_per_part": 2}
+    )
+    rows = [
+        {"prompt": p, "response": r}
+        for p, r in (("a*2=", "aa"), ("b*1=", "b"), ("c*2=", "cx"), ("a*1=", "a"))
+    ]
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    second.write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))
+    env = {**os.environ, **s3_server.env(), "RLHF_BATCH_LOCK_STALE_S": "1"}
+    assert rlhf("import", str(first), "--config", str(path), "--quiet", env=env).returncode == 0
+    it0 = run_path(run_dir) / "iter=0000"
+    old = objects(it0 / "rollouts")
+    assert len([n for n in old if n.startswith("part-")]) == 2
+    force = ("import", str(second), "--config", str(path), "--force", "--quiet")
+    for point in ("rollouts:part-1:tmp", "rollouts:manifest"):  # before the commit: as it was
+        killed(rlhf(*force, env={**env, "RLHF_BATCH_FAULT": point}), point)
+        assert objects(it0 / "rollouts") == old, point
+    for point in ("rollouts:commit:retired", "rollouts:commit:swapped"):  # in the swap: readable
+        killed(rlhf(*force, env={**env, "RLHF_BATCH_FAULT": point}), point)
+        assert manifests.manifest(it0 / "rollouts") is not None, point
+    res = rlhf(*force[:-2], "--quiet", env=env)  # the same file again: the swap finished, complete
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert staged_left(run_dir) == [] and str(second) in (it0 / "rollouts" / layout.MANIFEST).read_text()
