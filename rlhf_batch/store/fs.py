@@ -6,7 +6,10 @@ A local run directory is a `pathlib.Path`, exactly as always. A run on an object
 listings read the same on both. What differs is here: an object store has no rename, so a file
 becomes visible only as one finished PUT (`put_file`; s3fs completes a multipart upload only
 after its last part), a "directory" is a prefix, and model directories are copied to a local
-cache before they are loaded (`local_dir`). Credentials and the endpoint come from the standard
+cache before they are loaded (`local_dir`). That difference is the `Store` interface at the end of
+this module (`LocalStore`, `FsspecStore`, `S3Store`, picked by URI scheme from `STORES` through
+`store_of`): callers ask a path's store what it can do, never whether the path is remote.
+Credentials and the endpoint come from the standard
 environment (``AWS_*``, ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``), never from
 the config; no key or secret is ever written into a manifest or a message.
 """
