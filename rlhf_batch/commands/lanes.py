@@ -27,7 +27,6 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.store import fs, layout, manifests
 
 LANES = {"sample": ("generate", "score"), "learn": ("advantage", "train", "eval")}
-POLL_S = {False: 0.01, True: 1.0}  # between looks at a manifest: local disk (a stat), object store
 
 
 def use_side(cfg: Config, stage: str) -> None:
@@ -108,6 +107,6 @@ def await_folder(cfg: Config, it: int, folder: str) -> None:
     """Until iteration `it`'s `folder` is complete (its manifest is there). The other lane makes
     it; if that lane fails, `run` stops this one."""
     sdir = layout.folder(cfg.run_dir, it, folder)
-    pause = POLL_S[fs.is_remote(cfg.run_dir)]
+    pause = fs.store_of(sdir).poll_s
     while manifests.manifest(sdir) is None:
         time.sleep(pause)

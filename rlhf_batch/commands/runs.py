@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhf_batch.errors import UserError
-from rlhf_batch.store.fs import is_remote, run_path
+from rlhf_batch.observe.query import existing_run
+from rlhf_batch.store.fs import run_path
 
 
 def run_dir_of(target: str | None = None, run_dir: str | None = None, config: Path | None = None) -> Path:
@@ -31,9 +32,7 @@ def run_dir_of(target: str | None = None, run_dir: str | None = None, config: Pa
         where = f" (run_dir of {config})"
     else:
         root = run_path(run_dir) if run_dir is not None else Path(".")
-    root = root if is_remote(root) else root.expanduser().resolve()
-    if not root.is_dir():
-        raise UserError(f"{root}: run directory not found{where}")
+    root = existing_run(root, where)
     if not any(p.is_dir() and p.name.startswith("iter=") for p in root.iterdir()):
         raise UserError(
             f"{root}: holds no run (no iter=* folder){where}; give the config file or the run directory"

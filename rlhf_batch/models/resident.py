@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rlhf_batch.store.fs import is_remote
+from rlhf_batch.store.fs import store_of
 
 MAX_MODELS = 3
 _ON: dict[str, bool] = {"on": False}
@@ -64,7 +64,7 @@ def clear() -> None:
 
 
 def _key(p: Path) -> str | None:
-    return None if is_remote(p) else os.path.realpath(p)
+    return os.path.realpath(p) if store_of(p).local else None
 
 
 def _stat(f: Path) -> tuple[str, int, int, int]:

@@ -52,7 +52,7 @@ from typing import Any
 from rlhf_batch.errors import ConfigError, UserError
 from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_view
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
-from rlhf_batch.store.fs import is_remote, register, run_path
+from rlhf_batch.store.fs import register, run_path
 
 VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schemas)
     "rollouts": ("iter=*/rollouts/part-*.parquet", "ROLLOUTS"),
@@ -125,11 +125,12 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split())
 
 
-def existing_run(run_dir: str | Path) -> Path:
-    root = run_path(run_dir)
-    root = root if is_remote(root) else root.expanduser().resolve()
+def existing_run(run_dir: str | Path, where: str = "") -> Path:
+    """The run directory `run_dir` (resolved; a UPath resolves to itself), which must exist and
+    be readable by DuckDB's globs; `where`: how it was named, for the error."""
+    root = run_path(run_dir).expanduser().resolve()
     if not root.is_dir():
-        raise UserError(f"{root}: run directory not found")
+        raise UserError(f"{root}: run directory not found{where}")
     if any(c in str(root) for c in "*?[]{}"):
         raise UserError(f"{root}: the run directory's path must not contain glob characters (*?[]{{}})")
     return root
@@ -217,21 +218,18 @@ def _read_parts(files: list[str], keys: list[str], extra: str = "") -> str:
 
 def listed(root: Path, pattern: str) -> list[str]:
     """The files of `pattern` (below `root`) that a complete folder's manifest lists: no part of a
-    partial folder, no orphan part, no metrics of a train that did not finish."""
+    partial folder, no orphan part, no metrics of a train that did not finish (a folder a forced
+    run's output is being swapped into: its staged copy, `manifests.current`)."""
     from rlhf_batch.store.layout import METRICS_FILE, ROLLOUT_STATS_FILE
-    from rlhf_batch.store.manifests import manifest
+    from rlhf_batch.store.manifests import current, manifest
 
-    out, parts = [], {}
-    for f in sorted(root.glob(pattern)):
-        if f.parent not in parts:
-            m = manifest(f.parent)
-            parts[f.parent] = (
-                {p["file"] for p in m["parts"]} | {METRICS_FILE, ROLLOUT_STATS_FILE}
-                if m is not None
-                else set()
-            )
-        if f.name in parts[f.parent]:
-            out.append(str(f))
+    out = []
+    for folder in sorted({f.parent for f in root.glob(pattern)}):
+        src = current(folder)
+        if (m := manifest(src)) is None:
+            continue
+        names = {p["file"] for p in m["parts"]} | {METRICS_FILE, ROLLOUT_STATS_FILE}
+        out += [str(f) for f in sorted(src.glob(Path(pattern).name)) if f.name in names]
     return out
 
 

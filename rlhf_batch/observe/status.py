@@ -67,12 +67,13 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
     from rlhf_batch.store import layout, manifests
 
     sdir = layout.folder(root, it, stage, topup)
-    m = manifests.manifest(sdir)
+    src = manifests.current(sdir)  # its staged copy while a forced run's output is swapped in
+    m = manifests.manifest(src)
     if stage == "train":
-        files = [f for f in [sdir / "metrics.parquet"] if f.exists()]
+        files = [f for f in [src / "metrics.parquet"] if f.exists()]
         started = sdir.exists() or layout.policy_dir(root, it).exists()
     else:
-        files = [sdir / p["file"] for p in m["parts"]] if m else layout.list_parts(sdir)
+        files = [src / p["file"] for p in m["parts"]] if m else layout.list_parts(sdir)
         started = sdir.exists()
     state = "complete" if m else "partial" if started else "missing"
     details = []

@@ -75,7 +75,7 @@ def checkpoint_path(sdir: Path, n: int) -> Path:
 
 def _load(path: Path, rids: list[str]) -> tuple[int, list[Trajectory]] | None:
     try:
-        state = json.loads(fs.get_bytes(path)) if fs.is_remote(path) else json.loads(path.read_text())
+        state = json.loads(path.read_text() if fs.store_of(path).local else fs.get_bytes(path))
     except (FileNotFoundError, OSError, ValueError):
         return None
     if state.get("rollout_ids") != rids:  # another part's plan: start the part over

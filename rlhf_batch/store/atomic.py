@@ -3,7 +3,6 @@ reader never sees half a file and a kill leaves either the old state or the new 
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from collections.abc import Callable
@@ -13,7 +12,6 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_batch.errors import ADVICE, StageError
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.store import fs
 from rlhf_batch.store.layout import tmp_name
@@ -21,91 +19,30 @@ from rlhf_batch.store.schemas import SCHEMA_VERSION, VERSION_KEY
 
 COUNTS_KEY = b"rlhf_batch.counts"
 IDENTITY_KEY = b"rlhf_batch.identity"  # the located identity of the stage run that wrote a part
-_durable = True  # the run's `fsync` setting (set_durable)
 T = TypeVar("T")
-
-
-def set_durable(on: bool) -> None:
-    """The config's `fsync`: false skips every fsync. Renames stay atomic, so a killed process
-    still leaves the old state or the new one; only a power cut may lose the last writes."""
-    global _durable
-    _durable = on
-
-
-def fsync(fd: int) -> None:
-    if _durable:
-        os.fsync(fd)
-
-
-def write_error(path: Path, e: BaseException) -> StageError:
-    """A failed write (disk full, file too large, no permission) as a one-line error naming the file."""
-    code = e.errno if isinstance(e, OSError) else None
-    reason = os.strerror(code) if code else str(e).splitlines()[0]
-    if not isinstance(e, OSError) and _disk_full(path):  # torch.save: "[enforce fail at inline_...]"
-        reason, code = os.strerror(28), 28  # ENOSPC
-    if code == errno.ENOENT:
-        return StageError(f"{path}: cannot write: the folder {path.parent} does not exist")
-    advice = ADVICE.get(code or -1, "fix it and run again")
-    return StageError(f"{path}: cannot write ({reason}); {advice}, finished work is kept")
-
-
-def _disk_full(path: Path) -> bool:
-    import shutil
-
-    for d in (path, *path.parents):
-        if d.exists():
-            return shutil.disk_usage(d).free < (1 << 20)
-    return False
+set_durable = fs.set_durable  # the config's `fsync` (false: no fsync; renames stay atomic)
+write_error = fs.write_error
 
 
 def fsync_dir(path: Path) -> None:
     """Make the renames in directory `path` durable: after a power cut (not only a kill) no part
-    that a later manifest lists can be missing."""
-    if fs.is_remote(path):
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fsync(fd)
-    finally:
-        os.close(fd)
+    that a later manifest lists can be missing (nothing on an object store)."""
+    fs.store_of(path).sync(path)
 
 
 def write_file_atomic(path: Path, write: Callable[[Path], T], fault: str = "") -> T:
-    """Call `write(tmp)` to write a hidden temporary file next to `path`, fsync it and rename it to
-    `path`: a reader never sees half a file. The one way every run file is written. On an object
-    store the file is written locally, then uploaded as one object (there is no rename)."""
-    if fs.is_remote(path):
-        return _put_written(path, write, fault)
-    tmp = tmp_name(path, os.getpid())
-    try:
-        result = write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
+    """Call `write(tmp)` to write a file at a scratch path, then make it `path` at once (its
+    store's `put`: fsync and rename locally, one PUT on an object store): a reader never sees
+    half a file. The one way every run file is written."""
+    store = fs.store_of(path)
+    with store.scratch(tmp_name(path, os.getpid()), path.name) as tmp:
         try:
-            fsync(fd)
-        finally:
-            os.close(fd)
-        if fault:
-            fault_point(f"{fault}:tmp")
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise write_error(path, e) from e
-        raise
-    return result
-
-
-def _put_written(path: Path, write: Callable[[Path], T], fault: str) -> T:
-    """`write` into a local temporary file, then one PUT of the finished object."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="rlhf-batch-") as d:
-        tmp = Path(d) / path.name
-        result = write(tmp)
-        if fault:
-            fault_point(f"{fault}:tmp")
-        fs.put_file(tmp, path)
+            result = write(tmp)
+            if fault:
+                fault_point(f"{fault}:tmp")
+            store.put(tmp, path)
+        except OSError as e:
+            raise write_error(path, e, tmp) from e
     return result
 
 
@@ -118,20 +55,7 @@ def write_json_exclusive(path: Path, obj: Any) -> bool:
     """Write `path` whole only if it does not exist yet (False if it does): an object store's
     conditional create; locally a finished temporary file hard-linked to its name."""
     text = json.dumps(obj, indent=2, sort_keys=True, default=str)
-    if fs.is_remote(path):
-        return fs.create(path, text.encode())
-    tmp = tmp_name(path, os.getpid())
-    try:
-        tmp.write_text(text)
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    except OSError as e:
-        raise write_error(path, e) from e
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-    return True
+    return fs.store_of(path).create(path, text.encode())
 
 
 def write_parquet_atomic(
@@ -154,61 +78,27 @@ def write_parquet_atomic(
 
 
 def write_dir_atomic(final: Path, write: Callable[[Path], T], *, replace: bool = True, fault: str = "") -> T:
-    """Call `write(tmp)` on a fresh hidden directory next to `final`, fsync it and rename it to
-    `final`: a kill leaves the old directory or the new one. An older `final` is replaced, or with
-    `replace=False` kept (another writer made it first: the new copy is dropped)."""
-    import shutil
-
+    """Call `write(tmp)` on a fresh scratch directory, then make it `final` (its store's `put`:
+    fsync and rename locally, so a kill leaves the old directory or the new one; uploaded file by
+    file on an object store, where the manifest written after it is what makes it count). An
+    older `final` is replaced, or with `replace=False` kept (another writer made it first: the new
+    copy is dropped)."""
     from safetensors import SafetensorError
 
-    if fs.is_remote(final):
-        return _put_dir(final, write, replace, fault)
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):  # of a killed writer (one writer: the run lock)
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    try:
-        tmp.mkdir(parents=True)
-        result = write(tmp)
-        fault_point(f"dir:{final.name}:tmp")
-        fsync_tree(tmp)
-    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each writer reports it
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise write_error(final, e) from e
-    if fault:
-        fault_point(f"{fault}:tmp")
-    if final.exists():
-        if not replace:
-            shutil.rmtree(tmp, ignore_errors=True)
-            return result
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(final.parent)
-    return result
-
-
-def _put_dir(final: Path, write: Callable[[Path], T], replace: bool, fault: str) -> T:
-    """On an object store: `write` into a local temporary directory, then upload it file by file.
-    A prefix cannot appear at once: what makes it count is the manifest written after it."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="rlhf-batch-") as d:
-        tmp = Path(d) / final.name
-        tmp.mkdir()
-        result = write(tmp)
+    store = fs.store_of(final)
+    store.clear_stale(final.parent, f".{final.name}.tmp-*")
+    with store.scratch(final.with_name(f".{final.name}.tmp-{os.getpid()}"), final.name) as tmp:
+        try:
+            tmp.mkdir(parents=True)
+            result = write(tmp)
+            fault_point(f"dir:{final.name}:tmp")
+        except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each writer reports it
+            raise write_error(final, e, tmp) from e
         if fault:
             fault_point(f"{fault}:tmp")
-        if final.exists():
-            if not replace:
-                return result
-            fs.remove(final)
-        fs.put_dir(tmp, final)
+        if replace or not final.exists():
+            try:
+                store.put(tmp, final)
+            except OSError as e:
+                raise write_error(final, e, tmp) from e
     return result
-
-
-def fsync_tree(path: Path) -> None:
-    for p in [*sorted(path.iterdir()), path]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            fsync(fd)
-        finally:
-            os.close(fd)

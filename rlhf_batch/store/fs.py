@@ -6,18 +6,23 @@ A local run directory is a `pathlib.Path`, exactly as always. A run on an object
 listings read the same on both. What differs is here: an object store has no rename, so a file
 becomes visible only as one finished PUT (`put_file`; s3fs completes a multipart upload only
 after its last part), a "directory" is a prefix, and model directories are copied to a local
-cache before they are loaded (`local_dir`). Credentials and the endpoint come from the standard
+cache before they are loaded (`local_dir`). That difference is the `Store` interface at the end of
+this module (`LocalStore`, `FsspecStore`, `S3Store`, picked by URI scheme from `STORES` through
+`store_of`): callers ask a path's store what it can do, never whether the path is remote.
+Credentials and the endpoint come from the standard
 environment (``AWS_*``, ``AWS_ENDPOINT_URL``, ``GOOGLE_APPLICATION_CREDENTIALS``), never from
 the config; no key or secret is ever written into a manifest or a message.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -50,7 +55,7 @@ def run_path(run_dir: str | Path) -> Path:
     """The run directory (or a path below it) as a path object: `pathlib.Path` when local, a
     `UPath` on an object store (typed as Path: it has the same methods). A scheme whose
     filesystem package is missing is a one-line error, never a local folder named `s3:`."""
-    if is_remote(run_dir):
+    if not isinstance(run_dir, str | Path):  # a UPath already
         return cast(Path, run_dir)
     text = str(run_dir)
     s = scheme(text)
@@ -166,12 +171,6 @@ def unreachable(e: BaseException) -> str | None:
     return None
 
 
-def is_remote(path: Any) -> bool:
-    """Whether `path` is on an object store (a UPath with a remote protocol)."""
-    protocol = getattr(path, "protocol", None)
-    return isinstance(protocol, str) and protocol not in ("", "file", "local")
-
-
 def filesystem(path: Path) -> Any:
     """The fsspec filesystem of a remote path."""
     return path.fs  # type: ignore[attr-defined]
@@ -258,30 +257,6 @@ def put_dir(local: Path, path: Path) -> None:
         put_file(f, path / f.relative_to(local).as_posix())
 
 
-def create(path: Path, data: bytes) -> bool:
-    """Create `path` only if it does not exist (an object store's conditional create,
-    If-None-Match: *; O_EXCL locally). False when it exists already."""
-    if not is_remote(path):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        return True
-    fs = filesystem(path)
-    try:
-        retry(path, lambda: fs.pipe_file(key(path), data, mode="create"))
-    except FileExistsError:
-        return False
-    except (NotImplementedError, TypeError, ValueError) as e:
-        raise StageError(
-            f"{path}: this store does not support conditional create (If-None-Match: *), which the "
-            f"run lock needs ({str(e).splitlines()[0]})"
-        ) from None
-    return True
-
-
 def mirror(src: Path, dst: Path, last: str | None = None) -> None:
     """Make the prefix `dst` hold exactly the objects of the prefix `src` (server-side copies;
     objects of `dst` that `src` lacks are deleted first). The object named `last` is copied last."""
@@ -314,8 +289,6 @@ def _refused(e: BaseException) -> bool:
 
 def _s3(path: Path) -> tuple[Any, str, str]:
     fsys = filesystem(path)
-    if not hasattr(fsys, "call_s3"):
-        raise StageError(f"{path}: the run lock needs conditional writes (If-Match), supported on s3:// here")
     bucket, name, _ = fsys.split_path(key(path))
     return fsys, bucket, name
 
@@ -359,61 +332,6 @@ def delete_if(path: Path, match: str) -> bool:
     return True
 
 
-def makedirs(path: Path) -> None:
-    """A local directory and its parents; nothing on an object store (a prefix exists through
-    its objects)."""
-    if not is_remote(path):
-        path.mkdir(parents=True, exist_ok=True)
-
-
-def remove(path: Path) -> None:
-    """Remove a file or a whole folder (prefix); nothing if it is not there."""
-    if is_remote(path):
-        guard(path)
-        fs = filesystem(path)
-        if retry(path, lambda: fs.exists(key(path))):
-            retry(path, lambda: fs.rm(key(path), recursive=True))
-        return
-    import shutil
-
-    if path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def arrow_source(path: Path) -> tuple[str, Any]:
-    """(path, filesystem) for pyarrow's readers: a local path as it is, a remote one through its
-    fsspec filesystem."""
-    if not is_remote(path):
-        return str(path), None
-    return key(path), filesystem(path)
-
-
-def register(con: Any, paths: Any) -> None:
-    """Let a DuckDB connection read the object store that `paths` live on (fsspec filesystem
-    registered with DuckDB: its httpfs extension cannot be installed offline)."""
-    for p in paths if isinstance(paths, list | tuple) else [paths]:
-        if is_remote(p):
-            fs = filesystem(p)
-            if not con.filesystem_is_registered(
-                fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-            ):
-                con.register_filesystem(fs)
-            return
-
-
-def local_side(run_dir: str | Path, name: str) -> Path:
-    """A local directory for files that libraries write with local file APIs (TensorBoard event
-    files, wandb's and MLflow's stores, DuckDB's spills): RUN_DIR/name for a local run, else a local directory
-    beside the model cache, one per run URI."""
-    root = run_path(run_dir)
-    if not is_remote(root):
-        return root / name
-    digest = hashlib.sha256(str(root).encode()).hexdigest()[:16]
-    return cache_root().parent / "runs" / digest / name
-
-
 def cache_root() -> Path:
     """The local cache of model directories copied from a store ($RLHF_BATCH_CACHE, default
     ~/.cache/rlhf-batch/models)."""
@@ -425,11 +343,336 @@ def _get(fs: Any, path: Path, name: str, dest: Path) -> None:
     retry(path, lambda: fs.get_file(name, str(dest)))
 
 
-def local_dir(path: Path) -> Path:
-    """A model directory on the store copied into the local cache once per machine, keyed by its
-    objects' names, sizes and ETags (another policy, another key); a local path as it is."""
-    if not is_remote(path):
+# The storage interface ----------------------------------------------------------------------
+
+_durable = True  # the run's `fsync` setting (set_durable)
+
+
+def set_durable(on: bool) -> None:
+    """The config's `fsync`: false skips every fsync. Renames stay atomic, so a killed process
+    still leaves the old state or the new one; only a power cut may lose the last writes."""
+    global _durable
+    _durable = on
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a local file or directory (nothing when the run's `fsync` is off)."""
+    if not _durable:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_error(path: Path, e: BaseException, scratch: Path | None = None) -> StageError:
+    """A failed write (disk full, file too large, no permission) as a one-line error naming the
+    file; `scratch`: the local path it was written at first (where a disk fills up)."""
+    import errno
+
+    from rlhf_batch.errors import ADVICE
+
+    code = e.errno if isinstance(e, OSError) else None
+    reason = os.strerror(code) if code else str(e).splitlines()[0]
+    if not isinstance(e, OSError) and _disk_full(scratch or path):  # torch.save: "[enforce fail ...]"
+        reason, code = os.strerror(28), 28  # ENOSPC
+    if code == errno.ENOENT:
+        return StageError(f"{path}: cannot write: the folder {path.parent} does not exist")
+    advice = ADVICE.get(code or -1, "fix it and run again")
+    return StageError(f"{path}: cannot write ({reason}); {advice}, finished work is kept")
+
+
+def _disk_full(path: Path) -> bool:
+    import shutil
+
+    for d in (path, *path.parents):
+        if d.exists():
+            return shutil.disk_usage(d).free < (1 << 20)
+    return False
+
+
+class Store:
+    """What a run needs from where it lives. One implementation per kind of store, picked from
+    STORES by the path's URI scheme (`store_of`); nothing outside this module asks which kind a
+    path is, only what its store can do (`local`, `renames`, `fences`). Paths are the run's own
+    path objects (`run_path`): `pathlib.Path` locally, `UPath` on an object store."""
+
+    local = False  # its paths are files of this machine (flock, fsync, hashing in place, hub revisions)
+    renames = False  # renames a folder at once: a forced output is swapped in by renames, else by copies
+    fences = False  # versioned conditional writes (If-Match): the run lock on it fences a lost holder
+    poll_s = 1.0  # between two looks at a manifest another process writes
+
+    def scratch(self, sibling: Path, name: str) -> contextlib.AbstractContextManager[Path]:
+        """A local path to write a file or folder at before `put` makes it `name`'s: `sibling`
+        (a hidden name beside it) where renames are atomic, else a local temporary folder's
+        `name`. Whatever is left there is removed on leaving."""
+        raise NotImplementedError
+
+    def put(self, tmp: Path, path: Path) -> None:
+        """Make the finished local file or folder `tmp` the file or folder `path` (replacing a
+        folder there); a reader sees the old one or the new one (a folder on an object store:
+        a prefix cannot appear at once, the manifest written after it is what makes it count)."""
+        raise NotImplementedError
+
+    def create(self, path: Path, data: bytes) -> bool:
+        """Write `path` whole only if it does not exist; False when it does."""
+        raise NotImplementedError
+
+    def remove(self, path: Path) -> None:
+        """Remove a file or a whole folder (prefix); nothing if it is not there."""
+        raise NotImplementedError
+
+    def rename(self, src: Path, dst: Path) -> bool:
+        """Rename `src` to `dst` at once; False where the store cannot (nothing is done)."""
+        return False
+
+    def makedirs(self, path: Path) -> None:
+        """A folder and its parents (a prefix on an object store exists through its objects)."""
+
+    def clear_stale(self, parent: Path, pattern: str) -> None:
+        """Remove what killed writers left under temporary names `pattern` in `parent` (nothing
+        where nothing is written beside the final name: an object store's scratch is local)."""
+
+    def sync(self, folder: Path) -> None:
+        """Make the renames and writes in `folder` durable (fsync)."""
+
+    def local_path(self, path: Path) -> Path:
+        """A local copy of the folder `path` (a model directory) for libraries with local file
+        APIs; the path itself where it is local."""
         return path
+
+    def local_side(self, root: Path, name: str) -> Path:
+        """A local folder for files of the run `root` that libraries write with local file APIs."""
+        digest = hashlib.sha256(str(root).encode()).hexdigest()[:16]
+        return cache_root().parent / "runs" / digest / name
+
+    def arrow_source(self, path: Path) -> tuple[str, Any]:
+        """(path, filesystem) for pyarrow's readers."""
+        return str(path), None
+
+    def register(self, con: Any, path: Path) -> None:
+        """Let a DuckDB connection read the files of this store."""
+
+    def same_bytes(self, a: Path, b: Path) -> bool:
+        return a.read_bytes() == b.read_bytes()
+
+    def put_if(self, path: Path, data: bytes, match: str) -> str | None:
+        """Write the small object `path` only if its version is `match` ("*": only if absent);
+        its new version, or None when the condition failed. Only where `fences`."""
+        raise StageError(self.no_fencing(path))
+
+    def version(self, path: Path) -> str | None:
+        raise StageError(self.no_fencing(path))
+
+    def delete_if(self, path: Path, match: str) -> bool:
+        raise StageError(self.no_fencing(path))
+
+    def no_fencing(self, path: Path) -> str:
+        root = str(path.parent)
+        s = root.split("://", 1)[0] if "://" in root else "this store"
+        return (
+            f"run_dir {root}: a run on {s}:// cannot be written: its run lock needs conditional writes "
+            "on the lock's version (If-Match), implemented for s3:// only; use s3:// or a local run_dir"
+        )
+
+
+class LocalStore(Store):
+    """A local directory: hidden temporary names, fsync, rename; an flock for the run lock."""
+
+    local, renames = True, True
+    poll_s = 0.01  # a stat
+
+    @contextlib.contextmanager
+    def scratch(self, sibling: Path, name: str) -> Iterator[Path]:
+        try:
+            yield sibling
+        finally:
+            self.remove(sibling)
+
+    def put(self, tmp: Path, path: Path) -> None:
+        if tmp.is_dir():
+            for p in [*sorted(tmp.iterdir()), tmp]:
+                fsync_path(p)
+            if path.exists():
+                shutil.rmtree(path)
+        else:
+            fsync_path(tmp)
+        os.replace(tmp, path)
+        self.sync(path.parent)
+
+    def create(self, path: Path, data: bytes) -> bool:
+        """A finished hidden file hard-linked to its name (O_EXCL with whole content)."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(data)
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise write_error(path, e) from e
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.sync(path.parent)
+        return True
+
+    def remove(self, path: Path) -> None:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+    def rename(self, src: Path, dst: Path) -> bool:
+        os.rename(src, dst)
+        return True
+
+    def makedirs(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+
+    def clear_stale(self, parent: Path, pattern: str) -> None:
+        for stale in parent.glob(pattern):  # of a killed writer (one writer: the run lock)
+            self.remove(stale)
+
+    def sync(self, folder: Path) -> None:
+        fsync_path(folder)
+
+    def local_side(self, root: Path, name: str) -> Path:
+        return root / name
+
+    def same_bytes(self, a: Path, b: Path) -> bool:
+        import filecmp
+
+        return filecmp.cmp(a, b, shallow=False)
+
+
+class FsspecStore(Store):
+    """An object store through its fsspec filesystem (gcsfs, ...): no rename, so a file is
+    written locally and becomes visible as one finished PUT; model folders are read through a
+    local cached copy. Writing a run needs `fences` (S3Store)."""
+
+    @contextlib.contextmanager
+    def scratch(self, sibling: Path, name: str) -> Iterator[Path]:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="rlhf-batch-") as d:
+            yield Path(d) / name
+
+    def put(self, tmp: Path, path: Path) -> None:
+        if tmp.is_dir():
+            self.remove(path)
+            put_dir(tmp, path)
+        else:
+            put_file(tmp, path)
+
+    def create(self, path: Path, data: bytes) -> bool:
+        """The store's conditional create (If-None-Match: *)."""
+        fsys = filesystem(path)
+        try:
+            retry(path, lambda: fsys.pipe_file(key(path), data, mode="create"))
+        except FileExistsError:
+            return False
+        except (NotImplementedError, TypeError, ValueError) as e:
+            raise StageError(
+                f"{path}: this store does not support conditional create (If-None-Match: *), which the "
+                f"run needs ({str(e).splitlines()[0]})"
+            ) from None
+        return True
+
+    def remove(self, path: Path) -> None:
+        guard(path)
+        fsys = filesystem(path)
+        if retry(path, lambda: fsys.exists(key(path))):
+            retry(path, lambda: fsys.rm(key(path), recursive=True))
+
+    def local_path(self, path: Path) -> Path:
+        return _cached(path)
+
+    def arrow_source(self, path: Path) -> tuple[str, Any]:
+        return key(path), filesystem(path)
+
+    def register(self, con: Any, path: Path) -> None:
+        fsys = filesystem(path)
+        if not con.filesystem_is_registered(
+            fsys.protocol if isinstance(fsys.protocol, str) else fsys.protocol[0]
+        ):
+            con.register_filesystem(fsys)
+
+
+class S3Store(FsspecStore):
+    """S3 and S3-compatible stores (s3fs): conditional writes on an object's version (ETag),
+    so the run lock fences a holder that lost it."""
+
+    fences = True
+
+    def put_if(self, path: Path, data: bytes, match: str) -> str | None:
+        return put_if(path, data, match)
+
+    def version(self, path: Path) -> str | None:
+        return version(path)
+
+    def delete_if(self, path: Path, match: str) -> bool:
+        return delete_if(path, match)
+
+
+LOCAL, FSSPEC, S3 = LocalStore(), FsspecStore(), S3Store()
+# URI scheme -> its store; a scheme here also needs its fsspec package in PACKAGES
+STORES: dict[str, Store] = {
+    "": LOCAL,
+    "file": LOCAL,
+    "local": LOCAL,
+    "s3": S3,
+    "s3a": S3,
+    "gs": FSSPEC,
+    "gcs": FSSPEC,
+}
+
+
+def store_of(path: Any) -> Store:
+    """The store that holds `path` (a run path, or a run directory as text)."""
+    protocol = getattr(path, "protocol", None)
+    if not isinstance(protocol, str):
+        protocol = scheme(path) if isinstance(path, str) else ""
+    return STORES.get(protocol, FSSPEC)  # another fsspec filesystem: its generic store
+
+
+def makedirs(path: Path) -> None:
+    store_of(path).makedirs(path)
+
+
+def remove(path: Path) -> None:
+    store_of(path).remove(path)
+
+
+def create(path: Path, data: bytes) -> bool:
+    return store_of(path).create(path, data)
+
+
+def arrow_source(path: Path) -> tuple[str, Any]:
+    return store_of(path).arrow_source(path)
+
+
+def local_dir(path: Path) -> Path:
+    return store_of(path).local_path(path)
+
+
+def local_side(run_dir: str | Path, name: str) -> Path:
+    """A local directory for files that libraries write with local file APIs (TensorBoard event
+    files, wandb's and MLflow's stores, DuckDB's spills): RUN_DIR/name for a local run, else a
+    local directory beside the model cache, one per run URI."""
+    root = run_path(run_dir)
+    return store_of(root).local_side(root, name)
+
+
+def register(con: Any, paths: Any) -> None:
+    """Let a DuckDB connection read the store that `paths` live on (the fsspec filesystem
+    registered with DuckDB: its httpfs extension cannot be installed offline)."""
+    for p in paths if isinstance(paths, list | tuple) else [paths]:
+        store_of(p).register(con, p)
+
+
+def _cached(path: Path) -> Path:
+    """A model directory on the store copied into the local cache once per machine, keyed by its
+    objects' names, sizes and ETags (another policy, another key)."""
     fs = filesystem(path)
     listing = retry(path, lambda: fs.find(key(path), detail=True))
     if not listing:
@@ -452,7 +695,5 @@ def local_dir(path: Path) -> Path:
     try:
         os.replace(tmp, out)
     except OSError:  # another process of this machine cached it first
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return out

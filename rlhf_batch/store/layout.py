@@ -26,7 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rlhf_batch.store.fs import is_remote, run_path
+from rlhf_batch.store.fs import run_path
 
 MANIFEST = "_manifest.json"
 STARTED = "_started.json"
@@ -49,7 +49,7 @@ def iter_dir(run_dir: str | Path, it: int) -> Path:
 
 def run_root(sdir: Path) -> Path | None:
     """The run directory that holds the stage folder `sdir` (the parent of its iter=K folder)."""
-    for d in (sdir if is_remote(sdir) else Path(sdir).absolute()).parents:
+    for d in run_path(sdir).absolute().parents:  # a UPath is absolute already
         if d.name.startswith("iter="):
             return d.parent
     return None
@@ -163,3 +163,8 @@ def unportable(obj: Any, root: Path) -> Any:
 def tmp_name(path: Path, pid: int) -> Path:
     """The hidden temporary name a file is written under before its rename."""
     return path.with_name(f".{path.name}.{pid}.tmp")
+
+
+def staged(final: Path) -> Path:
+    """Where a forced run of the folder `final` writes its output until it is swapped in."""
+    return final.with_name(f".{final.name}.new")

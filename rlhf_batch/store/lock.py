@@ -55,8 +55,7 @@ def beat_every() -> float:
 
 def lock_id(run_dir: str | Path) -> str:
     """How a run directory is named in LOCK_ENV: resolved locally, the URI on a store."""
-    root = fs.run_path(run_dir)
-    return str(root) if fs.is_remote(root) else str(root.resolve())
+    return str(fs.run_path(run_dir).resolve())  # a UPath resolves to itself
 
 
 def stage_lock(run_dir: str) -> contextlib.AbstractContextManager[Any]:
@@ -67,7 +66,7 @@ def stage_lock(run_dir: str) -> contextlib.AbstractContextManager[Any]:
 
     if os.environ.get(LOCK_ENV) == lock_id(run_dir) or int(os.environ.get("RANK", "0")) != 0:
         root, token = fs.run_path(run_dir), os.environ.get(TOKEN_ENV)
-        return TokenFence(root, token) if fs.is_remote(root) and token else contextlib.nullcontext()
+        return TokenFence(root, token) if fs.store_of(root).fences and token else contextlib.nullcontext()
     if dist.fanned_out():  # N processes share the stage on purpose: whoever started them owns the run
         return contextlib.nullcontext()
     return _locked_and_recovered(fs.run_path(run_dir))
@@ -84,8 +83,9 @@ def _locked_and_recovered(run_dir: Path) -> Iterator[None]:
 
 
 def RunLock(run_dir: Path) -> contextlib.AbstractContextManager[Any]:  # noqa: N802 - used as a class
-    """The lock of `run_dir`, local or on an object store."""
-    return StoreLock(run_dir) if fs.is_remote(run_dir) else FileLock(run_dir)
+    """The lock of `run_dir`: an flock on a local disk, else a lock object its store fences
+    (a store without versioned conditional writes is refused in one line)."""
+    return FileLock(run_dir) if fs.store_of(run_dir).local else StoreLock(run_dir)
 
 
 def _owner() -> dict[str, Any]:
@@ -137,7 +137,7 @@ class StoreLock:
     conditional write on the lock's version (If-Match on its ETag), released only while held."""
 
     def __init__(self, run_dir: Path):
-        self.path = run_dir / LOCK
+        self.path, self.store = run_dir / LOCK, fs.store_of(run_dir)
         self.owner = {**_owner(), "token": uuid.uuid4().hex}
         self.stop = threading.Event()
         self.beat: threading.Thread | None = None
@@ -150,7 +150,7 @@ class StoreLock:
         return json.dumps({**self.owner, "heartbeat": self.stamp}).encode()
 
     def __enter__(self) -> StoreLock:
-        self.etag = fs.put_if(self.path, self._record(), "*")
+        self.etag = self.store.put_if(self.path, self._record(), "*")
         if self.etag is None:
             self._take_over()
         self.beaten = self.stamp
@@ -166,7 +166,7 @@ class StoreLock:
         so of two commands taking it over together one wins."""
         info, etag = _read(self.path)
         if etag is None:  # released meanwhile
-            self.etag = fs.put_if(self.path, self._record(), "*")
+            self.etag = self.store.put_if(self.path, self._record(), "*")
         else:
             age = time.time() - float(info.get("heartbeat", 0))
             dead = _dead_here(info)
@@ -175,7 +175,7 @@ class StoreLock:
                     f"{self.path.parent}: another rlhf-batch command holds the lock ({_holder(info)}, "
                     f"heartbeat {age:.0f} s ago); wait for it or stop it"
                 )
-            self.etag = fs.put_if(self.path, self._record(), etag)
+            self.etag = self.store.put_if(self.path, self._record(), etag)
             why = "its process is gone" if dead else f"no heartbeat for {age:.0f} s"
         if self.etag is None:  # another command took it first
             raise StageError(f"{self.path.parent}: another rlhf-batch command holds the lock; wait for it")
@@ -187,7 +187,7 @@ class StoreLock:
             if self.lost is not None:
                 return
             try:
-                etag = fs.put_if(self.path, self._record(), self.etag or "*")
+                etag = self.store.put_if(self.path, self._record(), self.etag or "*")
             except Exception:  # noqa: BLE001 - a missed beat is retried at the next one
                 continue
             if etag is None:  # the lock's version changed: another command took it over
@@ -214,7 +214,7 @@ class StoreLock:
         os.environ.pop(TOKEN_ENV, None)
         if self.lost is None and self.etag is not None:
             with contextlib.suppress(Exception):  # a lock left behind goes stale: the next command takes it
-                fs.delete_if(self.path, self.etag)  # only the version this process wrote
+                self.store.delete_if(self.path, self.etag)  # only the version this process wrote
 
 
 class LockLost(StageError):
@@ -248,7 +248,7 @@ class TokenFence:
 
 def _read(path: Path) -> tuple[dict[str, Any], str | None]:
     """The lock object's record and version (ETag); ({}, None) when there is none."""
-    etag = fs.version(path)  # before the body: a newer body with this version fails If-Match
+    etag = fs.store_of(path).version(path)  # before the body: a newer body with this version fails If-Match
     if etag is None:
         return {}, None
     try:

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.store import layout
 from rlhf_batch.store.atomic import COUNTS_KEY, IDENTITY_KEY, write_json_atomic, write_json_exclusive
-from rlhf_batch.store.fs import arrow_source, guard, is_remote, run_path
+from rlhf_batch.store.fs import arrow_source, guard, run_path, store_of
 from rlhf_batch.store.layout import MANIFEST, STARTED, list_parts, part_number
 from rlhf_batch.store.schemas import check_values, validate
 
@@ -31,9 +31,24 @@ def read_json(path: Path) -> Any:
 
 
 def manifest(sdir: Path) -> dict[str, Any] | None:
-    """The folder's manifest, or None while it is not complete."""
-    path = sdir / MANIFEST
+    """The folder's manifest, or None while it is not complete (`current`: a forced run's
+    committed output while it is copied into place on an object store)."""
+    path = current(sdir) / MANIFEST
     return read_json(path) if path.exists() else None
+
+
+def current(sdir: Path) -> Path:
+    """The folder holding the current output of `sdir`: `sdir` itself, or, while a forced run's
+    committed output is being swapped in (its staged manifest written, the folder itself without
+    one: copied over object by object on a store, renamed locally), the staged folder it comes
+    from. The staged manifest is the one write that makes the new output current: a reader never
+    finds the folder incomplete in between (store/staging.py)."""
+    if (sdir / MANIFEST).exists():
+        return sdir
+    new = layout.staged(sdir)
+    if (new / MANIFEST).exists():
+        return new
+    return sdir  # not complete, or the swap finished between the two looks: its manifest is there
 
 
 def parquet_file(path: Path) -> pq.ParquetFile:
@@ -82,7 +97,7 @@ FOOTER_READERS = 16  # footers read at once from an object store: each read wait
 def footers(paths: list[Path]) -> list[tuple[int, dict[str, int], str | None]]:
     """`footer_identity` of every path, in order; concurrently on an object store (a stage of a
     few hundred parts otherwise waits for hundreds of round trips one after another)."""
-    if len(paths) < 2 or not is_remote(paths[0]):
+    if len(paths) < 2 or store_of(paths[0]).local:
         return [footer_identity(p) for p in paths]
     from concurrent.futures import ThreadPoolExecutor
 
@@ -92,12 +107,13 @@ def footers(paths: list[Path]) -> list[tuple[int, dict[str, int], str | None]]:
 
 def read_complete(sdir: Path, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
     """All rows of a complete folder, in part order, schema-checked."""
-    m = manifest(sdir)
+    src = current(sdir)
+    m = manifest(src)
     if m is None:
         raise StageError(f"{sdir}: stage is not complete (no {MANIFEST}); run it first")
     tables = []
     for p in m["parts"]:
-        t = read_part(sdir / p["file"], schema, columns)
+        t = read_part(src / p["file"], schema, columns)
         if t.num_rows != p["rows"]:
             raise SchemaError(
                 f"{sdir / p['file']}: has {t.num_rows} rows, its stage's {MANIFEST} lists {p['rows']}; "

@@ -10,7 +10,7 @@ from typing import Any
 from rlhf_batch.errors import ModelError
 from rlhf_batch.runtime.hub import hub_revision
 from rlhf_batch.store import layout
-from rlhf_batch.store.fs import is_remote, makedirs, run_path
+from rlhf_batch.store.fs import makedirs, run_path, store_of
 
 
 def check_model_dir(path: str, what: str) -> Path:
@@ -31,10 +31,7 @@ def same_dir(a: str | Path | None, b: str | Path | None) -> bool:
     """Whether two model paths name the same directory (symlinks and `..` resolved locally)."""
     if not a or not b:
         return False
-    pa, pb = run_path(a), run_path(b)
-    if is_remote(pa) or is_remote(pb):
-        return str(pa).rstrip("/") == str(pb).rstrip("/")
-    return pa.resolve() == pb.resolve()
+    return str(run_path(a).resolve()) == str(run_path(b).resolve())  # a UPath resolves to itself
 
 
 def refuse_removed(p: Path, what: str) -> None:
@@ -57,7 +54,7 @@ def model_fingerprint(path: str, what: str) -> dict[str, Any]:
     out = {"path": str(p), "config": (p / "config.json").read_text(), "weights": weights}
     if (content := weights_digest(p)) is not None:
         out["content"] = content
-    hub = None if is_remote(p) else hub_revision(p)
+    hub = hub_revision(p) if store_of(p).local else None
     return {**out, "hub": hub} if hub else out
 
 
@@ -107,11 +104,11 @@ def removed_record(path: str | Path) -> dict[str, Any] | None:
     if p.name != layout.POLICY_DIR or p.exists() or not record.is_file():
         return None
     data: dict[str, Any] = json.loads(record.read_text())
-    root = p.parent.parent if is_remote(p) else p.parent.parent.absolute()
+    root = p.parent.parent.absolute()  # a UPath is absolute already
     fp = layout.unportable(data["fingerprint"], root)
     # a record written with absolute paths, before they were portable: the path is this one
     if isinstance(fp, dict) and str(fp.get("path", "")).endswith(f"/{p.parent.name}/{p.name}"):
-        fp["path"] = str(p if is_remote(p) else p.absolute())
+        fp["path"] = str(p.absolute())
     return {**data, "fingerprint": fp}
 
 
@@ -124,7 +121,7 @@ def check_base_weights(run_dir: str | Path, path: str, what: str) -> None:
     them, with each file's size and mtime; later a file whose size and mtime are unchanged is not
     read again, and one whose bytes changed (same config) is refused with one line, not mixed."""
     p = check_model_dir(path, what)
-    if is_remote(p) or removed_record(p) is not None:
+    if not store_of(p).local or removed_record(p) is not None:  # not hashed where it is not local
         return
     from rlhf_batch.store.atomic import write_json_atomic
     from rlhf_batch.store.manifests import read_json

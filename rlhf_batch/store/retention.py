@@ -13,17 +13,18 @@ from there: a complete stage is still complete (`run` skips it), nothing is redo
 manifests, metrics and every table of that iteration stay (SQL sees them as before). Only a
 stage that must load the removed weights again (`--force` on generate K + 1) fails, naming
 the file. The removal itself is a rename to a hidden name and then a delete, so a kill leaves
-either the whole policy or none (the hidden leftover is deleted by the next prune).
+either the whole policy or none (the hidden leftover is deleted by the next prune). On an
+object store (no rename) the policy's objects are deleted in place after its record is
+written; a kill midway leaves the rest to the next prune.
 """
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlhf_batch.store import layout
+from rlhf_batch.store import fs, layout
 
 if TYPE_CHECKING:
     from rlhf_batch.config import Config
@@ -49,7 +50,7 @@ def prune(cfg: Config, latest: int) -> list[int]:
     for it in range(latest):
         pol = layout.policy_dir(cfg.run_dir, it)
         for trash in layout.iter_dir(cfg.run_dir, it).glob(f"{TRASH}*"):
-            shutil.rmtree(trash, ignore_errors=True)  # a removal killed half-way
+            fs.remove(trash)  # a removal killed half-way
         if kept(it, latest, cfg.keep_policies, cfg.keep_every) or not pol.is_dir():
             continue
         if manifest(layout.folder(cfg.run_dir, it + 1, layout.TRAIN)) is None:
@@ -63,18 +64,17 @@ def remove_policy(pol: Path, why: dict[str, Any]) -> None:
     from rlhf_batch.store.atomic import write_json_atomic
     from rlhf_batch.store.modeldir import model_fingerprint
 
-    record = {  # paths below the run dir as "{run_dir}/...": the run can be moved or copied
-        "fingerprint": layout.portable(model_fingerprint(str(pol), "policy"), _root(pol)),
-        "removed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    write_json_atomic(pol.parent / layout.POLICY_REMOVED, {**record, **why})
+    store, record_path = fs.store_of(pol), pol.parent / layout.POLICY_REMOVED
+    if not record_path.is_file():  # else a removal killed midway on a store: its record stands
+        record = {  # paths below the run dir as "{run_dir}/...": the run can be moved or copied
+            "fingerprint": layout.portable(model_fingerprint(str(pol), "policy"), _root(pol)),
+            "removed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        write_json_atomic(record_path, {**record, **why})
     trash = pol.with_name(f"{TRASH}{time.time_ns()}")
-    pol.rename(trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    store.remove(trash if store.rename(pol, trash) else pol)
 
 
 def _root(pol: Path) -> Path:
-    """The run directory of the policy dir `pol` (absolute when local)."""
-    from rlhf_batch.store.fs import is_remote
-
-    return pol.parent.parent if is_remote(pol) else pol.parent.parent.absolute()
+    """The run directory of the policy dir `pol` (absolute; a UPath is absolute already)."""
+    return pol.parent.parent.absolute()

@@ -9,19 +9,20 @@ The commit point is the staged folder's `_manifest.json`: before it, the old fol
 old policy) is untouched, whatever fails or is killed; a forced re-run with the same identity
 resumes the staged parts (`run` removes them: it never resumes a forced stage). After it, the
 swap is finished by whoever comes next (`recover`, run by every command that writes a run,
-under the run lock). Locally the staged policy replaces iter=K/policy, the old folder is renamed
-away, the staged one renamed into place, the old one deleted. On an object store (no rename)
-the staged objects are copied over the old ones server side: the policy first, then the old
-manifest is removed, the parts copied (old parts the new output lacks deleted), the manifest
-copied last, the staged prefix deleted. Each step is a rename, a copy of what is staged or the
-deletion of what is already replaced, so a kill between any two (a fault point sits in every
-window) leaves a state that `recover` finishes the same way.
+under the run lock). Where the store renames folders (`Store.renames`: a local disk) the staged
+policy replaces iter=K/policy, the old folder is renamed away, the staged one renamed into
+place, the old one deleted. On an object store (no rename) the staged objects are copied over
+the old ones server side: the policy first, then the old manifest is removed, the parts copied
+(old parts the new output lacks deleted), the manifest copied last, the staged prefix deleted.
+Each step is a rename, a copy of what is staged or the deletion of what is already replaced, so
+a kill between any two (a fault point sits in every window) leaves a state that `recover`
+finishes the same way. Meanwhile a reader that finds the folder without its manifest reads the
+committed staged folder (`manifests.current`): the staged manifest is the one write that makes
+the new output current, on every store.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 from rlhf_batch.runtime.faults import fault_point
@@ -31,9 +32,7 @@ from rlhf_batch.store import fs, layout
 OUTSIDE = {layout.TRAIN: (layout.POLICY_DIR,)}
 
 
-def staged(final: Path) -> Path:
-    """Where a forced run of the folder `final` writes."""
-    return final.with_name(f".{final.name}.new")
+staged = layout.staged  # where a forced run of a folder writes
 
 
 def retired(final: Path) -> Path:
@@ -53,33 +52,34 @@ def commit(final: Path) -> None:
     if same_output(final):
         _drop(new)
         return
-    if fs.is_remote(final):
-        _commit_remote(final)
-        return
-    _commit_local(final)
+    if fs.store_of(final).renames:
+        _commit_by_rename(final)
+    else:
+        _commit_by_copy(final)
 
 
-def _commit_local(final: Path) -> None:
-    from rlhf_batch.store.atomic import fsync_dir
-
+def _commit_by_rename(final: Path) -> None:
+    """Where folders rename at once (a local disk): the old folder is renamed away, the staged
+    one renamed into place, the old one removed."""
+    store = fs.store_of(final)
     new, old = staged(final), retired(final)
     for name in OUTSIDE.get(final.name, ()):
         src, dst = new / name, final.parent / name
         if src.exists():
-            _replace(src, dst, f"{final.name}:commit:{name}")
-            (final.parent / layout.POLICY_REMOVED).unlink(missing_ok=True)  # a new policy is here
+            _replace(store, src, dst, f"{final.name}:commit:{name}")
+            store.remove(final.parent / layout.POLICY_REMOVED)  # a new policy is here
             fault_point(f"{final.name}:commit:{name}")
     if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
+        store.remove(old)
+        store.rename(final, old)
         fault_point(f"{final.name}:commit:retired")
-    os.rename(new, final)
-    fsync_dir(final.parent)
+    store.rename(new, final)
+    store.sync(final.parent)
     fault_point(f"{final.name}:commit:swapped")  # the new folder in place, the old one still there
-    shutil.rmtree(old, ignore_errors=True)
+    store.remove(old)
 
 
-def _commit_remote(final: Path) -> None:
+def _commit_by_copy(final: Path) -> None:
     """On an object store (no rename): the staged objects are copied over the old ones (server
     side), the manifest last. The old output stops being current when its manifest is removed,
     which happens only once the staged manifest exists; a kill after that is finished by the
@@ -102,46 +102,37 @@ def _commit_remote(final: Path) -> None:
 def _drop(new: Path) -> None:
     """Remove a staged folder, its manifest first (a staged folder without its manifest is never
     swapped in, so a kill while it is removed cannot swap half a folder)."""
-    if fs.is_remote(new):
-        fs.remove(new / layout.MANIFEST)
-        fs.remove(new)
-    else:
-        (new / layout.MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(new, ignore_errors=True)
+    fs.remove(new / layout.MANIFEST)
+    fs.remove(new)
 
 
 def same_output(final: Path) -> bool:
     """Whether the staged output of `final` is the one already there: both complete with the
     same identity and the same parts, byte for byte (a forced re-run that changed nothing; the
     old folder is then kept, so the manifest later stages fingerprinted stays as it was)."""
-    from rlhf_batch.store.manifests import manifest
+    from rlhf_batch.store.manifests import read_json
 
-    old, new = manifest(final), manifest(staged(final))
+    # the folder's own manifest (not `manifests.manifest`, which falls back to the staged one)
+    own = [read_json(d / layout.MANIFEST) if committed(d) else None for d in (final, staged(final))]
+    old, new = own
     if old is None or new is None or old.get("key") != new.get("key") or not new.get("parts"):
         return False
     names = [p["file"] for p in new["parts"]]
     if [p["file"] for p in old.get("parts", [])] != names:
         return False
-    return all(_same_bytes(final / n, staged(final) / n) for n in names)
+    store = fs.store_of(final)
+    return all(store.same_bytes(final / n, staged(final) / n) for n in names)
 
 
-def _same_bytes(a: Path, b: Path) -> bool:
-    import filecmp
-
-    if fs.is_remote(a):
-        return a.read_bytes() == b.read_bytes()
-    return filecmp.cmp(a, b, shallow=False)
-
-
-def _replace(src: Path, dst: Path, fault: str) -> None:
+def _replace(store: fs.Store, src: Path, dst: Path, fault: str) -> None:
     trash = dst.with_name(f".{dst.name}.old")
-    shutil.rmtree(trash, ignore_errors=True)
+    store.remove(trash)
     if dst.exists():
-        os.rename(dst, trash)
+        store.rename(dst, trash)
         fault_point(f"{fault}:retired")
-    os.rename(src, dst)
+    store.rename(src, dst)
     fault_point(f"{fault}:swapped")
-    shutil.rmtree(trash, ignore_errors=True)
+    store.remove(trash)
 
 
 def drop_if_empty(new: Path) -> None:
@@ -176,13 +167,16 @@ def _recover_below(parent: Path, drop_uncommitted: bool) -> None:
 
 
 def recover_folder(final: Path) -> None:
+    """Finish the swap of `final` a kill interrupted: a committed staged folder is swapped in;
+    a retired folder (stores that rename) is removed once its replacement is in place, else put
+    back. A store that copies never retires a folder: its old output stops being current only
+    once the staged manifest exists, and the copy is finished by `commit`."""
     new, old = staged(final), retired(final)
     if committed(new):
         commit(final)
-    elif fs.is_remote(final):  # no retired folder on an object store
-        return
     elif old.exists():
+        store = fs.store_of(final)
         if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
+            store.remove(old)
         else:
-            os.rename(old, final)
+            store.rename(old, final)

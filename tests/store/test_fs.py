@@ -18,7 +18,7 @@ def test_local_paths_stay_pathlib_paths(tmp_path: Path) -> None:
     assert fs.run_path(str(tmp_path)) == tmp_path and type(fs.run_path(str(tmp_path))) is type(tmp_path)
     assert fs.run_path(f"file://{tmp_path}") == tmp_path
     assert fs.scheme("runs/demo") == "" and fs.scheme("file:///x") == "" and fs.scheme("s3://b/p") == "s3"
-    assert not fs.is_remote(tmp_path)
+    assert fs.store_of(tmp_path) is fs.LOCAL and fs.store_of(fs.run_path("s3://b/p")) is fs.S3
 
 
 def test_a_scheme_without_its_package_or_unknown_is_a_one_line_error() -> None:
@@ -89,3 +89,28 @@ def test_trackers_of_a_run_on_the_store_write_beside_the_model_cache(
     events = list((fs.local_side(s3_run, "tracking") / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0].is_relative_to(tmp_path / "cache" / "runs")
     assert not any(p.name.endswith(":") for p in tmp_path.iterdir())  # no local folder named s3:
+
+
+def test_every_scheme_run_path_opens_has_a_store() -> None:
+    assert set(fs.PACKAGES) <= set(fs.STORES)
+    assert fs.STORES["s3"].fences and not fs.STORES["gs"].fences and fs.STORES[""].local
+
+
+def test_a_store_without_fencing_refuses_to_lock_a_run_in_one_line() -> None:
+    """gs:// maps to the generic fsspec store (no versioned conditional writes); fsspec's memory
+    filesystem takes the same path here, gcsfs not being installed."""
+    from upath import UPath
+
+    from rlhf_batch.errors import StageError
+    from rlhf_batch.store.lock import RunLock
+
+    run = UPath("memory://bucket/run")
+    assert fs.store_of(run) is fs.STORES["gs"]
+    with pytest.raises(StageError) as e, RunLock(run):
+        pass
+    assert str(e.value) == (
+        "run_dir memory://bucket/run: a run on memory:// cannot be written: its run lock needs "
+        "conditional writes on the lock's version (If-Match), implemented for s3:// only; use s3:// "
+        "or a local run_dir"
+    )
+    assert not (run / ".run.lock").exists()  # nothing written

@@ -53,3 +53,24 @@ def test_prune_waits_for_the_next_policy_and_keeps_the_fingerprint(make_config, 
     assert retention.prune(off, 3) == []  # keep_policies 0: nothing is removed
     assert retention.prune(cfg, 3) == []
     assert not list(layout.iter_dir(run, 1).glob(".policy*"))  # the leftover went
+
+
+def test_prune_on_a_store_deletes_the_policy_objects_and_keeps_the_fingerprint(
+    make_config, s3_server, tmp_path: Path, monkeypatch
+) -> None:
+    from rlhf_batch.store import fs
+    from tests.s3server import new_bucket
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    _, cfg = make_config(keep_policies=1, run_dir=f"s3://{new_bucket(s3_server)}/run")
+    run, local = fs.run_path(cfg.run_dir), tmp_path / "local"
+    for it in range(2):  # policies 0 and 1 on the store, both trains complete
+        fake_policy(local, it, False)
+        fs.put_dir(layout.policy_dir(local, it), layout.policy_dir(run, it))
+        output.claim(layout.folder(run, it, layout.TRAIN), "train", {"it": it}, {}).finish(0)
+    before = model_fingerprint(str(layout.policy_dir(run, 0)), "policy")
+    assert retention.prune(cfg, 1) == [0]
+    assert not layout.policy_dir(run, 0).exists() and layout.policy_dir(run, 1).is_dir()
+    assert model_fingerprint(str(layout.policy_dir(run, 0)), "policy") == before  # recorded
+    assert not list(layout.iter_dir(run, 0).glob(".policy*"))  # nothing left under a hidden name

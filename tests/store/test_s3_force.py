@@ -147,3 +147,91 @@ def test_forced_score_and_advantage_killed_anywhere_keep_or_finish_their_output(
     res = rlhf(command, str(path), "--iter", "0", "--quiet", "--set", change, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert recorded in (it0 / folder / layout.MANIFEST).read_text() and staged_left(run_dir) == []
+
+
+@pytest.fixture
+def s3_eval(s3_server, tiny_model: Path, demo_prompts: Path, tmp_path: Path, monkeypatch):
+    """(config path, run_dir, env) of a run on the store holding only iteration 0's eval: 4
+    held-out prompts, 2 samples each, 2 parts (the base model is iteration 0's policy)."""
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(f"{line}\n" for line in demo_prompts.read_text().splitlines()[:4]))
+    run_dir = f"s3://{new_bucket(s3_server)}/run"
+    ev = {"prompts": str(held), "n": 2, "prompts_per_part": 2}
+    path = write_config(tmp_path / "c.toml", tiny_model, held, run_dir=run_dir, eval=ev)
+    env = {**os.environ, **s3_server.env(), "RLHF_BATCH_LOCK_STALE_S": "1"}
+    done = rlhf("eval", str(path), "--iter", "0", "--quiet", env=env)
+    assert done.returncode == 0, done.stderr
+    return path, run_dir, env
+
+
+@pytest.mark.slow
+def test_a_forced_eval_killed_anywhere_keeps_or_finishes_and_is_always_readable(s3_eval) -> None:
+    from rlhf_batch.store import manifests, schemas
+
+    path, run_dir, env = s3_eval
+    it0 = run_path(run_dir) / "iter=0000"
+    old = objects(it0 / "eval")
+    assert layout.MANIFEST in old and len([n for n in old if n.startswith("part-")]) == 2
+    force = ("eval", str(path), "--iter", "0", "--force", "--quiet", "--set", "eval.temperature=0.7")
+    for point in ("eval:part-1:tmp", "eval:manifest"):  # before the commit: the old output as it was
+        killed(rlhf(*force, env={**env, "RLHF_BATCH_FAULT": point}), point)
+        assert objects(it0 / "eval") == old, point
+    # killed after the staged manifest (the commit) but before the copy: the folder has no
+    # manifest of its own, and a reader reads the committed output from its staged copy
+    killed(rlhf(*force, env={**env, "RLHF_BATCH_FAULT": "eval:commit:retired"}))
+    assert layout.MANIFEST not in objects(it0 / "eval")
+    staged = (it0 / ".eval.new" / layout.MANIFEST).read_text()
+    assert manifests.manifest(it0 / "eval") is not None and '"temperature": 0.7' in staged
+    assert manifests.read_complete(it0 / "eval", schemas.EVAL).num_rows == 8  # 4 prompts x 2
+    sql = rlhf("sql", "SELECT count(*) AS n FROM eval", "--run-dir", run_dir, "--format", "csv", env=env)
+    assert sql.returncode == 0 and sql.stdout.split() == ["n", "8"], sql.stderr[-2000:]
+    status = rlhf("status", run_dir, env=env)
+    assert status.returncode == 0 and "partial" not in status.stdout, status.stdout
+    # the next kills land in the same swap being finished by the next command
+    for point in ("eval:commit", "eval:commit:swapped"):
+        killed(rlhf(*force, env={**env, "RLHF_BATCH_FAULT": point}), point)
+        assert manifests.manifest(it0 / "eval") is not None, point
+    res = rlhf("eval", str(path), "--iter", "0", "--quiet", "--set", "eval.temperature=0.7", env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert '"temperature": 0.7' in (it0 / "eval" / layout.MANIFEST).read_text()
+    assert staged_left(run_dir) == [] and set(objects(it0 / "eval")) == set(old)
+
+
+@pytest.mark.slow
+def test_a_forced_import_killed_anywhere_keeps_or_finishes_its_rollouts(
+    s3_server, tiny_model: Path, demo_prompts: Path, tmp_path: Path, monkeypatch
+) -> None:
+    import json
+
+    from rlhf_batch.store import manifests
+
+    for k, v in s3_server.env().items():
+        monkeypatch.setenv(k, v)
+    run_dir = f"s3://{new_bucket(s3_server)}/run"
+    path = write_config(
+        tmp_path / "c.toml", tiny_model, demo_prompts, run_dir=run_dir, score={"rows_per_part": 2}
+    )
+    rows = [
+        {"prompt": p, "response": r}
+        for p, r in (("a*2=", "aa"), ("b*1=", "b"), ("c*2=", "cx"), ("a*1=", "a"))
+    ]
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    second.write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))
+    env = {**os.environ, **s3_server.env(), "RLHF_BATCH_LOCK_STALE_S": "1"}
+    assert rlhf("import", str(first), "--config", str(path), "--quiet", env=env).returncode == 0
+    it0 = run_path(run_dir) / "iter=0000"
+    old = objects(it0 / "rollouts")
+    assert len([n for n in old if n.startswith("part-")]) == 2
+    force = ("import", str(second), "--config", str(path), "--force", "--quiet")
+    for point in ("rollouts:part-1:tmp", "rollouts:manifest"):  # before the commit: as it was
+        killed(rlhf(*force, env={**env, "RLHF_BATCH_FAULT": point}), point)
+        assert objects(it0 / "rollouts") == old, point
+    for point in ("rollouts:commit:retired", "rollouts:commit:swapped"):  # in the swap: readable
+        killed(rlhf(*force, env={**env, "RLHF_BATCH_FAULT": point}), point)
+        assert manifests.manifest(it0 / "rollouts") is not None, point
+    res = rlhf(*force[:-2], "--quiet", env=env)  # the same file again: the swap finished, complete
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert staged_left(run_dir) == [] and str(second) in (it0 / "rollouts" / layout.MANIFEST).read_text()
