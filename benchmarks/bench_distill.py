@@ -10,7 +10,8 @@ Each run is `rlhf-batch run` in a process of its own; the figure is the mean tas
 rollouts of each iteration (the `scores` view), which both runs record the same way. Rows go
 to benchmarks/results.md with the machine, the load and the date.
 
-    python benchmarks/bench_distill.py [--teacher-iterations 20] [--iterations 8] [--task-weight W] [--tmp DIR]
+    python benchmarks/bench_distill.py [--teacher-iterations 20] [--iterations 8] [--task-weight W]
+        [--baseline mean|none] [--tmp DIR]
 
 --tiny (the smoke test): 2 teacher and 2 student iterations of 8 prompts; its rows mean nothing.
 """
@@ -54,7 +55,9 @@ def run(run_dir: Path, iterations: int, sets: list[str]) -> list[float]:
         con.close()
 
 
-def compare(tmp: Path, teacher_iterations: int, iterations: int, task_weight: float = 0.0) -> dict[str, Any]:
+def compare(
+    tmp: Path, teacher_iterations: int, iterations: int, task_weight: float = 0.0, baseline: str = "mean"
+) -> dict[str, Any]:
     teacher_dir = tmp / "teacher"
     teacher_scores = run(teacher_dir, teacher_iterations, [])  # builds the fresh model and prompts
     teacher = teacher_dir / f"iter={teacher_iterations - 1:04d}" / "policy"
@@ -64,7 +67,12 @@ def compare(tmp: Path, teacher_iterations: int, iterations: int, task_weight: fl
         "demo=false",
     ]
     grpo = run(tmp / "grpo", iterations, start)
-    distil = [*start, "advantage.estimator=opd", f"score.teacher_model={teacher}"]
+    distil = [
+        *start,
+        "advantage.estimator=opd",
+        f"score.teacher_model={teacher}",
+        f"advantage.opd_baseline={baseline}",
+    ]
     out = {"teacher": teacher_scores, "grpo": grpo, "opd": run(tmp / "opd", iterations, distil)}
     if task_weight > 0:
         out["opd_task"] = run(
@@ -78,6 +86,7 @@ def main() -> None:
     ap.add_argument("--teacher-iterations", type=int, default=20)
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--task-weight", type=float, default=0.0, help="> 0: also OPD + W x the GRPO advantage")
+    ap.add_argument("--baseline", choices=["mean", "none"], default="mean", help="advantage.opd_baseline")
     ap.add_argument("--tmp", type=Path, default=None, help="where the runs go (default: a temporary dir)")
     ap.add_argument("--no-record", action="store_true", help="print, do not append to results.md")
     args = ap.parse_args()
@@ -86,7 +95,7 @@ def main() -> None:
         EXTRA.append("generate.prompts_per_iteration=8")
     tmp = args.tmp or Path(tempfile.mkdtemp(prefix="bench-distill-"))
     load0 = os.getloadavg()[0]
-    res = compare(tmp, args.teacher_iterations, args.iterations, args.task_weight)
+    res = compare(tmp, args.teacher_iterations, args.iterations, args.task_weight, args.baseline)
     load = max(load0, os.getloadavg()[0])
     fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
     print(f"teacher ({args.teacher_iterations} GRPO iterations): {fmt(res['teacher'])}")
@@ -97,7 +106,7 @@ def main() -> None:
         work = (
             f"demo task, tiny Qwen2 (2 layers), 64 prompts x G 8 per iteration; teacher = the demo policy "
             f"after {args.teacher_iterations} GRPO iterations (final score {res['teacher'][-1]:.3f}); "
-            f"student from the same fresh model, {args.iterations} iterations; mean score per iteration "
+            f"student from the same fresh model, {args.iterations} iterations, opd_baseline {args.baseline}; mean score per iteration "
             f"0..{args.iterations - 1}: OPD {fmt(res['opd'])}; GRPO {fmt(res['grpo'])}{task}; 1-min load {load:.1f}"
         )
         common.append_row(
