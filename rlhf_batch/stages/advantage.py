@@ -99,7 +99,11 @@ class Advantage(Stage):
 
     def __init__(self, cfg: Config, iteration: int):
         super().__init__(cfg, iteration)
-        self.con: Any = None
+        self.con: Any = None  # load(): the DuckDB connection the parts are written from
+        self.window: list[int]  # prepare(): the iterations pooled for the statistics
+        self.rounds: list[int]  # prepare(): the complete top-up rounds of this iteration
+        self.params: dict[str, Any]  # load(): the pooled statistics' parameters
+        self.counts: dict[str, int]  # load(): rows and groups in and out of the filters
 
     def identity(self) -> dict[str, Any]:
         ident = super().identity()
@@ -107,7 +111,7 @@ class Advantage(Stage):
             ident["advantage"].pop("opd_task_weight", None)
         return ident
 
-    def inputs(self) -> dict[str, Any]:
+    def prepare(self) -> None:
         if self.iteration < 0:
             raise StageError(f"--iter must be >= 0, got {self.iteration}")
         check_groups(self.cfg)
@@ -124,9 +128,9 @@ class Advantage(Stage):
             for folder in (layout.ROLLOUTS, layout.SCORES):
                 path = layout.folder(self.cfg.run_dir, self.iteration, folder, r) / layout.MANIFEST
                 inputs[f"iter={self.iteration:04d}/topup={r:02d}/{folder}"] = manifests.file_fingerprint(path)
-        return inputs
+        self.fingerprints = inputs
 
-    def check(self) -> None:
+    def load(self) -> None:
         """Pool, check and count in DuckDB: bad or empty input fails before the folder is started."""
         self.work_begins()  # no model to load: pooling is work
         self.con = _connect(fs.local_side(self.cfg.run_dir, ".duckdb.tmp"))  # DuckDB spills to local files
@@ -176,8 +180,8 @@ def informative_groups(cfg: Config, iteration: int) -> int:
     leave: what `advantage.min_groups` is compared with."""
     stage = Advantage(cfg, iteration)
     try:
-        stage.inputs()
-        stage.check()
+        stage.prepare()
+        stage.load()
         return stage.counts["groups_out"]
     finally:
         stage.close()
