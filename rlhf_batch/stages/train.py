@@ -542,7 +542,7 @@ def _write_policy(model: Any, tok: Any, out: Path, dtype: Any, gradient_checkpoi
     as one directory (atomic.write_dir_atomic)."""
     from rlhf_batch.models.load import keep_written
 
-    for stale in out.parent.glob(".policy.tmp-*"):  # a killed writer's
+    for stale in layout.leftovers(out.parent, out.name):  # a killed writer's
         shutil.rmtree(stale, ignore_errors=True)
     model.config.use_cache = True
     if gradient_checkpointing:

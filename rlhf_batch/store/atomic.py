@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from rlhf_batch.errors import ADVICE, StageError
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.store import fs
-from rlhf_batch.store.layout import tmp_name
+from rlhf_batch.store.layout import leftovers, tmp_name
 from rlhf_batch.store.schemas import SCHEMA_VERSION, VERSION_KEY
 
 COUNTS_KEY = b"rlhf_batch.counts"
@@ -163,9 +163,9 @@ def write_dir_atomic(final: Path, write: Callable[[Path], T], *, replace: bool =
 
     if fs.is_remote(final):
         return _put_dir(final, write, replace, fault)
-    for stale in final.parent.glob(f".{final.name}.tmp-*"):  # of a killed writer (one writer: the run lock)
+    for stale in leftovers(final.parent, final.name):  # of a killed writer (one writer: the run lock)
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    tmp = tmp_name(final, os.getpid())
     try:
         tmp.mkdir(parents=True)
         result = write(tmp)

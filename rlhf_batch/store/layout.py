@@ -15,6 +15,13 @@
     RUN_DIR/iter=0003/train/optimizer/                  AdamW state at the end of the iteration
     RUN_DIR/iter=0003/topup=01/rollouts/ (and scores/)  a top-up round of the iteration (topup.py)
 
+docs/on-disk.md lists every file (the run-level records, the files inside a policy dir, the
+temporary names); tests/store/test_layout.py checks it against a finished run.
+
+Temporary names: a file or folder is written under `tmp_name` (hidden, `.NAME.PID.tmp`) and
+renamed; `is_tmp` recognises it, and the folders older versions wrote (`.NAME.tmp-PID`), so a
+leftover of a killed writer of either version is found and removed (`leftovers`).
+
 A stage (a command: generate, import, score, advantage, train, eval) writes one folder (rollouts,
 scores, advantages, train, eval); the unit of work and of resume inside a folder is a *part*.
 """
@@ -36,6 +43,22 @@ OPTIMIZER_DIR = "optimizer"
 POLICY_DIR = "policy"
 ADAPTER_DIR = "adapter"  # inside a policy dir, with [lora]
 POLICY_REMOVED = "policy_removed.json"  # iter=K/: what the removed policy was (retention.py)
+POLICY_TRASH = ".policy.removed-"  # iter=K/.policy.removed-NS: a policy being removed (retention.py)
+INIT_POLICY_DIR = "init_policy"  # RUN_DIR/: with lora.init_adapter, iteration 0's policy
+SCHEDULE = "schedule.json"  # RUN_DIR/: the LR schedule's length, fixed once per run (train_schedule.py)
+BASE_WEIGHTS = "base_weights.json"  # RUN_DIR/: the initial policy's and reference's weights, hashed once
+WEIGHTS_DIGEST = "weights_digest.json"  # in a policy dir this package wrote: sha256 of its weights
+CARRIED_FROM = "carried_from.json"  # in a policy dir train copied unchanged: {"from", "fingerprint"}
+LORA_BASE_COPY = "lora_base_copy.json"  # in a policy dir: the LoRA base carried forward (no adapter yet)
+INIT_ADAPTER = "init_adapter.json"  # in RUN_DIR/init_policy: which adapter it was made from
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # in policy/adapter/ (peft's names)
+ADAPTER_CONFIG = "adapter_config.json"
+OPTIMIZER_TENSORS = "optimizer.safetensors"  # in train/optimizer/ (models/optim_state.py)
+OPTIMIZER_META = "optimizer.json"
+CHECKPOINT_PREFIX = "step-"  # train/checkpoint/step-N/ (models/checkpoint.py)
+CHECKPOINT_STATE, CHECKPOINT_RNG = "state.json", "rng.safetensors"  # in step-N/, beside the weights
+ITER_GLOB, TOPUP_GLOB = "iter=*", "topup=*"  # every iteration folder, every top-up round folder
+PART_GLOB = "part-*-*.parquet"  # every finished part
 ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL = "rollouts", "scores", "advantages", "train", "eval"
 FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL)
 
@@ -85,7 +108,7 @@ def policy_dir(run_dir: str | Path, it: int) -> Path:
 
 def init_policy_dir(run_dir: str | Path) -> Path:
     """With lora.init_adapter: the base model and that adapter, merged (iteration 0's policy)."""
-    return run_path(run_dir) / "init_policy"
+    return run_path(run_dir) / INIT_POLICY_DIR
 
 
 def checkpoint_dir(run_dir: str | Path, it: int) -> Path:
@@ -107,7 +130,7 @@ def part_number(path: Path) -> int:
 
 def list_parts(sdir: Path) -> list[Path]:
     """Finished parts on disk (temporary files are hidden and never match)."""
-    return sorted(sdir.glob("part-*-*.parquet"), key=lambda p: (part_number(p), p.name))
+    return sorted(sdir.glob(PART_GLOB), key=lambda p: (part_number(p), p.name))
 
 
 def in_run(path: str | Path, run_dir: str | Path) -> str:
@@ -158,5 +181,20 @@ def unportable(obj: Any, root: Path) -> Any:
 
 
 def tmp_name(path: Path, pid: int) -> Path:
-    """The hidden temporary name a file is written under before its rename."""
+    """The hidden temporary name a file or folder is written under (by process `pid`) before
+    its rename."""
     return path.with_name(f".{path.name}.{pid}.tmp")
+
+
+def is_tmp(name: str) -> bool:
+    """Whether `name` is a temporary name: `tmp_name`'s, or `.NAME.tmp-PID`, the name older
+    versions wrote folders under (a leftover of their killed writers is still found)."""
+    if not name.startswith("."):
+        return False
+    return name.endswith(".tmp") or name.rpartition(".tmp-")[2].isdigit()
+
+
+def leftovers(parent: Path, name: str = "*") -> list[Path]:
+    """The temporary files and folders in `parent` (of the final name `name`, default any): what
+    a killed writer left."""
+    return sorted(p for p in parent.glob(f".{name}.*") if is_tmp(p.name))

@@ -13,8 +13,8 @@ from rlhf_batch.commands.pipeline import run_pipeline
 from rlhf_batch.errors import StageError
 from rlhf_batch.stages import train
 from rlhf_batch.stages.executor import output_of
-from rlhf_batch.stages.train_schedule import RECORD
 from rlhf_batch.store import layout
+from rlhf_batch.store.layout import SCHEDULE as RECORD
 from tests.stages.test_train import make_table, metrics, train_toml, write_advantages
 
 # 8 rows, 8 tokens per step: 4 steps an iteration; linear decay, no warmup
