@@ -69,7 +69,7 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
     sdir = layout.folder(root, it, stage, topup)
     m = manifests.manifest(sdir)
     if stage == "train":
-        files = [f for f in [sdir / "metrics.parquet"] if f.exists()]
+        files = [f for f in [sdir / layout.METRICS_FILE] if f.exists()]
         started = sdir.exists() or layout.policy_dir(root, it).exists()
     else:
         files = [sdir / p["file"] for p in m["parts"]] if m else layout.list_parts(sdir)

@@ -133,7 +133,9 @@ class Advantage(Stage):
     def load(self) -> None:
         """Pool, check and count in DuckDB: bad or empty input fails before the folder is started."""
         self.work_begins()  # no model to load: pooling is work
-        self.con = _connect(fs.local_side(self.cfg.run_dir, ".duckdb.tmp"))  # DuckDB spills to local files
+        self.con = _connect(
+            fs.local_side(self.cfg.run_dir, layout.DUCKDB_SPILL)
+        )  # DuckDB spills to local files
         fs.register(self.con, layout.iter_dir(self.cfg.run_dir, self.iteration))
         self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds)
         faults.fault_point("advantages:pool")

@@ -57,6 +57,10 @@ OPTIMIZER_TENSORS = "optimizer.safetensors"  # in train/optimizer/ (models/optim
 OPTIMIZER_META = "optimizer.json"
 CHECKPOINT_PREFIX = "step-"  # train/checkpoint/step-N/ (models/checkpoint.py)
 CHECKPOINT_STATE, CHECKPOINT_RNG = "state.json", "rng.safetensors"  # in step-N/, beside the weights
+STAGED, RETIRED = ".new", ".old"  # iter=K/.NAME.new/ under --force, .NAME.old/ during the swap (staging.py)
+REPORT_DIR, REPORT_PAGE, REPORT_SUMMARY = "report", "report.html", "summary.json"  # RUN_DIR/report/
+TRACKING_DIR = "tracking"  # RUN_DIR/tracking/: report_to's local files (observe/tracking.py)
+DUCKDB_SPILL = ".duckdb.tmp"  # RUN_DIR/.duckdb.tmp/: advantage's DuckDB spills while it runs
 ITER_GLOB, TOPUP_GLOB = "iter=*", "topup=*"  # every iteration folder, every top-up round folder
 PART_GLOB = "part-*-*.parquet"  # every finished part
 ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL = "rollouts", "scores", "advantages", "train", "eval"

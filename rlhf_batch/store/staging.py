@@ -33,11 +33,11 @@ OUTSIDE = {layout.TRAIN: (layout.POLICY_DIR,)}
 
 def staged(final: Path) -> Path:
     """Where a forced run of the folder `final` writes."""
-    return final.with_name(f".{final.name}.new")
+    return final.with_name(f".{final.name}{layout.STAGED}")
 
 
 def retired(final: Path) -> Path:
-    return final.with_name(f".{final.name}.old")
+    return final.with_name(f".{final.name}{layout.RETIRED}")
 
 
 def committed(stage_dir: Path) -> bool:
@@ -134,7 +134,7 @@ def _same_bytes(a: Path, b: Path) -> bool:
 
 
 def _replace(src: Path, dst: Path, fault: str) -> None:
-    trash = dst.with_name(f".{dst.name}.old")
+    trash = dst.with_name(f".{dst.name}{layout.RETIRED}")
     shutil.rmtree(trash, ignore_errors=True)
     if dst.exists():
         os.rename(dst, trash)
