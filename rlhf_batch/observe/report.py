@@ -76,7 +76,7 @@ def _stage_times(run_dir: Path, it: int) -> dict[str, dict[str, float]]:
     its top-up rounds' generate and score added to rollouts and scores."""
     out: dict[str, dict[str, float]] = {}
     it_dir = layout.iter_dir(run_dir, it)
-    for sdir in [*(it_dir / f for f in layout.FOLDERS), *sorted(it_dir.glob("topup=*/*"))]:
+    for sdir in [*(it_dir / f for f in layout.FOLDERS), *sorted(it_dir.glob(f"{layout.TOPUP_GLOB}/*"))]:
         timing = (manifests.manifest(sdir) or {}).get("timing") or {}
         if timing.get("startup_s") is None or timing.get("work_s") is None:
             continue  # not complete, or written before stages recorded their time

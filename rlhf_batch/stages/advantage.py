@@ -118,7 +118,7 @@ class Advantage(Stage):
         self.window = _window(self.cfg, self.iteration)
         self.rounds = topup_rounds(self.cfg, self.iteration)
         inputs = {
-            f"iter={it:04d}/{folder}": manifests.file_fingerprint(
+            f"{layout.iter_name(it)}/{folder}": manifests.file_fingerprint(
                 layout.folder(self.cfg.run_dir, it, folder) / layout.MANIFEST
             )
             for it in self.window
@@ -127,7 +127,8 @@ class Advantage(Stage):
         for r in self.rounds:  # top-up rounds of this iteration, one table with round 0
             for folder in (layout.ROLLOUTS, layout.SCORES):
                 path = layout.folder(self.cfg.run_dir, self.iteration, folder, r) / layout.MANIFEST
-                inputs[f"iter={self.iteration:04d}/topup={r:02d}/{folder}"] = manifests.file_fingerprint(path)
+                name = f"{layout.iter_name(self.iteration)}/{layout.topup_name(r)}/{folder}"
+                inputs[name] = manifests.file_fingerprint(path)
         self.fingerprints = inputs
 
     def load(self) -> None:

@@ -67,8 +67,21 @@ ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL = "rollouts", "scores", "advantages", 
 FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL)
 
 
+ITER_PREFIX, TOPUP_PREFIX = "iter=", "topup="
+
+
+def iter_name(it: int) -> str:
+    """The folder of iteration `it` (iter=0003), as the run dir and the advantage inputs name it."""
+    return f"{ITER_PREFIX}{it:04d}"
+
+
+def topup_name(topup: int) -> str:
+    """The folder of top-up round `topup` inside an iteration folder (topup=01)."""
+    return f"{TOPUP_PREFIX}{topup:02d}"
+
+
 def iter_dir(run_dir: str | Path, it: int) -> Path:
-    return run_path(run_dir) / f"iter={it:04d}"
+    return run_path(run_dir) / iter_name(it)
 
 
 def run_root(sdir: Path) -> Path | None:
@@ -102,7 +115,7 @@ def redo_command(sdir: Path, stage: str = "") -> str:
 def folder(run_dir: str | Path, it: int, name: str, topup: int = 0) -> Path:
     """The output folder `name` (rollouts, scores, advantages, train, eval) of iteration `it`; of its
     top-up round `topup` when > 0 (rollouts and scores only)."""
-    return iter_dir(run_dir, it) / (f"topup={topup:02d}" if topup else "") / name
+    return iter_dir(run_dir, it) / (topup_name(topup) if topup else "") / name
 
 
 def policy_dir(run_dir: str | Path, it: int) -> Path:
