@@ -66,7 +66,7 @@ class Stage:
         self.force: bool = False  # set by the executor: the run was asked to replace what differs
         self.clock: StageClock | None = None  # set by the executor: start-up, work and tokens
         self.staging: Path | None = None  # set by the executor under --force: where the output is written
-        self.fingerprints: dict[str, Any] = {}  # set by prepare(): what inputs() returns
+        self.fingerprints: dict[str, Any]  # set by prepare(): what inputs() returns
 
     @classmethod
     def runs_at(cls, cfg: Config, iteration: int) -> bool:

@@ -109,6 +109,16 @@ def test_one_temporary_name_rule_for_files_and_folders_and_the_older_folder_name
     assert len(layout.leftovers(tmp_path)) == 3
 
 
+def test_a_folder_an_older_version_was_killed_writing_is_removed_by_the_next_writer(tmp_path: Path) -> None:
+    from rlhf_batch.store.atomic import write_dir_atomic
+
+    old = tmp_path / ".optimizer.tmp-4242"  # the name older versions wrote folders under
+    old.mkdir()
+    (old / "optimizer.json").write_text("{}")
+    write_dir_atomic(tmp_path / "optimizer", lambda tmp: (tmp / "optimizer.json").write_text("[]"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer"]
+
+
 def _init_adapter(policy: str, out: Path) -> None:
     """A peft LoRA adapter (r 4, alpha 8, every linear layer) of the model `policy`."""
     from peft import LoraConfig, get_peft_model
