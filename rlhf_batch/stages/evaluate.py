@@ -78,10 +78,10 @@ class Eval(Stage):
         # generate's functions read cfg.generate and cfg.seed: give them the eval sampling settings
         # and a seed stream of eval's own, so a held-out prompt that is also a training prompt
         # does not get generate's samples again (same rollout id, same per-row seed)
-        self.scfg = dataclasses.replace(cfg, generate=self.sampling, seed=row_seed(cfg.seed, "eval"))
+        self.scfg: Config = dataclasses.replace(cfg, generate=self.sampling, seed=row_seed(cfg.seed, "eval"))
         explicit = bool(e.reward_functions)
-        self.reward_paths = list(e.reward_functions if explicit else cfg.score.reward_functions)
-        self.reward_weights = list(e.reward_weights if explicit else cfg.score.reward_weights)
+        self.reward_paths: list[str] = list(e.reward_functions if explicit else cfg.score.reward_functions)
+        self.reward_weights: list[float] = list(e.reward_weights if explicit else cfg.score.reward_weights)
         self.fns: list[RewardFunction]  # prepare(): the reward functions
         self.judge: RewardFunction  # prepare(): the one that decides `correct`
         self.policy: str  # prepare(): the policy evaluated (the one the iteration starts from)
