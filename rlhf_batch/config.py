@@ -318,6 +318,11 @@ class AdvantageConfig:
             _need(not problem, "advantage.replay", problem)
         _need(self.ddof in (0, 1), "advantage.ddof", "must be 0 or 1")
         _need(self.eps >= 0, "advantage.eps", "must be >= 0")
+        _need(
+            self.scale == "group" or self.estimator in ("grpo", "opd"),
+            "advantage.scale",
+            f"is used only with advantage.estimator = 'grpo' or 'opd' ('{self.estimator}' divides by no std)",
+        )
         _need(self.window >= 1, "advantage.window", "must be >= 1")
         _need(self.min_group_size >= 1, "advantage.min_group_size", "must be >= 1")
         _need(self.bucket_tokens >= 1, "advantage.bucket_tokens", "must be >= 1")

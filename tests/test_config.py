@@ -45,6 +45,9 @@ def test_relative_paths_and_run_dir_placeholder(tmp_path: Path) -> None:
         ("[train]\nrecompute_old = 1\n", [], "'train.recompute_old' must be bool"),
         ("seed = true\n", [], "'seed' must be int"),
         ("[advantage]\nestimator = 'ppo'\n", [], "'advantage.estimator' must be one of"),
+        # drgrpo and rloo divide by no std: a scale other than the default would be ignored
+        ("[advantage]\nestimator = 'drgrpo'\nscale = 'batch'\n", [], "'advantage.scale' is used only with"),
+        ("", ["advantage.estimator=rloo", "advantage.scale=none"], "'advantage.scale' is used only with"),
         ("", ["generate.temperature=0"], "'generate.temperature' must be > 0"),
         ("", ["nosuch.key=1"], "unknown key 'nosuch'"),
         ("", ["generate"], "expected KEY=VALUE"),

@@ -169,7 +169,7 @@ class _Many(ConfigError):
 
 
 def _check_lora(cfg: Any) -> str:
-    from rlhf_batch.models.lora import ADAPTER_WEIGHTS
+    from rlhf_batch.store.layout import ADAPTER_WEIGHTS
 
     lc = cfg.lora
     if lc.init_adapter and not (Path(lc.init_adapter) / ADAPTER_WEIGHTS).is_file():

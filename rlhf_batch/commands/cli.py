@@ -275,7 +275,10 @@ def lane(
 
 @app.command(name="import")
 def import_(
-    file: Annotated[Path, typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows, or of chat messages.")],
+    file: Annotated[
+        Path,
+        typer.Argument(help="JSONL or Parquet of prompt, response[, prompt_id] rows, or of chat messages."),
+    ],
     config: Annotated[
         Path | None,
         typer.Option(

@@ -26,8 +26,6 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.models import optim_state
 from rlhf_batch.store import fs, layout
 
-PREFIX = "step-"
-
 
 def gather(model: Any, optimizer: Any = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective, on every rank of a sharded model: its full model and optimizer state dicts on
@@ -68,11 +66,11 @@ def save(
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
-        save_file(rng, str(tmp / "rng.safetensors"))
-        (tmp / "state.json").write_text(json.dumps({**state, "next_step": step}, indent=1))
+        save_file(rng, str(tmp / layout.CHECKPOINT_RNG))
+        (tmp / layout.CHECKPOINT_STATE).write_text(json.dumps({**state, "next_step": step}, indent=1))
 
     fs.makedirs(root)
-    final = root / f"{PREFIX}{step:08d}"
+    final = root / f"{layout.CHECKPOINT_PREFIX}{step:08d}"
     write_dir_atomic(final, write)
     for old in root.iterdir():
         if old != final:
@@ -81,7 +79,7 @@ def save(
 
 
 def latest(root: Path) -> Path | None:
-    dirs = sorted(p for p in root.glob(f"{PREFIX}*") if p.is_dir()) if root.is_dir() else []
+    dirs = sorted(p for p in root.glob(f"{layout.CHECKPOINT_PREFIX}*") if p.is_dir()) if root.is_dir() else []
     return dirs[-1] if dirs else None
 
 
@@ -98,7 +96,7 @@ def load_latest(
         return None
     path = fs.local_dir(path)  # a checkpoint on the object store: its local copy
     try:
-        state: dict[str, Any] = json.loads((path / "state.json").read_text())
+        state: dict[str, Any] = json.loads((path / layout.CHECKPOINT_STATE).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise StageError(
             f"{path}: unreadable checkpoint state ({e}); start over with {layout.redo_command(path, 'train')}"
@@ -116,7 +114,7 @@ def load_latest(
     else:
         load_model(model, str(path / "model.safetensors"), device=str(device))
     optim_state.restore(path, model, optimizer, sharded)
-    rng = load_file(str(path / "rng.safetensors"))
+    rng = load_file(str(path / layout.CHECKPOINT_RNG))
     torch.set_rng_state(rng["cpu"])
     cuda = [rng[f"cuda{i}"] for i in range(len(rng) - 1) if f"cuda{i}" in rng]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():

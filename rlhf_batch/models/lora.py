@@ -24,15 +24,11 @@ from typing import TYPE_CHECKING, Any
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.store import layout
 from rlhf_batch.store.fs import run_path
+from rlhf_batch.store.layout import ADAPTER_CONFIG, ADAPTER_WEIGHTS, INIT_ADAPTER, LORA_BASE_COPY
 from rlhf_batch.store.modeldir import same_dir
 
 if TYPE_CHECKING:
     from rlhf_batch.config import Config
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-SOURCE = "init_adapter.json"  # in RUN_DIR/init_policy: which adapter it was made from
-BASE_COPY = "lora_base_copy.json"  # in a policy dir: the base carried forward (no adapter yet)
 
 
 def peft_config(cfg: Config) -> Any:
@@ -51,7 +47,7 @@ def train_base(cfg: Config, start: str) -> tuple[str, Path | None]:
     fresh adapter)."""
     if not cfg.lora.enabled:
         return start, None
-    if same_dir(start, cfg.policy_model) or (run_path(start) / BASE_COPY).is_file():
+    if same_dir(start, cfg.policy_model) or (run_path(start) / LORA_BASE_COPY).is_file():
         return cfg.policy_model, None
     adapter = run_path(start) / layout.ADAPTER_DIR
     if not (adapter / ADAPTER_WEIGHTS).is_file():
@@ -163,7 +159,7 @@ def initial_policy(cfg: Config) -> str:
     out = layout.init_policy_dir(cfg.run_dir)
     source = {"init_adapter": str(src), "fingerprint": file_fingerprint(src / ADAPTER_WEIGHTS)}
     if out.is_dir():
-        made = json.loads((out / SOURCE).read_text())
+        made = json.loads((out / INIT_ADAPTER).read_text())
         if made["fingerprint"] != source["fingerprint"]:
             raise StageError(
                 f"{out}: made from another adapter ({made['init_adapter']}) than lora.init_adapter "
@@ -182,7 +178,7 @@ def initial_policy(cfg: Config) -> str:
             raise ConfigError(f"lora.init_adapter: {e}") from None
         merged.to(saved_dtype(base)).save_pretrained(tmp)
         load_tokenizer(base, cfg.trust_remote_code).save_pretrained(tmp)
-        (tmp / SOURCE).write_text(json.dumps(source))
+        (tmp / INIT_ADAPTER).write_text(json.dumps(source))
 
     write_dir_atomic(out, write, replace=False)  # another rank may have made it first
     return str(out)

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import StageError
-
-TENSORS, META = "optimizer.safetensors", "optimizer.json"
+from rlhf_batch.store.layout import OPTIMIZER_META as META
+from rlhf_batch.store.layout import OPTIMIZER_TENSORS as TENSORS
 
 
 def param_names(model: Any) -> list[str]:

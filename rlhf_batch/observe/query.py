@@ -52,23 +52,24 @@ from typing import Any
 from rlhf_batch.errors import ConfigError, UserError
 from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_view
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
+from rlhf_batch.store import layout
 from rlhf_batch.store.fs import register, run_path
 
 VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schemas)
-    "rollouts": ("iter=*/rollouts/part-*.parquet", "ROLLOUTS"),
-    "scores": ("iter=*/scores/part-*.parquet", "SCORES"),
-    "advantages": ("iter=*/advantages/part-*.parquet", "ADVANTAGES"),
-    "metrics": ("iter=*/train/metrics.parquet", "METRICS"),
-    "rollout_stats": ("iter=*/train/rollout_stats.parquet", "ROLLOUT_STATS"),
-    "eval": ("iter=*/eval/part-*.parquet", "EVAL"),
-    "audit": ("iter=*/audit/part-*.parquet", "AUDIT"),
+    "rollouts": (f"{layout.ITER_GLOB}/{layout.ROLLOUTS}/{layout.PART_GLOB}", "ROLLOUTS"),
+    "scores": (f"{layout.ITER_GLOB}/{layout.SCORES}/{layout.PART_GLOB}", "SCORES"),
+    "advantages": (f"{layout.ITER_GLOB}/{layout.ADVANTAGES}/{layout.PART_GLOB}", "ADVANTAGES"),
+    "metrics": (f"{layout.ITER_GLOB}/{layout.TRAIN}/{layout.METRICS_FILE}", "METRICS"),
+    "rollout_stats": (f"{layout.ITER_GLOB}/{layout.TRAIN}/{layout.ROLLOUT_STATS_FILE}", "ROLLOUT_STATS"),
+    "eval": (f"{layout.ITER_GLOB}/{layout.EVAL}/{layout.PART_GLOB}", "EVAL"),
+    "audit": (f"{layout.ITER_GLOB}/{layout.AUDIT}/{layout.PART_GLOB}", "AUDIT"),
 }
 TOPUP_VIEWS = ("rollouts", "scores")  # also the rows of the top-up rounds (iter=K/topup=RR/), column topup
 # The stage manifests are the record of each stage's run: `numbers` holds every number at the
 # manifest's top level and in its `counts` and `prompt_counts` objects (counts win on a clash),
 # e.g. numbers['unscored'], numbers['kl_coef'], numbers['groups_total'], numbers['prompts_truncated'].
 # startup_s, work_s, tokens and tokens_per_s come from its `timing` (timing.py; null before it).
-STAGES_GLOB = "iter=*/*/_manifest.json"
+STAGES_GLOB = f"{layout.ITER_GLOB}/*/{layout.MANIFEST}"
 # Multi-turn rollouts (generate.environment): one row per segment of response_ids, in order:
 # `segment` from 0, `role` (assistant, tool, user), `start` (offset in response_ids), `tokens`,
 # `sampled` (the assistant's, trained), `turns` (the trajectory's assistant turns), and on the
@@ -89,7 +90,9 @@ SELECT NULL::INTEGER AS iter, NULL::INTEGER AS topup, NULL::VARCHAR AS rollout_i
        NULL::INTEGER AS turns, NULL::VARCHAR AS env_error, NULL::DOUBLE AS env_seconds
 WHERE false
 """
-STAGES_TOPUP_GLOB = "iter=*/topup=*/*/_manifest.json"  # a top-up round's rollouts and scores
+STAGES_TOPUP_GLOB = (
+    f"{layout.ITER_GLOB}/{layout.TOPUP_GLOB}/*/{layout.MANIFEST}"  # a top-up round's rollouts and scores
+)
 STAGES_VIEW = """
 SELECT iter, regexp_extract(filename, '([^/]+)/_manifest\\.json$', 1) AS stage, topup,
        (json->>'rows')::BIGINT AS rows,
@@ -104,7 +107,7 @@ FROM (SELECT *, json_merge_patch(json, coalesce(json->'prompt_counts', '{}'), co
 """
 # The held-out metrics of every eval manifest, long form: one row per (iter, data_source, metric),
 # metric `mean@n`, `best@n`, `pass@k` or `prompts`.
-EVAL_METRICS_GLOB = "iter=*/eval/_manifest.json"
+EVAL_METRICS_GLOB = f"{layout.ITER_GLOB}/{layout.EVAL}/{layout.MANIFEST}"
 EVAL_METRICS_VIEW = """
 SELECT iter, data_source, metric, (m->>metric)::DOUBLE AS value
 FROM (SELECT iter, data_source, m, unnest(json_keys(m)) AS metric
@@ -170,7 +173,7 @@ def _views(con: Any, root: Path) -> None:
         selects = []
         if files := listed(root, pattern):
             selects.append(_read_parts(files, ["iter"], ", 0::INTEGER AS topup" if rounds else ""))
-        if rounds and (files := listed(root, pattern.replace("/", "/topup=*/", 1))):
+        if rounds and (files := listed(root, pattern.replace("/", f"/{layout.TOPUP_GLOB}/", 1))):
             selects.append(_read_parts(files, ["iter", "topup"]))
         if selects:
             con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(selects))

@@ -60,7 +60,7 @@ def collect(run_dir: Path) -> dict[str, Any]:
             total = c.get("groups_total", 0)
             dropped = c.get("groups_dropped_zero_variance", 0) + c.get("groups_dropped_small", 0)
             row["filtered"] = dropped / total if total else None
-        metrics = layout.folder(run_dir, it, "train") / "metrics.parquet"
+        metrics = layout.folder(run_dir, it, layout.TRAIN) / layout.METRICS_FILE
         if metrics.exists() and manifests.manifest(metrics.parent) is not None:
             m = manifests.read_part(metrics, METRICS)
             steps.append(m.append_column("iter", pa.array([it] * m.num_rows, pa.int32())))
@@ -79,7 +79,7 @@ def _stage_times(run_dir: Path, it: int) -> dict[str, dict[str, float]]:
     its top-up rounds' generate and score added to rollouts and scores."""
     out: dict[str, dict[str, float]] = {}
     it_dir = layout.iter_dir(run_dir, it)
-    for sdir in [*(it_dir / f for f in layout.FOLDERS), *sorted(it_dir.glob("topup=*/*"))]:
+    for sdir in [*(it_dir / f for f in layout.FOLDERS), *sorted(it_dir.glob(f"{layout.TOPUP_GLOB}/*"))]:
         timing = (manifests.manifest(sdir) or {}).get("timing") or {}
         if timing.get("startup_s") is None or timing.get("work_s") is None:
             continue  # not complete, or written before stages recorded their time
@@ -119,7 +119,7 @@ def write_report(
     run_dir = fs.run_path(run_dir)
     if not run_dir.is_dir():
         raise StageError(f"{run_dir}: run directory not found")
-    out = fs.run_path(out) if out else run_dir / "report"
+    out = fs.run_path(out) if out else run_dir / layout.REPORT_DIR
     if out.exists() and not out.is_dir():
         raise StageError(f"--out {out}: is a file; the report needs a directory")
     try:
@@ -132,8 +132,8 @@ def write_report(
     examples = _examples(run_dir, data["last"], n_examples) if data["last"] is not None else []
     plots += _eval_plot(data, out) + _time_plot(data, out)
     completions = _eval_examples(run_dir, data, n_examples)
-    page = out / "report.html"
-    atomic.write_json_atomic(out / "summary.json", data["iters"])
+    page = out / layout.REPORT_PAGE
+    atomic.write_json_atomic(out / layout.REPORT_SUMMARY, data["iters"])
     html = _html(run_dir, data, plots, examples).replace("</body>", _eval_html(completions) + "</body>")
     atomic.write_file_atomic(page, lambda tmp: tmp.write_text(html))
     if tensorboard:

@@ -10,6 +10,7 @@ from typing import Any
 from rlhf_batch.core.eval_metrics import with_overall
 from rlhf_batch.observe.query import connect, existing_run, one_line
 from rlhf_batch.sql import sql_text
+from rlhf_batch.store import layout
 
 STATUS_STAGES = ("rollouts", "scores", "advantages", "train", "eval")  # eval: only where it ran
 
@@ -19,7 +20,10 @@ def print_status(run_dir: str | Path) -> None:
     tokens/s of the run that completed it (its manifest's `timing`), on rollouts rows the
     staleness of their sampling policy (`stale`: 0 in lock-step), and headline numbers."""
     root = existing_run(run_dir)
-    iters = sorted(int(p.name[5:]) for p in root.glob("iter=*") if p.is_dir() and p.name[5:].isdigit())
+    n = len(layout.ITER_PREFIX)
+    iters = sorted(
+        int(p.name[n:]) for p in root.glob(layout.ITER_GLOB) if p.is_dir() and p.name[n:].isdigit()
+    )
     if not iters:
         print(f"{root}: no iterations yet")
         return
@@ -47,15 +51,21 @@ def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
     """(label, stage folder, top-up round) of the rows `status` shows for iteration `it`: each
     stage, eval only where it ran, and after scores each top-up round's rollouts and scores. The
     iteration after the last (it holds only eval, of the last trained policy) shows eval alone."""
-    idir = root / f"iter={it:04d}"
-    rounds = sorted(int(p.name[6:]) for p in idir.glob("topup=*") if p.is_dir() and p.name[6:].isdigit())
+    idir, n = root / layout.iter_name(it), len(layout.TOPUP_PREFIX)
+    rounds = sorted(
+        int(p.name[n:]) for p in idir.glob(layout.TOPUP_GLOB) if p.is_dir() and p.name[n:].isdigit()
+    )
     trained = bool(rounds) or any((idir / s).exists() for s in STATUS_STAGES if s != "eval")
     out = []
     for stage in STATUS_STAGES:
         if (stage != "eval" and trained) or (idir / stage).exists():
             out.append((stage, stage, 0))
         if stage == "scores":
-            out += [(f"topup={r:02d}/{s}", s, r) for r in rounds for s in ("rollouts", "scores")]
+            out += [
+                (f"{layout.topup_name(r)}/{s}", s, r)
+                for r in rounds
+                for s in (layout.ROLLOUTS, layout.SCORES)
+            ]
     return out
 
 
@@ -64,13 +74,13 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
     top-up round `topup`)."""
     import duckdb
 
-    from rlhf_batch.store import layout, manifests
+    from rlhf_batch.store import manifests
 
     sdir = layout.folder(root, it, stage, topup)
     src = manifests.current(sdir)  # its staged copy while a forced run's output is swapped in
     m = manifests.manifest(src)
     if stage == "train":
-        files = [f for f in [src / "metrics.parquet"] if f.exists()]
+        files = [f for f in [src / layout.METRICS_FILE] if f.exists()]
         started = sdir.exists() or layout.policy_dir(root, it).exists()
     else:
         files = [src / p["file"] for p in m["parts"]] if m else layout.list_parts(sdir)
@@ -137,7 +147,7 @@ def changed_inputs(root: Path, it: int, stage: str, topup: int, m: dict[str, Any
     """The inputs of a complete stage that are no longer what it read (the run's own folders, as
     the stages fingerprint them): scores' rollouts (their key), advantages' rollouts and scores
     (their manifests' bytes), train's advantages and, after iteration 0, the previous train."""
-    from rlhf_batch.store import layout, manifests
+    from rlhf_batch.store import manifests
 
     def key(folder: Path) -> Any:
         return (manifests.manifest(folder) or {}).get("key")
@@ -149,7 +159,7 @@ def changed_inputs(root: Path, it: int, stage: str, topup: int, m: dict[str, Any
     if stage == "advantages":
         for name, was in inputs.items():
             path = root / name / layout.MANIFEST
-            if name.startswith("iter=") and was != (
+            if name.startswith(layout.ITER_PREFIX) and was != (
                 manifests.file_fingerprint(path) if path.exists() else None
             ):
                 changed.append(name)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.store.fs import local_side
-from rlhf_batch.store.layout import METRICS_FILE
+from rlhf_batch.store.layout import METRICS_FILE, TRACKING_DIR
 
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")
 _TOP_NUMBERS = ("rows", "kl_coef", "mean_kl_sum", "batch_std")  # manifest keys worth a curve
@@ -217,7 +217,7 @@ class _TensorBoard:
     def __init__(self, s: dict[str, Any]):
         from torch.utils.tensorboard import SummaryWriter
 
-        logdir = local_side(s["run_dir"], "tracking") / "tensorboard"
+        logdir = local_side(s["run_dir"], TRACKING_DIR) / "tensorboard"
         first = not any(logdir.glob("events.out.tfevents.*"))
         self.w = SummaryWriter(str(logdir))
         if first:
@@ -237,7 +237,7 @@ class _Wandb:
     def __init__(self, s: dict[str, Any]):
         import wandb
 
-        tdir = local_side(s["run_dir"], "tracking")
+        tdir = local_side(s["run_dir"], TRACKING_DIR)
         tdir.mkdir(parents=True, exist_ok=True)
         run_id = hashlib.sha256(str(tdir.parent.resolve()).encode()).hexdigest()[:16]
         self.run = wandb.init(
@@ -295,7 +295,7 @@ class _Mlflow:
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:  # our own local file store (mlflow-skinny has no database backend)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            uri = (local_side(s["run_dir"], "tracking") / "mlruns").resolve().as_uri()
+            uri = (local_side(s["run_dir"], TRACKING_DIR) / "mlruns").resolve().as_uri()
         self.client = MlflowClient(tracking_uri=uri)
         exp = self.client.get_experiment_by_name(s["project"])
         exp_id = exp.experiment_id if exp else self.client.create_experiment(s["project"])

@@ -101,7 +101,11 @@ class Advantage(Stage):
 
     def __init__(self, cfg: Config, iteration: int):
         super().__init__(cfg, iteration)
-        self.con: Any = None
+        self.con: Any = None  # load(): the DuckDB connection the parts are written from
+        self.window: list[int]  # prepare(): the iterations pooled for the statistics
+        self.rounds: list[int]  # prepare(): the complete top-up rounds of this iteration
+        self.params: dict[str, Any]  # load(): the pooled statistics' parameters
+        self.counts: dict[str, int]  # load(): rows and groups in and out of the filters
 
     def identity(self) -> dict[str, Any]:
         ident = super().identity()
@@ -110,14 +114,14 @@ class Advantage(Stage):
             ident["advantage"].pop("opd_baseline", None)
         return ident
 
-    def inputs(self) -> dict[str, Any]:
+    def prepare(self) -> None:
         if self.iteration < 0:
             raise StageError(f"--iter must be >= 0, got {self.iteration}")
         check_groups(self.cfg)
         self.window = _window(self.cfg, self.iteration)
         self.rounds = topup_rounds(self.cfg, self.iteration)
         inputs: dict[str, Any] = {
-            f"iter={it:04d}/{folder}": manifests.file_fingerprint(
+            f"{layout.iter_name(it)}/{folder}": manifests.file_fingerprint(
                 layout.folder(self.cfg.run_dir, it, folder) / layout.MANIFEST
             )
             for it in self.window
@@ -126,15 +130,18 @@ class Advantage(Stage):
         for r in self.rounds:  # top-up rounds of this iteration, one table with round 0
             for folder in (layout.ROLLOUTS, layout.SCORES):
                 path = layout.folder(self.cfg.run_dir, self.iteration, folder, r) / layout.MANIFEST
-                inputs[f"iter={self.iteration:04d}/topup={r:02d}/{folder}"] = manifests.file_fingerprint(path)
+                name = f"{layout.iter_name(self.iteration)}/{layout.topup_name(r)}/{folder}"
+                inputs[name] = manifests.file_fingerprint(path)
         if replay.enabled(self.cfg):  # the replayed iterations' advantages (replay.py); off: left out
             inputs["replay"] = replay.inputs(self.cfg, self.iteration)
-        return inputs
+        self.fingerprints = inputs
 
-    def check(self) -> None:
+    def load(self) -> None:
         """Pool, check and count in DuckDB: bad or empty input fails before the folder is started."""
         self.work_begins()  # no model to load: pooling is work
-        self.con = _connect(fs.local_side(self.cfg.run_dir, ".duckdb.tmp"))  # DuckDB spills to local files
+        self.con = _connect(
+            fs.local_side(self.cfg.run_dir, layout.DUCKDB_SPILL)
+        )  # DuckDB spills to local files
         fs.register(self.con, layout.iter_dir(self.cfg.run_dir, self.iteration))
         self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds)
         faults.fault_point("advantages:pool")
@@ -193,8 +200,8 @@ def informative_groups(cfg: Config, iteration: int) -> int:
     leave: what `advantage.min_groups` is compared with."""
     stage = Advantage(cfg, iteration)
     try:
-        stage.inputs()
-        stage.check()
+        stage.prepare()
+        stage.load()
         return stage.counts["groups_out"]
     finally:
         stage.close()

@@ -6,9 +6,17 @@ only on the part number. It declares:
 
 * `name` (the command), `folder` (its output folder, layout.FOLDERS);
 * `runs_at(cfg, iteration)`: whether `run` runs it at that iteration (default: 0..iterations-1);
+* `prepare()`: load what the questions below need (the policy it starts from, fingerprints of
+  what it reads into `self.fingerprints`); raises StageError when an input is not complete. The
+  executor calls it once, before it asks any question (`execute` and `is_done` alike);
 * `identity()`: the config that decides its result (config.Config.identity plus derived values);
-* `inputs()`: fingerprints of what it reads (raises StageError when an input is not complete);
-* `check()`: heavier validation of the inputs, run before the folder is marked started;
+* `inputs()`: fingerprints of what it reads (`self.fingerprints`, set by `prepare`);
+* `load()`: read the inputs the parts are made of, only when the stage runs (not for `is_done`);
+  bad input fails here, before the folder is marked started;
+* `check()`: validation of what `prepare` and `load` set, before the folder is marked started;
+
+`identity()`, `inputs()` and `check()` only read what `prepare` and `load` set: asking them twice
+reads nothing twice, and asking them of a stage not prepared fails on the missing attribute.
 * `plan()`: the number of parts; `write_part(n, bar)`: the content of part n (the executor
   writes it atomically); `write_parts` for a stage that streams its parts or writes other files;
 * `manifest_extra()`: manifest entries beyond the parts and their summed counts;
@@ -50,13 +58,15 @@ class Stage:
     single_writer: ClassVar[bool] = False  # rank 0 writes every part (others only wait)
     unit: ClassVar[str] = "part"  # of the progress bar
     unit_scale: ClassVar[bool] = False
-    force: bool = False  # set by the executor: the run was asked to replace what differs
-    clock: StageClock | None = None  # set by the executor: start-up, work and tokens
-    staging: Path | None = None  # set by the executor under --force: where the output is written
 
     def __init__(self, cfg: Config, iteration: int, topup: int = 0):
-        # topup > 0: a top-up round of the iteration (generate and score only; topup.py)
-        self.cfg, self.iteration, self.topup = cfg, iteration, topup
+        self.cfg: Config = cfg
+        self.iteration: int = iteration
+        self.topup: int = topup  # > 0: a top-up round of the iteration (generate and score only; topup.py)
+        self.force: bool = False  # set by the executor: the run was asked to replace what differs
+        self.clock: StageClock | None = None  # set by the executor: start-up, work and tokens
+        self.staging: Path | None = None  # set by the executor under --force: where the output is written
+        self.fingerprints: dict[str, Any]  # set by prepare(): what inputs() returns
 
     @classmethod
     def runs_at(cls, cfg: Config, iteration: int) -> bool:
@@ -76,11 +86,18 @@ class Stage:
     def progress_desc(self) -> str:
         return self.name
 
+    def prepare(self) -> None:
+        """Load what identity(), inputs() and check() read; set `self.fingerprints`."""
+        raise NotImplementedError
+
     def identity(self) -> dict[str, Any]:
         return self.cfg.identity(self.name)
 
     def inputs(self) -> dict[str, Any]:
-        raise NotImplementedError
+        return self.fingerprints
+
+    def load(self) -> None:
+        """Read the inputs writing the parts needs, once the stage is to run (default: nothing)."""
 
     def check(self) -> None:
         """Validate what the stage reads before its folder is marked started (default: nothing)."""

@@ -34,8 +34,9 @@ from rlhf_batch.config import Config, GenerateConfig, reward_search_path
 from rlhf_batch.core.eval_metrics import aggregate, aggregate_by_source, group_samples
 from rlhf_batch.data.prompt_files import describe
 from rlhf_batch.data.prompt_files import fingerprint as prompt_fingerprint
-from rlhf_batch.data.prompts import load_prompts
+from rlhf_batch.data.prompts import Prompts, load_prompts
 from rlhf_batch.engines import make_engine
+from rlhf_batch.engines.base import Engine
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.models.policy import start_policy
 from rlhf_batch.rewards import RewardFunction, load_reward_functions, strip_alias, weighted_sum
@@ -78,10 +79,16 @@ class Eval(Stage):
         # generate's functions read cfg.generate and cfg.seed: give them the eval sampling settings
         # and a seed stream of eval's own, so a held-out prompt that is also a training prompt
         # does not get generate's samples again (same rollout id, same per-row seed)
-        self.scfg = dataclasses.replace(cfg, generate=self.sampling, seed=row_seed(cfg.seed, "eval"))
+        self.scfg: Config = dataclasses.replace(cfg, generate=self.sampling, seed=row_seed(cfg.seed, "eval"))
         explicit = bool(e.reward_functions)
-        self.reward_paths = list(e.reward_functions if explicit else cfg.score.reward_functions)
-        self.reward_weights = list(e.reward_weights if explicit else cfg.score.reward_weights)
+        self.reward_paths: list[str] = list(e.reward_functions if explicit else cfg.score.reward_functions)
+        self.reward_weights: list[float] = list(e.reward_weights if explicit else cfg.score.reward_weights)
+        self.fns: list[RewardFunction]  # prepare(): the reward functions
+        self.judge: RewardFunction  # prepare(): the one that decides `correct`
+        self.policy: str  # prepare(): the policy evaluated (the one the iteration starts from)
+        self.tok: Any  # plan(): the policy's tokenizer
+        self.prompts: Prompts  # plan(): the held-out prompts
+        self.engine: Engine  # open(): what samples
 
     def identity(self) -> dict[str, Any]:
         run_level = {k: v for k, v in self.cfg.identity("generate").items() if not isinstance(v, dict)}
@@ -93,7 +100,7 @@ class Eval(Stage):
             "reward_weights": self.reward_weights,
         }
 
-    def inputs(self) -> dict[str, Any]:
+    def prepare(self) -> None:
         from rlhf_batch.store.modeldir import model_fingerprint
 
         if self.cfg.demo:  # `run` may evaluate iteration 0 before generate builds the demo assets
@@ -110,7 +117,7 @@ class Eval(Stage):
             raise ConfigError("eval: no reward function; set eval.reward_functions or score.reward_functions")
         self.judge = judge_of(self.fns, self.cfg.eval.correct_function)
         self.policy = start_policy(self.cfg, self.iteration)
-        return {
+        self.fingerprints = {
             "prompts": prompt_fingerprint(self.cfg.eval.prompts),
             "policy": model_fingerprint(self.policy, "policy"),
             "iteration": self.iteration,

@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 
 def output_of(stage: Stage) -> StageOutput:
+    """The output folder of `stage`, with its identity and inputs: prepares the stage (once per
+    `execute` or `is_done`), then asks its questions."""
+    stage.prepare()
     return StageOutput(
         stage.sdir, stage.folder, stage.identity(), stage.inputs(), stage.cfg.to_dict(), stage.name
     )
@@ -63,6 +66,7 @@ def execute(
         if not force and (m := out.done()) is not None:
             _tidy(stage, out)
             return m
+        stage.load()
         stage.check()
         if force:
             _stage_beside(stage, out)

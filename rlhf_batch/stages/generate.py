@@ -57,7 +57,16 @@ from rlhf_batch.store.schemas import ROLLOUTS, with_extra
 class Generate(Stage):
     name, folder, unit = "generate", layout.ROLLOUTS, "rollout"
 
-    def inputs(self) -> dict[str, Any]:
+    def __init__(self, cfg: Config, iteration: int, topup: int = 0):
+        super().__init__(cfg, iteration, topup)
+        self.policy: str  # prepare(): the policy it samples from (max_staleness iterations back)
+        self.batch: int  # prepare(): the batch of the prompt order it takes
+        self.tok: Any  # plan(): the policy's tokenizer
+        self.prompts: Prompts  # plan(): the batch's prompts
+        self.order: list[int]  # plan(): the prompts in the order parts take them
+        self.engine: Engine  # open(): what samples
+
+    def prepare(self) -> None:
         from rlhf_batch.store.modeldir import model_fingerprint
 
         if self.cfg.demo:
@@ -66,7 +75,7 @@ class Generate(Stage):
             ensure_demo_assets(self.cfg)
         self.policy = sampling_policy(self.cfg, self.iteration)  # max_staleness iterations back
         self.batch = topup.batch_index(self.cfg, self.iteration, self.topup)
-        return {
+        self.fingerprints = {
             "prompts": prompt_fingerprint(self.cfg.generate.prompts),
             "policy": model_fingerprint(self.policy, "policy"),
             "iteration": self.iteration,

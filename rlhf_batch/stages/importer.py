@@ -69,21 +69,26 @@ class Import(Stage):
 
     def __init__(self, cfg: Config, iteration: int, file: str | Path):
         super().__init__(cfg, iteration)
-        self.path = Path(file)
+        self.path: Path = Path(file)
+        self.rows: pa.Table  # prepare(): the file's rows, checked
+        self.messages: bool  # prepare(): the rows are trajectories as chat messages
+        self.policy: str  # prepare(): the policy the rows are said to be sampled from
+        self.tok: Any  # open(): the policy's tokenizer
+        self.model: Any  # open(): the policy (behaviour log-probs of rows without them)
 
-    def identity(self) -> dict[str, Any]:
+    def prepare(self) -> None:
         rows = read_rows(self.path)
         self.messages = import_messages.MESSAGES in rows.column_names  # trajectories as chat messages
         prep = import_messages.prepare if self.messages else prepare
         self.rows = prep(rows, self.path, self.iteration)  # bad files fail first
         self.policy = sampling_policy(self.cfg, self.iteration)
-        return {**super().identity(), "import": str(self.path.resolve()), "policy": self.policy}
-
-    def inputs(self) -> dict[str, Any]:
-        return {
+        self.fingerprints = {
             "file": file_fingerprint(self.path),
             "policy": model_fingerprint(self.policy, f"policy of iteration {self.iteration}"),
         }
+
+    def identity(self) -> dict[str, Any]:
+        return {**super().identity(), "import": str(self.path.resolve()), "policy": self.policy}
 
     def plan(self) -> int:
         return math.ceil(self.rows.num_rows / self.cfg.score.rows_per_part)

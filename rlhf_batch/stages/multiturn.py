@@ -30,9 +30,8 @@ from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.store import fs
 from rlhf_batch.store.atomic import write_json_atomic
 from rlhf_batch.store.ids import row_seed
+from rlhf_batch.store.layout import TURNS_DIR
 from rlhf_batch.store.schemas import TURNS
-
-TURNS_DIR = "turns"
 
 
 @dataclass

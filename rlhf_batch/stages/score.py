@@ -91,13 +91,24 @@ from rlhf_batch.store.schemas import ROLLOUTS, SCORES, with_extra
 class Score(Stage):
     name, folder, unit, unit_scale = "score", layout.SCORES, "tok", True
 
+    def __init__(self, cfg: Config, iteration: int, topup: int = 0):
+        super().__init__(cfg, iteration, topup)
+        self.fns: list[RewardFunction]  # prepare(): the reward functions
+        self.rdir: Path  # prepare(): the rollouts scored
+        self.rollouts_manifest: dict[str, Any]  # prepare(): their manifest
+        self.ctl: KLController  # prepare(): the KL controller whose value is this iteration's beta
+        self.kl_coef: float  # prepare(): beta in the reward (0 without KL in the reward)
+        self.part_rows: int  # prepare(): rows per part
+        self.rollouts: pa.Table  # open(): the rollouts
+        self.scorer: Scorer  # open(): the models and reward functions that score a part
+
     def identity(self) -> dict[str, Any]:
         ident = {**super().identity(), "ref_model": self.cfg.ref, "ref_logprobs": kl_used(self.cfg)}
         if not self.cfg.score.teacher_model:  # no teacher: folders written before the key stay complete
             ident["score"].pop("teacher_model", None)
         return ident
 
-    def inputs(self) -> dict[str, Any]:
+    def prepare(self) -> None:
         cfg, it = self.cfg, self.iteration
         self._load_reward_functions()  # a config without any reward fails before anything is read
         self.rdir = layout.folder(cfg.run_dir, it, layout.ROLLOUTS, self.topup)
@@ -112,7 +123,7 @@ class Score(Stage):
         self.kl_coef = self.ctl.value if cfg.score.kl_in_reward else 0.0
         self.part_rows = part_rows(self.sdir, cfg.score.rows_per_part, rollouts_manifest["rows"], self.force)
         sized = {"part_rows": self.part_rows} if self.part_rows != cfg.score.rows_per_part else {}
-        return {
+        self.fingerprints = {
             "rollouts": {k: self.rollouts_manifest[k] for k in ("key", "rows")},
             "ref_model": model_fingerprint(cfg.ref, "ref_model"),
             "reward_model": model_fingerprint(cfg.reward_model, "reward_model") if cfg.reward_model else None,

@@ -18,26 +18,18 @@ from rlhf_batch.store.fs import run_path
 from rlhf_batch.store.modeldir import check_model_dir, same_dir
 from rlhf_batch.store.schemas import ROLLOUTS
 
-CARRIED = "carried_from.json"  # in a policy dir train copied unchanged: {"from", "fingerprint"}
-
-
-def without_path(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in fingerprint.items() if k != "path"}
-
 
 def origin(path: str) -> str:
     """The model a policy directory holds the weights of: following the records of policies
     carried forward unchanged (train_empty) back to the first, while each source still has the
     fingerprint recorded when it was copied."""
-    from rlhf_batch.store.layout import run_root
-    from rlhf_batch.store.modeldir import model_fingerprint
+    from rlhf_batch.store.modeldir import carried_from, model_fingerprint, without_path
 
     p = run_path(path)  # a policy on the object store too
-    while (p / CARRIED).is_file():
-        rec = json.loads((p / CARRIED).read_text())
-        src = str(rec["from"]).replace("{run_dir}", str(run_root(p)))
+    while (carried := carried_from(p)) is not None:
+        src, fingerprint = carried
         try:
-            if without_path(model_fingerprint(src, "policy")) != rec["fingerprint"]:
+            if without_path(model_fingerprint(src, "policy")) != fingerprint:
                 break
         except ModelError:
             break

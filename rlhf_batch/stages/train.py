@@ -76,6 +76,17 @@ class Train(Stage):
 
     name, folder, unit = "train", layout.TRAIN, "step"
 
+    def __init__(self, cfg: Config, iteration: int):
+        super().__init__(cfg, iteration)
+        self.total_steps: Any  # prepare(): train.total_steps in the identity (train_schedule.py)
+        self.adv_dir: Path  # prepare(): the advantages trained on
+        self.start: str  # prepare(): the policy the iteration starts from
+        self.data: TrainRows | None  # load(): the advantages' rows (None: no trainable row)
+        self.prev: tuple[Path, dict[str, Any]] | None  # load(): the optimizer state carried in
+        self.changed: dict[str, Any]  # load(): schedule settings that differ from the carried state's
+        self.schedule_record: dict[str, Any] | None = None  # the schedule record to write once complete
+        self.result: TrainResult  # write_parts(): what the manifest records
+
     @property
     def progress_desc(self) -> str:
         return f"train iter={self.iteration}"
@@ -91,11 +102,12 @@ class Train(Stage):
         for key, default in OBJECTIVE_DEFAULTS.items():  # and for the token-level PPO objective
             if ident["train"].get(key) == default:
                 ident["train"].pop(key)
-        ident["train"]["total_steps"] = train_schedule.identity(self.cfg, self.iteration, self.force)
+        ident["train"]["total_steps"] = self.total_steps
         return ident
 
-    def inputs(self) -> dict[str, Any]:
+    def prepare(self) -> None:
         cfg, it = self.cfg, self.iteration
+        self.total_steps = train_schedule.identity(self.cfg, self.iteration, self.force)
         self.adv_dir = layout.folder(cfg.run_dir, it, layout.ADVANTAGES)
         adv = manifests.manifest(self.adv_dir)
         if adv is None:
@@ -105,17 +117,21 @@ class Train(Stage):
             )
         self.start = start_policy(cfg, it)
         if it == 0:
-            return {"advantages": adv["key"], "policy": model_fingerprint(self.start, "policy_model")}
+            self.fingerprints = {
+                "advantages": adv["key"],
+                "policy": model_fingerprint(self.start, "policy_model"),
+            }
+            return
         prev = manifests.manifest(layout.folder(cfg.run_dir, it - 1, layout.TRAIN)) or {}
         # the weights themselves (none: a policy written before they were hashed)
         content = model_fingerprint(self.start, "policy").get("content")
-        return {
+        self.fingerprints = {
             "advantages": adv["key"],
             "policy": prev.get("key"),
             **({"weights": content} if content else {}),
         }
 
-    def check(self) -> None:
+    def load(self) -> None:
         # bad input fails before the folder is marked started; no trainable row: zero steps;
         # null ref_logprobs only without the KL loss
         lora.check_targets(self.cfg)
@@ -130,7 +146,7 @@ class Train(Stage):
         )
         if self.prev is not None:
             train_schedule.check_not_ended(self.cfg, self.iteration, self.prev[1]["global_step"], self.force)
-        self.schedule_record: dict[str, Any] | None = None
+        self.schedule_record = None
 
     def schedule_length(self, steps: int) -> int:
         """The LR schedule's length for this iteration of `steps` steps (train_schedule.py)."""
@@ -526,7 +542,7 @@ def _write_policy(model: Any, tok: Any, out: Path, dtype: Any, gradient_checkpoi
     as one directory (atomic.write_dir_atomic)."""
     from rlhf_batch.models.load import keep_written
 
-    for stale in out.parent.glob(".policy.tmp-*"):  # a killed writer's
+    for stale in layout.leftovers(out.parent, out.name):  # a killed writer's
         shutil.rmtree(stale, ignore_errors=True)
     model.config.use_cache = True
     if gradient_checkpointing:

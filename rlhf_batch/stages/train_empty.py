@@ -10,7 +10,6 @@ from the reference model is the reference: KL exactly 0), carries the optimizer 
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -66,23 +65,18 @@ def _copy_policy(cfg: Any, src: Path, dst: Path) -> None:
     carried forward from the reference is the reference, and gets KL exactly 0), its weights'
     content hash (modeldir.py) and, for the LoRA base with no adapter yet, a mark so the next
     train starts a fresh adapter."""
-    from rlhf_batch.models.lora import BASE_COPY
-    from rlhf_batch.stages.score_checks import CARRIED, without_path
-    from rlhf_batch.store.modeldir import WEIGHTS_DIGEST, model_fingerprint, write_weights_digest
+    from rlhf_batch.store.modeldir import carried_record, write_carried_from, write_weights_digest
 
-    record = {
-        "from": layout.portable(str(src), layout.run_root(dst)),
-        "fingerprint": without_path(model_fingerprint(str(src), "policy")),
-    }
+    record = carried_record(src, dst)
     base_copy = cfg.lora.enabled and not _has_adapter(str(src))
 
     def write(tmp: Path) -> None:
         shutil.copytree(local_dir(src), tmp, dirs_exist_ok=True)
-        (tmp / CARRIED).write_text(json.dumps(record, indent=1))
-        if not (tmp / WEIGHTS_DIGEST).is_file():
+        write_carried_from(tmp, record)
+        if not (tmp / layout.WEIGHTS_DIGEST).is_file():
             write_weights_digest(tmp)
         if base_copy:
-            (tmp / BASE_COPY).write_text('{"adapter": null}\n')
+            (tmp / layout.LORA_BASE_COPY).write_text('{"adapter": null}\n')
 
     atomic.write_dir_atomic(dst, write)
 

@@ -23,11 +23,9 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.store import atomic, layout, manifests
 from rlhf_batch.store.fs import run_path
 
-RECORD = "schedule.json"
-
 
 def record_path(cfg: Config) -> Path:
-    return run_path(cfg.run_dir) / RECORD
+    return run_path(cfg.run_dir) / layout.SCHEDULE
 
 
 def read(cfg: Config) -> dict[str, Any] | None:

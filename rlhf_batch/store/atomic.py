@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.store import fs
-from rlhf_batch.store.layout import tmp_name
+from rlhf_batch.store.layout import leftovers, tmp_name
 from rlhf_batch.store.schemas import SCHEMA_VERSION, VERSION_KEY
 
 COUNTS_KEY = b"rlhf_batch.counts"
@@ -86,8 +86,9 @@ def write_dir_atomic(final: Path, write: Callable[[Path], T], *, replace: bool =
     from safetensors import SafetensorError
 
     store = fs.store_of(final)
-    store.clear_stale(final.parent, f".{final.name}.tmp-*")
-    with store.scratch(final.with_name(f".{final.name}.tmp-{os.getpid()}"), final.name) as tmp:
+    for stale in leftovers(final.parent, final.name) if store.local else []:  # of a killed writer
+        store.remove(stale)  # (one writer: the run lock; an object store's scratch is local)
+    with store.scratch(tmp_name(final, os.getpid()), final.name) as tmp:
         try:
             tmp.mkdir(parents=True)
             result = write(tmp)

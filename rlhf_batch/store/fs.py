@@ -685,7 +685,7 @@ def _cached(path: Path) -> Path:
     out = cache_root() / digest
     if (out / ".complete").exists():
         return out
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # layout.tmp_name's rule (layout imports fs)
     prefix = key(path).rstrip("/") + "/"
     for name in listing:
         dest = tmp / name[len(prefix) :]

@@ -17,6 +17,13 @@
     RUN_DIR/iter=0003/audit/part-RRRRR-NNNNN.parquet    the audit functions' verdicts (`rlhf-batch audit`)
     RUN_DIR/reward_cache/<function>/<source hash>/      the reward cache (rewards/cache.py)
 
+docs/on-disk.md lists every file (the run-level records, the files inside a policy dir, the
+temporary names); tests/store/test_layout.py checks it against a finished run.
+
+Temporary names: a file or folder is written under `tmp_name` (hidden, `.NAME.PID.tmp`) and
+renamed; `is_tmp` recognises it, and the folders older versions wrote (`.NAME.tmp-PID`), so a
+leftover of a killed writer of either version is found and removed (`leftovers`).
+
 A stage (a command: generate, import, score, advantage, train, eval) writes one folder (rollouts,
 scores, advantages, train, eval); the unit of work and of resume inside a folder is a *part*.
 """
@@ -38,13 +45,47 @@ OPTIMIZER_DIR = "optimizer"
 POLICY_DIR = "policy"
 ADAPTER_DIR = "adapter"  # inside a policy dir, with [lora]
 POLICY_REMOVED = "policy_removed.json"  # iter=K/: what the removed policy was (retention.py)
+POLICY_TRASH = ".policy.removed-"  # iter=K/.policy.removed-NS: a policy being removed (retention.py)
+INIT_POLICY_DIR = "init_policy"  # RUN_DIR/: with lora.init_adapter, iteration 0's policy
+SCHEDULE = "schedule.json"  # RUN_DIR/: the LR schedule's length, fixed once per run (train_schedule.py)
+BASE_WEIGHTS = "base_weights.json"  # RUN_DIR/: the initial policy's and reference's weights, hashed once
+WEIGHTS_DIGEST = "weights_digest.json"  # in a policy dir this package wrote: sha256 of its weights
+CARRIED_FROM = "carried_from.json"  # in a policy dir train copied unchanged: {"from", "fingerprint"}
+LORA_BASE_COPY = "lora_base_copy.json"  # in a policy dir: the LoRA base carried forward (no adapter yet)
+INIT_ADAPTER = "init_adapter.json"  # in RUN_DIR/init_policy: which adapter it was made from
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # in policy/adapter/ (peft's names)
+ADAPTER_CONFIG = "adapter_config.json"
+OPTIMIZER_TENSORS = "optimizer.safetensors"  # in train/optimizer/ (models/optim_state.py)
+OPTIMIZER_META = "optimizer.json"
+CHECKPOINT_PREFIX = "step-"  # train/checkpoint/step-N/ (models/checkpoint.py)
+CHECKPOINT_STATE, CHECKPOINT_RNG = "state.json", "rng.safetensors"  # in step-N/, beside the weights
+STAGED, RETIRED = ".new", ".old"  # iter=K/.NAME.new/ under --force, .NAME.old/ during the swap (staging.py)
+REPORT_DIR, REPORT_PAGE, REPORT_SUMMARY = "report", "report.html", "summary.json"  # RUN_DIR/report/
+TRACKING_DIR = "tracking"  # RUN_DIR/tracking/: report_to's local files (observe/tracking.py)
+DUCKDB_SPILL = ".duckdb.tmp"  # RUN_DIR/.duckdb.tmp/: advantage's DuckDB spills while it runs
+ITER_GLOB, TOPUP_GLOB = "iter=*", "topup=*"  # every iteration folder, every top-up round folder
+PART_GLOB = "part-*-*.parquet"  # every finished part
 ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL = "rollouts", "scores", "advantages", "train", "eval"
 FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL)
 AUDIT = "audit"  # written only by `rlhf-batch audit`, never by `run`
+TURNS_DIR = "turns"  # rollouts/turns/: multi-turn generate's per-part turn checkpoints (stages/multiturn.py)
+
+
+ITER_PREFIX, TOPUP_PREFIX = "iter=", "topup="
+
+
+def iter_name(it: int) -> str:
+    """The folder of iteration `it` (iter=0003), as the run dir and the advantage inputs name it."""
+    return f"{ITER_PREFIX}{it:04d}"
+
+
+def topup_name(topup: int) -> str:
+    """The folder of top-up round `topup` inside an iteration folder (topup=01)."""
+    return f"{TOPUP_PREFIX}{topup:02d}"
 
 
 def iter_dir(run_dir: str | Path, it: int) -> Path:
-    return run_path(run_dir) / f"iter={it:04d}"
+    return run_path(run_dir) / iter_name(it)
 
 
 def run_root(sdir: Path) -> Path | None:
@@ -78,7 +119,7 @@ def redo_command(sdir: Path, stage: str = "") -> str:
 def folder(run_dir: str | Path, it: int, name: str, topup: int = 0) -> Path:
     """The output folder `name` (rollouts, scores, advantages, train, eval) of iteration `it`; of its
     top-up round `topup` when > 0 (rollouts and scores only)."""
-    return iter_dir(run_dir, it) / (f"topup={topup:02d}" if topup else "") / name
+    return iter_dir(run_dir, it) / (topup_name(topup) if topup else "") / name
 
 
 def policy_dir(run_dir: str | Path, it: int) -> Path:
@@ -88,7 +129,7 @@ def policy_dir(run_dir: str | Path, it: int) -> Path:
 
 def init_policy_dir(run_dir: str | Path) -> Path:
     """With lora.init_adapter: the base model and that adapter, merged (iteration 0's policy)."""
-    return run_path(run_dir) / "init_policy"
+    return run_path(run_dir) / INIT_POLICY_DIR
 
 
 def checkpoint_dir(run_dir: str | Path, it: int) -> Path:
@@ -110,7 +151,7 @@ def part_number(path: Path) -> int:
 
 def list_parts(sdir: Path) -> list[Path]:
     """Finished parts on disk (temporary files are hidden and never match)."""
-    return sorted(sdir.glob("part-*-*.parquet"), key=lambda p: (part_number(p), p.name))
+    return sorted(sdir.glob(PART_GLOB), key=lambda p: (part_number(p), p.name))
 
 
 def in_run(path: str | Path, run_dir: str | Path) -> str:
@@ -161,10 +202,25 @@ def unportable(obj: Any, root: Path) -> Any:
 
 
 def tmp_name(path: Path, pid: int) -> Path:
-    """The hidden temporary name a file is written under before its rename."""
+    """The hidden temporary name a file or folder is written under (by process `pid`) before
+    its rename."""
     return path.with_name(f".{path.name}.{pid}.tmp")
 
 
 def staged(final: Path) -> Path:
     """Where a forced run of the folder `final` writes its output until it is swapped in."""
-    return final.with_name(f".{final.name}.new")
+    return final.with_name(f".{final.name}{STAGED}")
+
+
+def is_tmp(name: str) -> bool:
+    """Whether `name` is a temporary name: `tmp_name`'s, or `.NAME.tmp-PID`, the name older
+    versions wrote folders under (a leftover of their killed writers is still found)."""
+    if not name.startswith("."):
+        return False
+    return name.endswith(".tmp") or name.rpartition(".tmp-")[2].isdigit()
+
+
+def leftovers(parent: Path, name: str = "*") -> list[Path]:
+    """The temporary files and folders in `parent` (of the final name `name`, default any): what
+    a killed writer left."""
+    return sorted(p for p in parent.glob(f".{name}.*") if is_tmp(p.name))

@@ -11,6 +11,7 @@ from rlhf_batch.errors import ModelError
 from rlhf_batch.runtime.hub import hub_revision
 from rlhf_batch.store import layout
 from rlhf_batch.store.fs import makedirs, run_path, store_of
+from rlhf_batch.store.layout import BASE_WEIGHTS, WEIGHTS_DIGEST
 
 
 def check_model_dir(path: str, what: str) -> Path:
@@ -58,9 +59,6 @@ def model_fingerprint(path: str, what: str) -> dict[str, Any]:
     return {**out, "hub": hub} if hub else out
 
 
-WEIGHTS_DIGEST = "weights_digest.json"  # in a policy dir this package wrote: sha256 of its weights
-
-
 def write_weights_digest(p: Path) -> None:
     """Hash the weight files of the (local) model dir `p`, once, as it is written, into WEIGHTS_DIGEST."""
     import hashlib
@@ -95,6 +93,39 @@ def weights_digest(p: Path) -> str | None:
     return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def without_path(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fingerprint.items() if k != "path"}
+
+
+def carried_record(src: str | Path, dst: Path) -> dict[str, Any]:
+    """The record (CARRIED_FROM) of the policy dir `dst` that train writes as a copy of the policy
+    `src` (stages/train_empty.py): its source (as "{run_dir}/..." below the run directory) and
+    that source's fingerprint, without its path."""
+    return {
+        "from": layout.portable(str(src), layout.run_root(dst)),
+        "fingerprint": without_path(model_fingerprint(str(src), "policy")),
+    }
+
+
+def write_carried_from(out: Path, record: dict[str, Any]) -> None:
+    """Into the (local, temporary) folder `out` of a policy being written: its `carried_record`."""
+    import json
+
+    (out / layout.CARRIED_FROM).write_text(json.dumps(record, indent=1))
+
+
+def carried_from(p: Path) -> tuple[str, dict[str, Any]] | None:
+    """(source, its fingerprint when copied) of the policy dir `p` when train copied it unchanged
+    from another policy (CARRIED_FROM); None for any other model dir."""
+    import json
+
+    path = p / layout.CARRIED_FROM
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    return str(rec["from"]).replace("{run_dir}", str(layout.run_root(p))), rec["fingerprint"]
+
+
 def removed_record(path: str | Path) -> dict[str, Any] | None:
     """The record of a policy dir that retention removed (None when it was not removed)."""
     import json
@@ -110,9 +141,6 @@ def removed_record(path: str | Path) -> dict[str, Any] | None:
     if isinstance(fp, dict) and str(fp.get("path", "")).endswith(f"/{p.parent.name}/{p.name}"):
         fp["path"] = str(p.absolute())
     return {**data, "fingerprint": fp}
-
-
-BASE_WEIGHTS = "base_weights.json"  # RUN_DIR/: the initial policy's and reference's weights, hashed once
 
 
 def check_base_weights(run_dir: str | Path, path: str, what: str) -> None:

@@ -128,12 +128,8 @@ class StageOutput:
         if dist.leads():
             fs.makedirs(self.sdir)
             if not dist.fanned_out():  # a fanned-out process would take another's file in progress
-                for tmp in self.sdir.glob(
-                    ".*.tmp"
-                ):  # a killed writer's leftovers (parts, manifest, _started)
-                    tmp.unlink(missing_ok=True)
-                for tmp in self.sdir.glob(".*.tmp-*"):  # its directories (train's optimizer state, policy)
-                    fs.remove(tmp)
+                for tmp in layout.leftovers(self.sdir):  # a killed writer's files and folders (parts,
+                    fs.remove(tmp)  # manifest, _started, train's optimizer state and policy)
             write_json_atomic(started, {"key": self.key, **self.identity})
         dist.barrier()
 

@@ -29,8 +29,6 @@ from rlhf_batch.store import fs, layout
 if TYPE_CHECKING:
     from rlhf_batch.config import Config
 
-TRASH = ".policy.removed-"
-
 
 def kept(it: int, latest: int, keep_policies: int, keep_every: int) -> bool:
     """Whether iteration `it`'s policy is kept once train of `latest` is complete."""
@@ -49,7 +47,7 @@ def prune(cfg: Config, latest: int) -> list[int]:
     removed = []
     for it in range(latest):
         pol = layout.policy_dir(cfg.run_dir, it)
-        for trash in layout.iter_dir(cfg.run_dir, it).glob(f"{TRASH}*"):
+        for trash in layout.iter_dir(cfg.run_dir, it).glob(f"{layout.POLICY_TRASH}*"):
             fs.remove(trash)  # a removal killed half-way
         if kept(it, latest, cfg.keep_policies, cfg.keep_every) or not pol.is_dir():
             continue
@@ -71,7 +69,7 @@ def remove_policy(pol: Path, why: dict[str, Any]) -> None:
             "removed": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         write_json_atomic(record_path, {**record, **why})
-    trash = pol.with_name(f"{TRASH}{time.time_ns()}")
+    trash = pol.with_name(f"{layout.POLICY_TRASH}{time.time_ns()}")
     store.remove(trash if store.rename(pol, trash) else pol)
 
 

@@ -36,7 +36,7 @@ staged = layout.staged  # where a forced run of a folder writes
 
 
 def retired(final: Path) -> Path:
-    return final.with_name(f".{final.name}.old")
+    return final.with_name(f".{final.name}{layout.RETIRED}")
 
 
 def committed(stage_dir: Path) -> bool:
@@ -125,7 +125,7 @@ def same_output(final: Path) -> bool:
 
 
 def _replace(store: fs.Store, src: Path, dst: Path, fault: str) -> None:
-    trash = dst.with_name(f".{dst.name}.old")
+    trash = dst.with_name(f".{dst.name}{layout.RETIRED}")
     store.remove(trash)
     if dst.exists():
         store.rename(dst, trash)

@@ -192,7 +192,7 @@ def test_run_removes_killed_forced_stages_and_a_swap_killed_before_the_old_folde
     make_config,
 ) -> None:
     """A forced generate killed mid-part and a forced train killed while writing its policy leave
-    `.rollouts.new` and `.train.new/.policy.tmp-PID`: the next `run` removes both (it never
+    `.rollouts.new` and `.train.new/.policy.PID.tmp`: the next `run` removes both (it never
     resumes a forced stage). A forced generate killed after the new folder is renamed into place
     and before the old one is removed: the next command removes the old one, keeping the new."""
     path, cfg = make_config(iterations=1, in_process=True, threads=1)
@@ -214,7 +214,7 @@ def test_run_removes_killed_forced_stages_and_a_swap_killed_before_the_old_folde
     )
     assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
     KILLS["named"] += 2
-    assert (it0 / ".rollouts.new").is_dir() and list((it0 / ".train.new").glob(".policy.tmp-*"))
+    assert (it0 / ".rollouts.new").is_dir() and layout.leftovers(it0 / ".train.new", "policy")
     before = snapshot(it0 / "rollouts", it0 / "train", it0 / "policy")
     ok("run", path, "--quiet")
     assert leftovers(run_dir) == [] and not [p for p in run_dir.rglob("*") if ".tmp" in p.name]

@@ -22,7 +22,7 @@ def rb(*args: object, fault: str | None = None) -> subprocess.CompletedProcess:
 
 
 def temporaries(run_dir: Path) -> list[str]:
-    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob(".*.tmp-*"))
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob(".*") if layout.is_tmp(p.name))
 
 
 def test_a_kill_during_the_optimizer_state_write_leaves_no_temporary_for_good(make_config) -> None:
@@ -31,7 +31,7 @@ def test_a_kill_during_the_optimizer_state_write_leaves_no_temporary_for_good(ma
     res = rb("run", path, "--quiet", fault="dir:optimizer:tmp")
     assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
     KILLS["named"] += 1
-    assert [t.split("/")[-1].startswith(".optimizer.tmp-") for t in temporaries(run_dir)] == [True]
+    assert [t.split("/")[-1].startswith(".optimizer.") for t in temporaries(run_dir)] == [True]
     res = rb("run", path, "--quiet")
     assert res.returncode == 0, res.stderr[-2000:]
     assert temporaries(run_dir) == []

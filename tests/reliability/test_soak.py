@@ -64,7 +64,7 @@ def _same_extras(run_dir: Path, ref: Path) -> None:
     """Eval and top-up folders: the same parts' rows as the uninterrupted run."""
     import pyarrow.parquet as pq
 
-    from rlhf_batch.store import manifests
+    from rlhf_batch.store import layout, manifests
 
     folders = sorted(
         str(m.parent.relative_to(ref))
@@ -78,7 +78,7 @@ def _same_extras(run_dir: Path, ref: Path) -> None:
         for part in want["parts"]:
             a, b = (pq.read_table(d / f / part["file"]) for d in (run_dir, ref))
             assert a.equals(b), f"{f}/{part['file']}"
-    assert not list(run_dir.rglob(".*.new")) and not list(run_dir.rglob(".*.tmp-*"))
+    assert not list(run_dir.rglob(".*.new")) and not [p for p in run_dir.rglob(".*") if layout.is_tmp(p.name)]
 
 
 @pytest.mark.soak

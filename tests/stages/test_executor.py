@@ -202,3 +202,20 @@ def test_fsync_false_skips_the_fsyncs_but_keeps_writes_atomic(tmp_path: Path, mo
         )  # renamed, no temp left
     finally:
         atomic.set_durable(True)
+
+
+def test_the_questions_read_only_what_prepare_set(make_config) -> None:
+    """identity(), inputs() and check() load nothing: asked before prepare() they fail on the
+    attribute prepare sets; asked after it, twice, they return what it loaded."""
+    from rlhf_batch.stages.generate import Generate
+
+    _, cfg = make_config()
+    stage = Generate(cfg, 0)
+    for question in (stage.inputs, stage.check):
+        with pytest.raises(AttributeError):
+            question()
+    stage.prepare()
+    first = stage.inputs()
+    assert first["iteration"] == 0 and first["policy"]["path"] == cfg.policy_model
+    assert stage.inputs() is first  # read, not loaded again
+    stage.check()  # the policy prepare found is there

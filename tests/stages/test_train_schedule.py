@@ -12,8 +12,9 @@ import pytest
 from rlhf_batch.commands.pipeline import run_pipeline
 from rlhf_batch.errors import StageError
 from rlhf_batch.stages import train
-from rlhf_batch.stages.train_schedule import RECORD
+from rlhf_batch.stages.executor import output_of
 from rlhf_batch.store import layout
+from rlhf_batch.store.layout import SCHEDULE as RECORD
 from tests.stages.test_train import make_table, metrics, train_toml, write_advantages
 
 # 8 rows, 8 tokens per step: 4 steps an iteration; linear decay, no warmup
@@ -41,13 +42,24 @@ def test_stage_commands_with_default_iterations_cannot_train_past_the_schedule(
     assert json.loads(record.read_text())["changed"] == [{"from_iteration": 1, "total_steps": 8}]
 
 
-def test_the_length_is_part_of_train_identity_under_a_decaying_schedule(make_config) -> None:
+def test_the_length_is_part_of_train_identity_under_a_decaying_schedule(
+    make_config, tiny_model: Path
+) -> None:
     _, one = make_config(train_toml(**KEYS), iterations=1)
+    # the input prepare reads
+    write_advantages(one.run_dir, make_table(tiny_model, [3] * 8, [4] * 8), iteration=0)
     _, three = make_config(train_toml(**KEYS), name="three.toml", iterations=3)
-    assert train.Train(one, 0).identity() != train.Train(three, 0).identity()
+    assert (
+        output_of(train.Train(one, 0)).identity["config"]
+        != output_of(train.Train(three, 0)).identity["config"]
+    )
     _, flat1 = make_config(train_toml(**{**KEYS, "lr_schedule": "constant"}), name="f1.toml", iterations=1)
     _, flat3 = make_config(train_toml(**{**KEYS, "lr_schedule": "constant"}), name="f3.toml", iterations=3)
-    assert train.Train(flat1, 0).identity() == train.Train(flat3, 0).identity()  # the length changes nothing
+    # the length changes nothing
+    assert (
+        output_of(train.Train(flat1, 0)).identity["config"]
+        == output_of(train.Train(flat3, 0)).identity["config"]
+    )
 
 
 @pytest.mark.slow
@@ -86,10 +98,8 @@ def test_a_train_folder_written_before_the_record_stays_complete(make_config, ti
     man = json.loads((sdir / layout.MANIFEST).read_text())
     man["config"]["train"]["total_steps"] = 0
     (sdir / layout.MANIFEST).write_text(json.dumps(man))
-    ident = legacy.identity()
-    assert ident["train"]["total_steps"] == 0
-    from rlhf_batch.stages.executor import output_of
-
-    man["key"] = output_of(legacy).key  # the key that older version computed for it
+    out = output_of(legacy)
+    assert out.identity["config"]["train"]["total_steps"] == 0
+    man["key"] = out.key  # the key that older version computed for it
     (sdir / layout.MANIFEST).write_text(json.dumps(man))
     assert is_done(train.Train(cfg, 0))

@@ -48,7 +48,7 @@ def test_prune_waits_for_the_next_policy_and_keeps_the_fingerprint(make_config, 
     )
     assert record["fingerprint"]["path"] == "{run_dir}/iter=0000/policy"
     assert retention.prune(cfg, 3) == []  # nothing more to do
-    (layout.iter_dir(run, 1) / f"{retention.TRASH}123").mkdir()  # a removal killed half-way
+    (layout.iter_dir(run, 1) / f"{layout.POLICY_TRASH}123").mkdir()  # a removal killed half-way
     _, off = make_config(run_dir=str(run))
     assert retention.prune(off, 3) == []  # keep_policies 0: nothing is removed
     assert retention.prune(cfg, 3) == []

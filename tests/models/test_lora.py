@@ -20,6 +20,7 @@ from rlhf_batch.models import checkpoint, lora
 from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.models.load import load_model
 from rlhf_batch.stages import train
+from rlhf_batch.stages.executor import output_of
 from rlhf_batch.store import layout, manifests
 from tests.stages.test_train import make_table, max_diff, metrics, train_toml, weights, write_advantages
 
@@ -254,12 +255,14 @@ def test_gradient_checkpointing_with_lora_gives_the_same_adapter(
     assert max_diff(adapters[True], adapters[False]) < 1e-5
 
 
-def test_lora_keys_decide_train_only_when_lora_is_on(make_config) -> None:
+def test_lora_keys_decide_train_only_when_lora_is_on(make_config, tiny_model: Path) -> None:
     _, off = make_config()
     _, on = make_config(LORA)
+    # the input prepare reads
+    write_advantages(on.run_dir, make_table(tiny_model, [3] * 8, [4] * 8), iteration=0)
     # without [lora] train's identity is what it was before LoRA existed: old folders stay complete
-    assert "lora" not in train.Train(off, 0).identity()
-    assert train.Train(on, 0).identity()["lora"] == {
+    assert "lora" not in output_of(train.Train(off, 0)).identity["config"]
+    assert output_of(train.Train(on, 0)).identity["config"]["lora"] == {
         "enabled": True,
         "r": 4,
         "alpha": 8,
