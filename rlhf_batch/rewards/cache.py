@@ -45,8 +45,9 @@ import pyarrow as pa
 from rlhf_batch.rewards import RewardFunction, time_limit
 from rlhf_batch.rewards.concurrent import async_rows, is_async
 from rlhf_batch.rewards.conventions import Extras, evaluate_rows, extra_columns
+from rlhf_batch.store import layout
 
-FOLDER = "reward_cache"
+FOLDER = layout.REWARD_CACHE
 SCHEMA = pa.schema([("key", pa.string()), ("value", pa.float64()), ("extra", pa.string())])
 
 

@@ -68,6 +68,7 @@ PART_GLOB = "part-*-*.parquet"  # every finished part
 ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL = "rollouts", "scores", "advantages", "train", "eval"
 FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL)
 AUDIT = "audit"  # written only by `rlhf-batch audit`, never by `run`
+REWARD_CACHE = "reward_cache"  # RUN_DIR/reward_cache/: score.reward_cache's verdicts (rewards/cache.py)
 TURNS_DIR = "turns"  # rollouts/turns/: multi-turn generate's per-part turn checkpoints (stages/multiturn.py)
 
 
