@@ -14,9 +14,11 @@ if TYPE_CHECKING:
 
 def stages() -> tuple[type[Stage], ...]:
     """The stage classes (imported here, not at start-up: `rlhf-batch --help` stays instant)."""
-    from rlhf_batch.stages import advantage, evaluate, generate, importer, score, train
+    from rlhf_batch.stages import advantage, evaluate, generate, importer
+    from rlhf_batch.stages.score.stage import Score
+    from rlhf_batch.stages.train.stage import Train
 
-    return (evaluate.Eval, generate.Generate, importer.Import, score.Score, advantage.Advantage, train.Train)
+    return (evaluate.Eval, generate.Generate, importer.Import, Score, advantage.Advantage, Train)
 
 
 def pipeline() -> list[type[Stage]]:

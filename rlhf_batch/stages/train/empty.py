@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.runtime import dist
-from rlhf_batch.stages.train_carry import record
+from rlhf_batch.stages.train.carry import record
 from rlhf_batch.store import atomic, layout, manifests
 from rlhf_batch.store.fs import local_dir, run_path
 
@@ -67,7 +67,7 @@ def _copy_policy(cfg: Any, src: Path, dst: Path) -> None:
     content hash (modeldir.py) and, for the LoRA base with no adapter yet, a mark so the next
     train starts a fresh adapter."""
     from rlhf_batch.models.lora import BASE_COPY
-    from rlhf_batch.stages.score_checks import CARRIED, without_path
+    from rlhf_batch.stages.score.checks import CARRIED, without_path
     from rlhf_batch.store.modeldir import WEIGHTS_DIGEST, model_fingerprint, write_weights_digest
 
     record = {

@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_batch.config import TrainConfig
+from rlhf_batch.config import Config, TrainConfig
 from rlhf_batch.core.losses import grpo_loss
 from rlhf_batch.errors import StageError
 from rlhf_batch.models.forward import padded_logprobs
-from rlhf_batch.stages.train_data import Step, TrainRows, lr_factor, micro_batch
+from rlhf_batch.stages.train.data import Step, TrainRows, lr_factor, micro_batch
 
 LOSSES = ("loss", "loss_objective", "loss_kl_to_ref", "loss_kl_to_inference", "loss_entropy")
 TOKEN_MEANS = ("clip_fraction", "kl_approx", "kl_to_ref", "entropy", "ratio_mean", "tis_masked")
@@ -256,3 +256,32 @@ def recompute_old(trainer: Trainer, steps: list[Step]) -> None:
             )
     data.behavior = data.old  # what truncated importance sampling weighs against
     data.old = _all_reduce(flat).cpu().numpy()
+
+
+def norm_const(cfg: Config) -> float:
+    return cfg.train.norm_const or float(cfg.generate.max_new_tokens)
+
+
+def _loss_kwargs(cfg: Config) -> dict[str, Any]:
+    tc = cfg.train
+    return {
+        "eps_low": tc.eps_low,
+        "eps_high": tc.eps_high or tc.eps_low,
+        "dual_clip": tc.dual_clip or None,
+        "aggregation": tc.aggregation,
+        "kl_coef": tc.kl_loss_coef,
+        "entropy_coef": tc.entropy_coef,
+        "norm_const": norm_const(cfg),
+        "kl_to_inference_coef": tc.kl_to_inference_coef,
+        "tis_cap": tc.tis_cap,
+        "ratio_level": tc.ratio_level,
+        "loss_type": tc.loss,
+        "cispo_max": tc.cispo_max,
+        "tis_mode": tc.tis_mode,
+        "tis_low": tc.tis_low,
+        **(
+            {"eps_low": tc.seq_eps_low, "eps_high": tc.seq_eps_high or tc.seq_eps_low}
+            if tc.ratio_level == "sequence"
+            else {}
+        ),
+    }
