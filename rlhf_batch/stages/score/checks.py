@@ -27,7 +27,7 @@ def without_path(fingerprint: dict[str, Any]) -> dict[str, Any]:
 
 def origin(path: str) -> str:
     """The model a policy directory holds the weights of: following the records of policies
-    carried forward unchanged (train_empty) back to the first, while each source still has the
+    carried forward unchanged (train/empty.py) back to the first, while each source still has the
     fingerprint recorded when it was copied."""
     from rlhf_batch.store.layout import run_root
     from rlhf_batch.store.modeldir import model_fingerprint

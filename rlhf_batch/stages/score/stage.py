@@ -18,7 +18,7 @@ reward functions alone cost no model forward (the reference's config and tokeniz
 read to check the rollouts' token ids). train's ``kl_to_ref`` metric is then 0.
 
 Reference == policy: when a rollout's ``policy`` column names the reference model's directory
-(or a policy train carried forward unchanged from it: score_checks.origin),
+(or a policy train carried forward unchanged from it: checks.origin),
 its reference log-probs ARE its behaviour log-probs (same weights, same log-prob definition), so
 they are copied instead of recomputed: ``kl`` is exactly 0 and no reference forward runs. Any
 other rollout gets a full forward pass of the reference; a copy of the policy under another

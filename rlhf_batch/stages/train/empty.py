@@ -62,7 +62,7 @@ def _has_adapter(start: str) -> bool:
 
 
 def _copy_policy(cfg: Any, src: Path, dst: Path) -> None:
-    """The policy copied unchanged, with a record of its source (score_checks.origin: a policy
+    """The policy copied unchanged, with a record of its source (score/checks.origin: a policy
     carried forward from the reference is the reference, and gets KL exactly 0), its weights'
     content hash (modeldir.py) and, for the LoRA base with no adapter yet, a mark so the next
     train starts a fresh adapter."""

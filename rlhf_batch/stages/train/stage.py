@@ -4,7 +4,7 @@
     iter=K/train/metrics.parquet        one row per optimizer step (schemas.METRICS)
     iter=K/train/_manifest.json         written last: the stage is complete
     iter=K/train/checkpoint/step-N/     while running (every `checkpoint_every` steps); removed at the end
-    iter=K/train/optimizer/             the AdamW state iteration K+1 starts from (train_carry.py)
+    iter=K/train/optimizer/             the AdamW state iteration K+1 starts from (carry.py)
 
 The policy of iteration K starts from iter=K-1/policy (cfg.policy_model for K = 0); the KL
 reference is the stored `ref_logprobs` column, so no reference model is loaded. With [lora]
@@ -18,11 +18,11 @@ checkpoint and ends with the weights of an uninterrupted run (CPU float32: bit f
 
 Distributed: `torchrun --nproc-per-node N -m rlhf_batch train CONFIG --iter K`. Every rank
 reads the whole advantages table and the ranks split each step's micro-batches (the global
-batch per step is the same as on one rank; train_data). DistributedDataParallel averages the
+batch per step is the same as on one rank; data.py). DistributedDataParallel averages the
 gradients; rank 0 writes checkpoints, the policy and the manifest. The run dir must be on a
 filesystem every rank sees. DDP keeps a full copy of the model, gradients and AdamW state on
 every rank. With `train.fsdp` (under torchrun, also with N = 1; without torchrun it is a no-op) FSDP2 shards them
-instead (`_fsdp`): each rank still loads the full float32 model first (and runs
+instead (`parallel._fsdp`): each rank still loads the full float32 model first (and runs
 `recompute_old` on it), then keeps 1/N of it; checkpoints and the policy are full state dicts
 gathered on rank 0's CPU (checkpoint.gather), the policy saved through a CPU copy of the model.
 """
@@ -120,7 +120,7 @@ class Train(Stage):
         self.schedule_record: dict[str, Any] | None = None
 
     def schedule_length(self, steps: int) -> int:
-        """The LR schedule's length for this iteration of `steps` steps (train_schedule.py)."""
+        """The LR schedule's length for this iteration of `steps` steps (schedule.py)."""
         carried = self.prev[1].get("total_steps") if self.prev else None
         total, self.schedule_record = train_schedule.length(
             self.cfg, self.iteration, steps, self.force, carried
