@@ -8,7 +8,7 @@ the group statistics never read the token lists).
 Ours: (a) "group statistics" = the advantage stage's pool + integrity check + groups + counts
 (rlhf_batch/sql/advantage_{pool,aligned,groups,counts}.sql and the duplicate-id check; the exact
 path, advantage_{pool_joined,check}.sql, runs only on bad or reordered input), reading the Parquet parts;
-(b) the whole stage (`advantage.run`) including sorting and writing the training parts, for
+(b) the whole stage (`run_stage("advantage", ...)`) including sorting and writing the training parts, for
 its time and peak RSS. Baseline (THE BASELINE below, what TorchRL's MCAdvantage does): rows
 arrive one by one as TensorDicts (built before the clock starts); each goes into a deque per
 prompt; when a prompt's deque holds G rows they are concatenated and get (r - mean) / std
@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 from common import Mem, append_row, emit, mb  # noqa: E402
+
+from rlhf_batch.stages.registry import run_stage
 
 CHUNK = 1_000_000
 
@@ -133,11 +135,10 @@ def worker_stats(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
-    from rlhf_batch.stages import advantage
 
     mem = Mem()
     t0 = time.perf_counter()
-    m = advantage.run(config(Path(spec["run_dir"])), 0, force=True, quiet=True)
+    m = run_stage("advantage", config(Path(spec["run_dir"])), 0, force=True, quiet=True)
     return {
         "seconds": time.perf_counter() - t0,
         "rows_out": m["rows"],

@@ -215,7 +215,7 @@ def head_ops(stage: str, tokens: int, entropy: bool = False, before: bool = Fals
 
 def _rows(vocab: int, n: int, rng: np.random.Generator) -> Any:
     """Synthetic advantages rows (prompts of 3..8 tokens, responses of 4..20) as TrainRows."""
-    from rlhf_batch.stages.train_data import TrainRows, _offsets
+    from rlhf_batch.stages.train.data import TrainRows, _offsets
 
     plen, resp = rng.integers(3, 9, n), rng.integers(4, 21, n)  # [N]
     seq = plen + resp
@@ -238,7 +238,7 @@ def trainer(model_dir: Path, rows: Any, entropy_coef: float = 0.0) -> Any:
 
     from rlhf_batch.config import TrainConfig
     from rlhf_batch.models.load import load_model
-    from rlhf_batch.stages.train_step import LogProbs, Trainer
+    from rlhf_batch.stages.train.step import LogProbs, Trainer
 
     model = load_model(str(model_dir), "policy", device="cpu", dtype="float32")
     model.train()
@@ -252,7 +252,7 @@ def trainer(model_dir: Path, rows: Any, entropy_coef: float = 0.0) -> Any:
 def step_syncs(tr: Any, micro: int) -> tuple[int, dict[str, int]]:
     """Host syncs of one optimizer step over the first rows of `tr.data`, cut into `micro`
     micro-batches of 2 rows."""
-    from rlhf_batch.stages.train_data import Step
+    from rlhf_batch.stages.train.data import Step
 
     mbs = tuple((2 * k, 2 * k + 1) for k in range(micro))
     rows = [i for mb in mbs for i in mb]

@@ -1,6 +1,6 @@
 """score: reference log-probs + KL, the score stage against the naive baseline.
 
-Ours: `rlhf_batch.stages.score.run` end to end (read the rollouts Parquet, reward function,
+Ours: `run_stage("score", ...)` end to end (read the rollouts Parquet, reward function,
 reference forward, KL, write the scores Parquet), dtype "auto" (float32 on a CPU without bf16
 units). Baseline (what a competent engineer writes first): float32, fixed batches of 16 rollouts
 in input order right-padded to the longest, `model(...).logits` for every position,
@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 from common import Mem, Workload, append_row, emit, make_workload, mb, model_dir  # noqa: E402
+
+from rlhf_batch.stages.registry import run_stage
 
 TEMPERATURE = 1.0
 
@@ -106,7 +108,6 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
     its model load too, and train's figures are its steps'); `wall` the whole call."""
     from rlhf_batch.config import load_config
     from rlhf_batch.runtime.device import setup_process
-    from rlhf_batch.stages import score
     from rlhf_batch.store import layout, manifests
 
     setup_process(0)  # as the stage command does (torch's threads as they are)
@@ -125,7 +126,7 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
             ],
         )
         t0 = time.perf_counter()
-        m = score.run(cfg, 0, quiet=True)
+        m = run_stage("score", cfg, 0, quiet=True)
         wall = time.perf_counter() - t0
         timing = (manifests.manifest(layout.folder(run_dir, 0, "scores")) or {})["timing"]
     assert m["rows"] == len(w)

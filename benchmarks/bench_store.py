@@ -3,7 +3,7 @@
 Data: the synthetic complete rollouts + scores stages of bench_advantage.py (N rows, 8 per
 prompt, written in 1M-row parts), written once to a local run directory and once to
 `s3://BUCKET/run` on an S3-protocol server (moto's, tests/s3server.py) started on 127.0.0.1 by
-this script. Measured: the whole advantage stage (`advantage.run`: listing, manifests, Parquet
+this script. Measured: the whole advantage stage (`run_stage("advantage", ...)`: listing, manifests, Parquet
 footers and schema checks, DuckDB reading the parts through the fsspec filesystem, sorting,
 writing the training parts to the same store), each in a fresh worker process, local and store
 alternately, `ROUNDS` times each; the figures are the fastest of each. Target: the store within 2x
@@ -26,14 +26,15 @@ import bench_advantage  # noqa: E402
 import common  # noqa: E402
 from common import append_row, emit  # noqa: E402
 
+from rlhf_batch.stages.registry import run_stage
+
 ROUNDS = 2
 
 
 def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
-    from rlhf_batch.stages import advantage
 
     t0 = time.perf_counter()
-    m = advantage.run(bench_advantage.config(spec["run_dir"]), 0, force=True, quiet=True)
+    m = run_stage("advantage", bench_advantage.config(spec["run_dir"]), 0, force=True, quiet=True)
     return {"seconds": time.perf_counter() - t0, "rows_out": m["rows"]}
 
 

@@ -2,7 +2,7 @@
 
 Data: the workload's rollouts (bench_score.write_rollouts), a scores stage with random rewards,
 then the real advantage stage (length-bucketed parts) and the real train stage
-(`train.run`, one PPO epoch, default token budgets: 65536 response tokens per step, micro-
+(`run_stage("train", ...)`, one PPO epoch, default token budgets: 65536 response tokens per step, micro-
 batches of <= 16384 padded tokens, float32 master weights, bf16 autocast only where the CPU
 has bf16 units, which this one has not). The figure is the time of the optimizer steps (sum
 over the metrics rows), the stage's wall time (with model load and save) is given too.
@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 from bench_score import write_rollouts  # noqa: E402
 from common import Mem, Workload, append_row, emit, make_workload, mb, model_dir  # noqa: E402
+
+from rlhf_batch.stages.registry import run_stage
 
 
 def write_scores(run_dir: Path, w: Workload) -> None:
@@ -63,19 +65,18 @@ LORA = ["lora.enabled=true", "lora.r=16", "lora.alpha=32", 'lora.target_modules=
 
 def prepare(run_dir: Path, w: Workload, model: str, lora: bool = False) -> Any:
     from rlhf_batch.config import load_config
-    from rlhf_batch.stages import advantage
 
     write_rollouts(run_dir, w)
     write_scores(run_dir, w)
     keys = [f"run_dir={run_dir}", f"policy_model={model}", "device=cpu", "dtype=auto", "train.lr=1e-6"]
     cfg = load_config(None, keys + (LORA if lora else []))
-    advantage.run(cfg, 0, quiet=True)
+    run_stage("advantage", cfg, 0, quiet=True)
     return cfg
 
 
 def padding(cfg: Any) -> tuple[float, int]:
     """Share of padding in the micro-batches the train stage plans, and their count."""
-    from rlhf_batch.stages.train_data import load_rows, plan_steps
+    from rlhf_batch.stages.train.data import load_rows, plan_steps
     from rlhf_batch.store import layout
 
     data = load_rows(layout.folder(cfg.run_dir, 0, "advantages"))
@@ -92,7 +93,6 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
     from rlhf_batch.runtime.device import setup_process
-    from rlhf_batch.stages import train
     from rlhf_batch.store import layout
 
     setup_process(0)  # as the stage command does (torch's threads as they are)
@@ -102,7 +102,7 @@ def worker_stage(spec: dict[str, Any]) -> dict[str, Any]:
         pad, n_micro = padding(cfg)
         mem = Mem()
         t0 = time.perf_counter()
-        train.run(cfg, 0, quiet=True)
+        run_stage("train", cfg, 0, quiet=True)
         wall = time.perf_counter() - t0
         m = pq.read_table(layout.folder(cfg.run_dir, 0, "train") / "metrics.parquet").to_pylist()
         trainable = trained_parameters(layout.policy_dir(cfg.run_dir, 0), cfg.lora.enabled)

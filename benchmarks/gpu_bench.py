@@ -72,7 +72,7 @@ def import_seconds() -> float:
     """A fresh process's imports of what a model stage imports (torch, transformers, ours)."""
     code = (
         "import time; t = time.perf_counter(); import torch, transformers; "
-        "import rlhf_batch.stages.train_step, rlhf_batch.models.forward; print(time.perf_counter() - t)"
+        "import rlhf_batch.stages.train.step, rlhf_batch.models.forward; print(time.perf_counter() - t)"
     )
     return round(
         float(
@@ -188,7 +188,7 @@ def train_ours(model_dir: Path, data: Any, device: str, bf16: bool) -> tuple[Any
 
     from rlhf_batch.config import TrainConfig
     from rlhf_batch.models.load import load_model
-    from rlhf_batch.stages.train_step import LogProbs, Trainer
+    from rlhf_batch.stages.train.step import LogProbs, Trainer
 
     model = load_model(str(model_dir), "policy", device=device, dtype="float32")
     model.train()
@@ -240,7 +240,7 @@ def train_trl(
 def train_rows(prompts: list, responses: list, old: list, adv: list) -> Any:
     import numpy as np
 
-    from rlhf_batch.stages.train_data import TrainRows, _offsets
+    from rlhf_batch.stages.train.data import TrainRows, _offsets
 
     seq = np.array([len(p) + len(r) for p, r in zip(prompts, responses, strict=True)])
     resp = np.array([len(r) for r in responses])
@@ -282,7 +282,7 @@ def host_syncs_per_micro_batch(tr: Any, step: Any) -> float | None:
 
     import torch
 
-    from rlhf_batch.stages.train_data import Step
+    from rlhf_batch.stages.train.data import Step
 
     if not torch.cuda.is_available() or len(step.micro) < 2:
         return None
@@ -305,7 +305,8 @@ def fixed_costs_of_train(tr: Any, work: Path, fixed: dict[str, float]) -> None:
     import torch
 
     from rlhf_batch.models import optim_state
-    from rlhf_batch.stages import train, train_carry
+    from rlhf_batch.stages.train import carry as train_carry
+    from rlhf_batch.stages.train import save
 
     opt_dir = work / "optimizer"
     with timed(fixed, "optimizer_save_s"):
@@ -319,7 +320,7 @@ def fixed_costs_of_train(tr: Any, work: Path, fixed: dict[str, float]) -> None:
 
     tok = load_tokenizer(str(work / "policy"))
     with timed(fixed, "policy_save_s"):
-        train._write_policy(tr.model, tok, work / "policy-out", torch.bfloat16, False)
+        save._write_policy(tr.model, tok, work / "policy-out", torch.bfloat16, False)
 
 
 def mfu(
@@ -382,7 +383,7 @@ def bench(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     rng = random.Random(0)
     adv = [rng.gauss(0.0, 1.0) for _ in prompts]
     data = train_rows(prompts, responses, beh, adv)
-    from rlhf_batch.stages.train_data import plan_steps
+    from rlhf_batch.stages.train.data import plan_steps
 
     steps = plan_steps(data.resp_lens, data.seq_lens, size["step_tokens"], size["mb_tokens"], 1, (0, 0))
     with timed(fixed, "train_model_load_s"):

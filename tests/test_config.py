@@ -209,7 +209,7 @@ def test_objective_defaults_and_mask_cap() -> None:
 
 
 def test_objective_keys_at_their_defaults_leave_the_train_identity_as_before() -> None:
-    from rlhf_batch.stages.train import OBJECTIVE_DEFAULTS
+    from rlhf_batch.stages.train.stage import OBJECTIVE_DEFAULTS
 
     cfg = Config()
     assert {k: getattr(cfg.train, k) for k in OBJECTIVE_DEFAULTS} == OBJECTIVE_DEFAULTS

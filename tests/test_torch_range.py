@@ -12,7 +12,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 from torch.nn.parallel import DistributedDataParallel
 
-from rlhf_batch.stages.train import no_forward_buffer_sync
+from rlhf_batch.stages.train.parallel import no_forward_buffer_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 

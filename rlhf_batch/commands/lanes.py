@@ -90,7 +90,7 @@ def warm_up(lane: str) -> None:
     if lane == "learn":
         import transformers.models.auto.modeling_auto  # noqa: F401
 
-        import rlhf_batch.stages.train_step  # noqa: F401
+        import rlhf_batch.stages.train.step  # noqa: F401
     else:
         import matplotlib.pyplot  # noqa: F401
 

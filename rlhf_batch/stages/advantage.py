@@ -77,7 +77,6 @@ from rlhf_batch.runtime import faults
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
 from rlhf_batch.stages import loss_mask, replay
 from rlhf_batch.stages.base import Part, Stage, list_tokens
-from rlhf_batch.stages.executor import execute
 from rlhf_batch.store import fs, layout, manifests
 from rlhf_batch.store.output import StageOutput
 from rlhf_batch.store.schemas import (
@@ -177,11 +176,6 @@ class Advantage(Stage):
         if self.con is not None:
             self.con.close()
             _release()
-
-
-def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """Advantages of iteration `iteration`; returns the manifest (existing one if complete)."""
-    return execute(Advantage(cfg, iteration), force=force, quiet=quiet)
 
 
 def topup_rounds(cfg: Config, iteration: int) -> list[int]:

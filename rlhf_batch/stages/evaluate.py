@@ -44,7 +44,7 @@ from rlhf_batch.rewards.cache import RewardCalls
 from rlhf_batch.rewards.conventions import check_arguments
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.generate import generate_part
-from rlhf_batch.stages.score import reward_values
+from rlhf_batch.stages.score.scorer import reward_values
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.ids import row_seed
 from rlhf_batch.store.schemas import EVAL, with_extra

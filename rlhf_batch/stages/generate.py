@@ -48,7 +48,6 @@ from rlhf_batch.engines.base import Engine, special_ids
 from rlhf_batch.errors import StageError
 from rlhf_batch.models.policy import sampled_by, sampling_policy
 from rlhf_batch.stages.base import Part, Stage, list_tokens
-from rlhf_batch.stages.executor import execute
 from rlhf_batch.store import layout
 from rlhf_batch.store.ids import rollout_id, row_seed
 from rlhf_batch.store.schemas import ROLLOUTS, with_extra
@@ -229,11 +228,6 @@ class Generate(Stage):
             **({"prompt_filter": self.filtered} if self.filtered else {}),
         }
         return {**extra, "topup": self.topup, "prompts_sampled": len(self.order)} if self.topup else extra
-
-
-def run(cfg: Config, iteration: int, *, force: bool = False, quiet: bool = False) -> dict[str, Any]:
-    """Generate iteration `iteration`'s rollouts; returns the manifest (existing one if complete)."""
-    return execute(Generate(cfg, iteration), force=force, quiet=quiet)
 
 
 def generate_part(

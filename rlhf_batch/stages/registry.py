@@ -14,17 +14,11 @@ if TYPE_CHECKING:
 
 def stages() -> tuple[type[Stage], ...]:
     """The stage classes (imported here, not at start-up: `rlhf-batch --help` stays instant)."""
-    from rlhf_batch.stages import advantage, audit, evaluate, generate, importer, score, train
+    from rlhf_batch.stages import advantage, audit, evaluate, generate, importer
+    from rlhf_batch.stages.score.stage import Score
+    from rlhf_batch.stages.train.stage import Train
 
-    return (
-        evaluate.Eval,
-        generate.Generate,
-        importer.Import,
-        score.Score,
-        advantage.Advantage,
-        train.Train,
-        audit.Audit,
-    )
+    return (evaluate.Eval, generate.Generate, importer.Import, Score, advantage.Advantage, Train, audit.Audit)
 
 
 def pipeline() -> list[type[Stage]]:

@@ -99,7 +99,7 @@ def without_path(fingerprint: dict[str, Any]) -> dict[str, Any]:
 
 def carried_record(src: str | Path, dst: Path) -> dict[str, Any]:
     """The record (CARRIED_FROM) of the policy dir `dst` that train writes as a copy of the policy
-    `src` (stages/train_empty.py): its source (as "{run_dir}/..." below the run directory) and
+    `src` (stages/train/empty.py): its source (as "{run_dir}/..." below the run directory) and
     that source's fingerprint, without its path."""
     return {
         "from": layout.portable(str(src), layout.run_root(dst)),

@@ -55,7 +55,7 @@ def test_a_train_micro_batch_syncs_the_host_at_most_once(tiny_model: Path) -> No
 
 
 def test_entropy_is_computed_for_the_loss_or_sampled_from_the_first_micro_batch(tiny_model: Path) -> None:
-    from rlhf_batch.stages.train_data import Step, micro_batch
+    from rlhf_batch.stages.train.data import Step, micro_batch
 
     for coef in (0.0, 0.05):
         tr = bp.trainer(tiny_model, bp._rows(105, 6, np.random.default_rng(1)), coef)

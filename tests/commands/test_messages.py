@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rlhf_batch.stages import generate
+from rlhf_batch.stages.registry import run_stage
 
 
 def rlhf(*args: object) -> subprocess.CompletedProcess:
@@ -15,7 +15,7 @@ def rlhf(*args: object) -> subprocess.CompletedProcess:
 
 def test_a_refused_stage_in_run_names_the_stage_command_with_force(make_config, demo_prompts: Path) -> None:
     path, cfg = make_config()
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     data = Path(cfg.generate.prompts)
     edited = data.parent / "edited.jsonl"
     edited.write_text(data.read_text() + data.read_text().splitlines()[0].replace("demo-000000", "x") + "\n")

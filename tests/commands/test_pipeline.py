@@ -9,6 +9,7 @@ import pytest
 
 from rlhf_batch.commands.pipeline import reward_by_iteration
 from rlhf_batch.observe.report import write_report
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,11 +49,10 @@ def test_run_in_subprocesses_then_again_does_nothing_and_more_iterations_extend(
 
 
 def test_report_on_a_partial_run(make_config, tmp_path: Path) -> None:
-    from rlhf_batch.stages import generate, score
 
     _, cfg = make_config()
-    generate.run(cfg, 0, quiet=True)
-    score.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     page = write_report(cfg.run_dir, tmp_path / "out", tensorboard=True)
     html = page.read_text()
     assert (tmp_path / "out" / "reward.png").stat().st_size > 1000

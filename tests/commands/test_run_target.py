@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from rlhf_batch.commands.cli import app
 from rlhf_batch.errors import UserError
-from rlhf_batch.stages import generate
+from rlhf_batch.stages.registry import run_stage
 
 runner = CliRunner()
 
@@ -21,7 +21,7 @@ runner = CliRunner()
 @pytest.fixture
 def small_run(make_config) -> tuple[Path, Path]:
     path, cfg = make_config(generate={"num_generations": 1})
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     return path, Path(cfg.run_dir)
 
 

@@ -25,7 +25,7 @@ from rlhf_batch.config import load_config
 from rlhf_batch.errors import UserError
 from rlhf_batch.models.load import load_model, load_tokenizer
 from rlhf_batch.observe import query as run_query
-from rlhf_batch.stages import advantage
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import atomic, layout, manifests, output
 from rlhf_batch.store.schemas import METRICS, ROLLOUTS, SCORES, with_extra
 from tests.stages.test_advantage import EXTRA, R, tables, write_stage
@@ -52,7 +52,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, lm: Any) -> Path:
     score = score.set_column(score.schema.get_field_index("kl_sum"), "kl_sum", pa.array([0.1, 0.2, 0.3, 0.4]))
     write_stage(str(root), 0, "rollouts", roll, with_extra(ROLLOUTS, EXTRA))
     write_stage(str(root), 0, "scores", score, SCORES)
-    advantage.run(load_config(None, [f"run_dir={root}"]), 0, quiet=True)
+    run_stage("advantage", load_config(None, [f"run_dir={root}"]), 0, quiet=True)
     train = output.claim(layout.folder(root, 0, "train"), "train", {}, {})
     metrics = {name: [0.0, 0.0] for name in METRICS.names}
     metrics.update(step=[0, 1], loss=[1.0, 0.5], kl_to_ref=[0.1, 0.3], clip_fraction=[0.0, 0.5])

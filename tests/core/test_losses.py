@@ -613,7 +613,7 @@ def test_decoupled_objective_of_a_stale_run_by_hand() -> None:
     # objective = (-2.2 - 6 + 1.28 + 2) / 4 = -4.92 / 4 = -1.23
     # lock-step defaults (no weight) on the same batch: (-1.1 - 1.2 + 1.6 + 2) / 4 = 0.325
     from rlhf_batch.config import Config
-    from rlhf_batch.stages.train import _loss_kwargs
+    from rlhf_batch.stages.train.step import _loss_kwargs
 
     def lp(*p: float) -> torch.Tensor:
         return T_([[math.log(p[0]), math.log(p[1])], [math.log(p[2]), math.log(p[3])]])

@@ -11,7 +11,7 @@ import pytest
 from rlhf_batch.config import load_config
 from rlhf_batch.data.prompts import read_table
 from rlhf_batch.errors import StageError
-from rlhf_batch.stages import generate
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import ROLLOUTS
 
@@ -73,7 +73,7 @@ def test_a_hub_dataset_id_reads_its_split_from_the_local_cache(
     path, _ = make_config(generate={"prompts": "someorg/prompts", "num_generations": 1})
     cfg = load_config(path)
     assert cfg.generate.prompts == "someorg/prompts"  # kept as an id, not made a path
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     t = manifests.read_complete(layout.folder(cfg.run_dir, 0, "rollouts"), ROLLOUTS)
     assert t["prompt_id"].to_pylist() == [r["id"] for r in ROWS]
     with pytest.raises(

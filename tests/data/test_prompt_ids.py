@@ -10,7 +10,7 @@ import pytest
 from rlhf_batch.data.prompts import load_prompts
 from rlhf_batch.errors import StageError
 from rlhf_batch.models.load import load_tokenizer
-from rlhf_batch.stages import generate
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.ids import prompt_hash
 from rlhf_batch.store.schemas import ROLLOUTS
@@ -38,7 +38,7 @@ def test_repeated_prompts_are_each_their_own_prompt_in_every_batch(make_config, 
         for row, pid in zip(p.batch["rows"], p.ids, strict=True):
             assert seen.setdefault(row, pid) == pid  # the same id in every batch and epoch
     assert seen == expected
-    m = generate.run(cfg, 0, quiet=True)  # and the stage writes them
+    m = run_stage("generate", cfg, 0, quiet=True)  # and the stage writes them
     ids = rollouts(cfg).column("prompt_id").to_pylist()[::2]
     assert ids == [expected[r] for r in m["prompt_batch"]["rows"]]
 
@@ -54,7 +54,7 @@ def test_a_nested_id_column_names_a_struct_field(make_config, tmp_path: Path) ->
     _, cfg = make_config(
         generate={"prompts": str(tmp_path / "verl.parquet"), "id_column": "extra_info.index"}
     )
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     t = rollouts(cfg)
     assert t.column("prompt_id").to_pylist() == ["7"] * 4 + ["9"] * 4
     assert t.column("extra_info").to_pylist()[0] == {"index": 7, "split": "train"}  # still carried
@@ -87,7 +87,7 @@ def test_a_missing_or_repeating_id_column_is_an_error_naming_file_rows(
     data = write_jsonl(tmp_path / "bad.jsonl", rows)
     _, cfg = make_config(generate={"prompts": str(data), "id_column": id_column})
     with pytest.raises(StageError, match="bad.jsonl") as e:
-        generate.run(cfg, 0, quiet=True)
+        run_stage("generate", cfg, 0, quiet=True)
     assert needle in str(e.value)
     assert "--force" not in str(e.value)
 
@@ -98,7 +98,7 @@ def test_repeated_ids_are_found_in_the_whole_file_not_only_the_batch(make_config
     data = write_jsonl(tmp_path / "ids.jsonl", rows)
     _, cfg = make_config(generate={"prompts": str(data), "id_column": "uid", "prompts_per_iteration": 2})
     with pytest.raises(StageError, match="rows 1 and 3 have the same id 'q'"):
-        generate.run(cfg, 0, quiet=True)
+        run_stage("generate", cfg, 0, quiet=True)
 
 
 def test_errors_in_a_batch_name_the_file_row(make_config, tmp_path: Path) -> None:
@@ -107,4 +107,4 @@ def test_errors_in_a_batch_name_the_file_row(make_config, tmp_path: Path) -> Non
     data = write_jsonl(tmp_path / "e.jsonl", rows)
     _, cfg = make_config(generate={"prompts": str(data), "prompts_per_iteration": 4})
     with pytest.raises(StageError, match=r"e.jsonl: row 0: column 'prompt' is null or empty"):
-        generate.run(cfg, 0, quiet=True)
+        run_stage("generate", cfg, 0, quiet=True)

@@ -20,7 +20,7 @@ from rlhf_batch.commands.pipeline import run_pipeline
 from rlhf_batch.config import load_config
 from rlhf_batch.core.prompt_batches import epoch_order
 from rlhf_batch.runtime import faults
-from rlhf_batch.stages import generate, score
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 
 # 12 prompts, 2 per iteration: 6 batches per epoch. min_groups = 13 is never met (a round adds at
@@ -130,8 +130,8 @@ def test_order_is_the_same_after_a_kill_in_a_topup_round_of_an_extended_run(
     path, cfg = configure(make_config, tmp_path, "killed", 1)
     run_pipeline(path, [], quiet=True)
     longer = load_config(path, ["iterations=2"])
-    generate.run(longer, 1, quiet=True)
-    score.run(longer, 1, quiet=True)
+    run_stage("generate", longer, 1, quiet=True)
+    run_stage("score", longer, 1, quiet=True)
     env = {
         **os.environ,
         faults.FAULT_ENV: "rollouts:part-0:done",

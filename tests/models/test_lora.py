@@ -19,8 +19,9 @@ from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.models import checkpoint, lora
 from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.models.load import load_model
-from rlhf_batch.stages import train
 from rlhf_batch.stages.executor import output_of
+from rlhf_batch.stages.registry import run_stage
+from rlhf_batch.stages.train.stage import Train
 from rlhf_batch.store import layout, manifests
 from tests.stages.test_train import make_table, max_diff, metrics, train_toml, weights, write_advantages
 
@@ -66,7 +67,7 @@ def test_train_writes_adapter_and_merged_weights_equal_to_base_plus_scaled_ba(
 ) -> None:
     _, cfg = make_config(lora_toml(lr=1e-2, tokens_per_step=16))
     write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 12, [4] * 12))
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     ad = load_file(str(adapter_dir(cfg.run_dir) / lora.ADAPTER_WEIGHTS))
     base, merged = weights(tiny_model), weights(layout.policy_dir(cfg.run_dir, 0))
     assert merged.keys() == base.keys()
@@ -125,9 +126,9 @@ def test_an_iteration_continues_the_previous_adapter_on_the_base(
     monkeypatch.setattr(
         rlhf_batch.models.load, "load_model", lambda p, *a, **k: loaded.append(p) or real(p, *a, **k)
     )
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     write_advantages(cfg.run_dir, make_table(layout.policy_dir(cfg.run_dir, 0), [3] * 8, [4] * 8), 1)
-    train.run(cfg, 1, quiet=True)
+    run_stage("train", cfg, 1, quiet=True)
     assert loaded == [str(tiny_model)] * 2  # each train loads the base once, never a merged copy
     a0, a1 = (load_file(str(adapter_dir(cfg.run_dir, it) / lora.ADAPTER_WEIGHTS)) for it in (0, 1))
     assert max_diff(a0, a1) > 1e-4
@@ -142,7 +143,7 @@ def test_a_run_can_start_from_an_existing_adapter(make_config, tiny_model: Path,
 
     _, first = make_config(lora_toml(lr=1e-2, tokens_per_step=16), name="a.toml", run_dir=str(tmp_path / "a"))
     write_advantages(first.run_dir, make_table(tiny_model, [3] * 8, [4] * 8))
-    train.run(first, 0, quiet=True)
+    run_stage("train", first, 0, quiet=True)
     given = adapter_dir(first.run_dir)
     extra = lora_toml(lr=1e-2, tokens_per_step=16) + f'init_adapter = "{given}"\n'
     _, cfg = make_config(extra, name="b.toml", run_dir=str(tmp_path / "b"))
@@ -151,7 +152,7 @@ def test_a_run_can_start_from_an_existing_adapter(make_config, tiny_model: Path,
     assert max_diff(weights(start), weights(layout.policy_dir(first.run_dir, 0))) <= 1e-6
     assert start_policy(cfg, 0) == start  # made once
     write_advantages(cfg.run_dir, make_table(Path(start), [3] * 8, [4] * 8))
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     # train started from the given adapter: before its first update the policy is base + that adapter
     assert metrics(cfg.run_dir).to_pylist()[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     other = tmp_path / "other_adapter"
@@ -194,11 +195,11 @@ def test_lora_config_is_checked(make_config) -> None:
 def test_a_policy_without_adapter_cannot_continue_with_lora(make_config, tiny_model: Path) -> None:
     _, full = make_config(train_toml(lr=1e-2))
     write_advantages(full.run_dir, make_table(tiny_model, [3] * 8, [4] * 8))
-    train.run(full, 0, quiet=True)
+    run_stage("train", full, 0, quiet=True)
     _, cfg = make_config(lora_toml(lr=1e-2), name="lora.toml")
     write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8), 1)
     with pytest.raises(StageError, match="trained without"):
-        train.run(cfg, 1, quiet=True)
+        run_stage("train", cfg, 1, quiet=True)
 
 
 def test_resume_after_sigkill_with_lora_matches_an_uninterrupted_run(
@@ -222,12 +223,12 @@ def test_resume_after_sigkill_with_lora_matches_an_uninterrupted_run(
     assert not layout.policy_dir(cfg.run_dir, 0).exists()
     before = json.loads((saved / "state.json").read_text())["metrics"]
 
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     rows = metrics(cfg.run_dir).to_pylist()
     assert len(rows) == 12 and rows[:8] == before  # resumed from the checkpoint, not redone
     _, ref = make_config(lora_toml(**keys), name="ref.toml", run_dir=str(tmp_path / "ref"))
     write_advantages(ref.run_dir, table)
-    train.run(ref, 0, quiet=True)
+    run_stage("train", ref, 0, quiet=True)
     losses = [r["loss"] for r in metrics(ref.run_dir).to_pylist()]
     assert [r["loss"] for r in rows] == pytest.approx(losses, abs=1e-6)
     for sub, name in (("", "model.safetensors"), (layout.ADAPTER_DIR, lora.ADAPTER_WEIGHTS)):
@@ -244,7 +245,7 @@ def test_gradient_checkpointing_with_lora_gives_the_same_adapter(
         toml = lora_toml(lr=1e-2, tokens_per_step=12, gradient_checkpointing=on)
         _, cfg = make_config(toml, name=f"gc{on}.toml", run_dir=str(tmp_path / f"gc{on}"))
         write_advantages(cfg.run_dir, table)
-        train.run(cfg, 0, quiet=True)
+        run_stage("train", cfg, 0, quiet=True)
         adapters[on] = load_file(str(adapter_dir(cfg.run_dir) / lora.ADAPTER_WEIGHTS))
     fresh = lora.wrap(cfg, load_model(str(tiny_model), "policy", dtype="float32"), None)
     b_init = {n: p for n, p in fresh.state_dict().items() if ".lora_B." in n}
@@ -261,8 +262,8 @@ def test_lora_keys_decide_train_only_when_lora_is_on(make_config, tiny_model: Pa
     # the input prepare reads
     write_advantages(on.run_dir, make_table(tiny_model, [3] * 8, [4] * 8), iteration=0)
     # without [lora] train's identity is what it was before LoRA existed: old folders stay complete
-    assert "lora" not in output_of(train.Train(off, 0)).identity["config"]
-    assert output_of(train.Train(on, 0)).identity["config"]["lora"] == {
+    assert "lora" not in output_of(Train(off, 0)).identity["config"]
+    assert output_of(Train(on, 0)).identity["config"]["lora"] == {
         "enabled": True,
         "r": 4,
         "alpha": 8,

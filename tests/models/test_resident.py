@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from rlhf_batch.models import optim_state, resident
 from rlhf_batch.models.load import load_model
-from rlhf_batch.stages import train
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout
 from tests.stages.test_train import make_table, train_toml, write_advantages
 
@@ -229,7 +229,7 @@ def test_bf16_moments_carried_through_memory_or_through_the_files_train_alike(
         n = resident.DISK_READS["optimizer"]
         with resident.keep() if mode == "kept" else __import__("contextlib").nullcontext():
             for it in (0, 1):
-                train.run(cfg, it, quiet=True)
+                run_stage("train", cfg, it, quiet=True)
         assert resident.DISK_READS["optimizer"] == n + (mode != "kept")
         policies[mode] = load_file(str(layout.policy_dir(cfg.run_dir, 1) / "model.safetensors"))
         meta = optim_state.read_meta(layout.optimizer_dir(cfg.run_dir, 0))
@@ -250,7 +250,7 @@ def test_init_model_dtype_saves_that_dtype_and_train_keeps_it(make_config, tmp_p
         init_model(tmp_path / "x", dtype="int8")
     _, cfg = make_config(train_toml(lr=1e-2, tokens_per_step=8, max_tokens_per_batch=64), policy_model=str(p))
     write_advantages(cfg.run_dir, make_table(p, [3] * 8, [4] * 8), iteration=0)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     out = layout.policy_dir(cfg.run_dir, 0)
     assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

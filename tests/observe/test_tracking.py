@@ -20,6 +20,7 @@ import tomli_w
 from rlhf_batch.config import load_config, missing_trackers
 from rlhf_batch.errors import ConfigError
 from rlhf_batch.observe import tracking
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -285,8 +286,6 @@ def test_a_tracker_failing_during_train_leaves_the_stage_complete_and_unchanged(
     per-step run, then the stage summary), and what it logged before failing is intact."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from rlhf_batch.stages import advantage, generate, score, train
-
     real_log, calls = tracking._TensorBoard.log, []
 
     def failing_log(self, metrics, step, axis):
@@ -303,11 +302,11 @@ def test_a_tracker_failing_during_train_leaves_the_stage_complete_and_unchanged(
             tmp_path / name / "c.toml", tiny_model, demo_prompts, report_to=report_to, train=small_steps
         )
         cfg = load_config(path)
-        for stage in (generate, score, advantage):
-            stage.run(cfg, 0, quiet=True)
+        for stage in ("generate", "score", "advantage"):
+            run_stage(stage, cfg, 0, quiet=True)
         calls.clear()
         capsys.readouterr()
-        results[name] = train.run(cfg, 0, quiet=True)
+        results[name] = run_stage("train", cfg, 0, quiet=True)
     warnings = capsys.readouterr().err.strip().splitlines()
     assert len(warnings) == 2, warnings
     assert all(w.startswith("warning: tracking: tensorboard failed (OSError: [Errno 28]") for w in warnings)

@@ -7,7 +7,7 @@ import pytest
 from rlhf_batch.errors import ConfigError
 from rlhf_batch.rewards import load_reward_functions
 from rlhf_batch.rewards.conventions import argument_problem
-from rlhf_batch.stages import generate, score
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout
 
 HERE = "tests.rewards.test_arguments"
@@ -76,10 +76,10 @@ def test_score_fails_before_scoring_any_rollout(make_config) -> None:
     _, cfg = make_config(
         score={"reward_functions": [f"verl:{HERE}:verl_score"]}
     )  # demo prompts: no ground truth
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     with pytest.raises(
         ConfigError,
         match=r"verl_score needs verl field 'data_source', 'ground_truth'.*columns: letter, count",
     ):
-        score.run(cfg, 0, quiet=True)
+        run_stage("score", cfg, 0, quiet=True)
     assert not layout.list_parts(layout.folder(cfg.run_dir, 0, "scores"))

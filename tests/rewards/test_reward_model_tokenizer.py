@@ -12,7 +12,7 @@ import pytest
 from rlhf_batch.models.load import load_tokenizer
 from rlhf_batch.models.tiny import init_model
 from rlhf_batch.rewards.model import RewardModel
-from rlhf_batch.stages import generate, score
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
@@ -79,8 +79,8 @@ def test_the_same_vocabulary_reads_the_token_ids(tiny_reward_model: Path, tiny_m
 
 def test_score_stage_with_a_reward_model_of_another_tokenizer(make_config, perm_rm: Path) -> None:
     _, cfg = make_config(reward_model=str(perm_rm), generate={"num_generations": 2})
-    generate.run(cfg, 0, quiet=True)
-    score.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     rollouts = manifests.read_complete(layout.folder(cfg.run_dir, 0, "rollouts"), ROLLOUTS).to_pylist()
     got = manifests.read_complete(layout.folder(cfg.run_dir, 0, "scores"), SCORES)["rm_score"].to_pylist()
     rm, own = RewardModel(str(perm_rm), dtype="float32"), load_tokenizer(str(perm_rm))

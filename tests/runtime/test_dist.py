@@ -31,8 +31,12 @@ def test_stage_device_on_a_cpu_machine(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_stage_takes_its_device_from_stage_device() -> None:
     # the bug this guards: generate passed cfg.device ("cuda") straight to load_model, so every
     # torchrun rank of a node loaded its model on GPU 0
-    sources = {p.name: p.read_text() for d in ("stages", "engines") for p in (PACKAGE / d).glob("*.py")}
-    for name in ("hf.py", "importer.py", "score.py", "train.py"):
+    sources = {
+        str(p.relative_to(PACKAGE)): p.read_text()
+        for d in ("stages", "engines")
+        for p in (PACKAGE / d).rglob("*.py")
+    }
+    for name in ("engines/hf.py", "stages/importer.py", "stages/score/scorer.py", "stages/train/parallel.py"):
         assert "dist.stage_device(cfg.device)" in sources[name], name
     for name, text in sources.items():
         assert text.count("cfg.device") == text.count("dist.stage_device(cfg.device)"), name

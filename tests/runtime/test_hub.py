@@ -9,7 +9,7 @@ import pytest
 
 from rlhf_batch.config import load_config
 from rlhf_batch.errors import ModelError
-from rlhf_batch.stages import generate
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -41,7 +41,7 @@ def test_a_hub_id_resolves_to_the_cache_and_its_revision_is_in_the_manifest(
 ) -> None:
     _, cfg = make_config(policy_model="tiny-org/tiny-policy", generate={"num_generations": 1})
     assert Path(cfg.policy_model) == offline_cache
-    m = generate.run(cfg, 0, quiet=True)
+    m = run_stage("generate", cfg, 0, quiet=True)
     assert m["rows"] == 12
     hub = manifests.manifest(layout.folder(cfg.run_dir, 0, "rollouts"))["inputs"]["policy"]["hub"]
     assert hub == {"id": "tiny-org/tiny-policy", "revision": REVISION}

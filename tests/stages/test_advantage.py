@@ -22,6 +22,7 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.models.load import load_model, load_tokenizer
 from rlhf_batch.stages import advantage
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES, validate, with_extra
 from tests.core.advantages_oracle import group_advantages, group_stats
@@ -123,7 +124,7 @@ def adv_of(res: dict[str, dict]) -> dict[str, float]:
 def setup(make_config: Any, lm: Any, rows: list[R], extra: str = "", **top: Any) -> tuple[Any, dict]:
     _, cfg = make_config(f"[advantage]\n{extra}", **top)
     write_iteration(cfg.run_dir, 0, rows, lm)
-    return cfg, advantage.run(cfg, 0, quiet=True)
+    return cfg, run_stage("advantage", cfg, 0, quiet=True)
 
 
 def rewards(pid: str, values: list[float | None]) -> list[R]:
@@ -232,7 +233,7 @@ def test_sql_matches_core_on_random_data(make_config: Any, lm: Any, seed: int) -
     for estimator, scale, ddof in ESTIMATOR_CONFIGS:
         extra = f'estimator = "{estimator}"\nscale = "{scale}"\nddof = {ddof}\n'
         _, cfg = make_config(f"[advantage]\n{extra}drop_zero_variance = false\nmin_group_size = 1")
-        m = advantage.run(cfg, 0, quiet=True, force=True)
+        m = run_stage("advantage", cfg, 0, quiet=True, force=True)
         res = result(cfg)
         ref = group_advantages(r, gid, estimator=estimator, scale=scale, ddof=ddof)
         size, mean, std = group_stats(r, gid, ddof=ddof)
@@ -290,7 +291,7 @@ def test_group_of_one(make_config: Any, lm: Any) -> None:
     # the default min_group_size = 2 drops it and counts it
     _, cfg2 = make_config("", run_dir=str(Path(cfg.run_dir).parent / "run2"), name="c2.toml")
     write_iteration(cfg2.run_dir, 0, rows, lm)
-    c = advantage.run(cfg2, 0, quiet=True)["counts"]
+    c = run_stage("advantage", cfg2, 0, quiet=True)["counts"]
     assert (c["groups_dropped_small"], c["rows_dropped_small"], c["rows_out"]) == (1, 1, 2)
 
 
@@ -313,7 +314,7 @@ def test_nan_reward_in_a_file_without_nulls(make_config: Any, lm: Any) -> None:
     st = output.claim(layout.folder(cfg.run_dir, 0, "scores"), "scores", {"test": 1}, {})
     st.write_table(1, score.slice(3), SCORES)
     st.finish(2)
-    m = advantage.run(cfg, 0, quiet=True)
+    m = run_stage("advantage", cfg, 0, quiet=True)
     # p without the NaN is {1, 1}: constant -> dropped (zero variance); q {0, 2} kept
     assert sorted(result(cfg)) == ["0000-q-0", "0000-q-1"]
     assert (m["counts"]["unscored"], m["counts"]["groups_dropped_zero_variance"]) == (1, 1)
@@ -377,14 +378,14 @@ def test_filters_and_counts(make_config: Any, lm: Any, mode: str, counts: dict[s
 def test_all_filtered_writes_no_part_and_says_why(make_config: Any, lm: Any) -> None:
     _, cfg = make_config()
     write_iteration(cfg.run_dir, 0, rewards("a", [0.5, 0.5]) + rewards("b", [1.0]), lm)
-    m = advantage.run(cfg, 0, quiet=True)
+    m = run_stage("advantage", cfg, 0, quiet=True)
     assert (m["rows"], m["parts"], m["counts"]["rows_out"]) == (0, [], 0)
     msg = m["no_trainable_rows"]
     assert msg.startswith("every training row was filtered out")
     assert "drop_zero_variance=false" in msg and "min_group_size=2" in msg and "\n" not in msg
     # a relaxed config is another config: it replaces the empty folder with --force
     _, relaxed = make_config("[advantage]\ndrop_zero_variance = false\nmin_group_size = 1", name="r.toml")
-    assert advantage.run(relaxed, 0, force=True, quiet=True)["rows"] == 3
+    assert run_stage("advantage", relaxed, 0, force=True, quiet=True)["rows"] == 3
     assert "no_trainable_rows" not in manifests.manifest(layout.folder(cfg.run_dir, 0, "advantages"))
 
 
@@ -393,14 +394,14 @@ def test_empty_and_missing_inputs(make_config: Any, lm: Any) -> None:
     with pytest.raises(
         StageError, match=r"rollouts of iteration 0 is not complete.*rlhf-batch generate --iter 0"
     ):
-        advantage.run(cfg, 0, quiet=True)
+        run_stage("advantage", cfg, 0, quiet=True)
     roll, score = tables(lm, 0, rewards("a", [0.0, 1.0]))
     write_stage(cfg.run_dir, 0, "rollouts", roll, with_extra(ROLLOUTS, EXTRA))
     with pytest.raises(StageError, match=r"scores of iteration 0 is not complete.*rlhf-batch score --iter 0"):
-        advantage.run(cfg, 0, quiet=True)
+        run_stage("advantage", cfg, 0, quiet=True)
     write_stage(cfg.run_dir, 0, "scores", score.slice(0, 0), SCORES, parts=1)  # an empty scores table
     with pytest.raises(StageError, match=r"iteration 0 .*scores are empty \(0 rows\)"):
-        advantage.run(cfg, 0, quiet=True)
+        run_stage("advantage", cfg, 0, quiet=True)
 
 
 def test_empty_iteration_is_an_error(make_config: Any, lm: Any) -> None:
@@ -409,7 +410,7 @@ def test_empty_iteration_is_an_error(make_config: Any, lm: Any) -> None:
     write_stage(cfg.run_dir, 0, "rollouts", roll.slice(0, 0), with_extra(ROLLOUTS, EXTRA), parts=1)
     write_stage(cfg.run_dir, 0, "scores", score.slice(0, 0), SCORES, parts=1)
     with pytest.raises(StageError, match=r"iteration 0 .*rollouts are empty \(0 rows\)"):
-        advantage.run(cfg, 0, quiet=True)
+        run_stage("advantage", cfg, 0, quiet=True)
 
 
 def test_scores_that_do_not_belong_to_the_rollouts(make_config: Any, lm: Any) -> None:
@@ -418,7 +419,7 @@ def test_scores_that_do_not_belong_to_the_rollouts(make_config: Any, lm: Any) ->
     write_stage(cfg.run_dir, 0, "rollouts", roll.slice(0, 2), with_extra(ROLLOUTS, EXTRA), parts=1)
     write_stage(cfg.run_dir, 0, "scores", score, SCORES, parts=1)
     with pytest.raises(StageError, match=r"1 score rows match no rollout \(e.g. rollout_id '0000-a-2'\)"):
-        advantage.run(cfg, 0, quiet=True)
+        run_stage("advantage", cfg, 0, quiet=True)
 
 
 def test_duplicate_and_mismatched_ids_are_named(make_config: Any, lm: Any) -> None:
@@ -433,14 +434,14 @@ def test_duplicate_and_mismatched_ids_are_named(make_config: Any, lm: Any) -> No
         StageError,
         match=r"4 rows share their rollout_id .*'0000-a-1'.*redo it with `rlhf-batch generate CONFIG --iter 0 --force` then `rlhf-batch score CONFIG --iter 0 --force`",
     ):
-        advantage.run(cfg, 0, quiet=True)
+        run_stage("advantage", cfg, 0, quiet=True)
     # the score row of 0000-a-2 says prompt "b"
     _, cfg2 = make_config(run_dir=str(Path(cfg.run_dir).parent / "mismatch"), name="m.toml")
     other = score.set_column(1, "prompt_id", pa.array(["a", "a", "b"]))
     write_stage(cfg2.run_dir, 0, "rollouts", roll, with_extra(ROLLOUTS, EXTRA), parts=1)
     write_stage(cfg2.run_dir, 0, "scores", other, SCORES, parts=1)
     with pytest.raises(StageError, match=r"1 score rows have another prompt_id .*'0000-a-2'"):
-        advantage.run(cfg2, 0, quiet=True)
+        run_stage("advantage", cfg2, 0, quiet=True)
 
 
 def test_same_result_whatever_the_order_and_parts_of_the_scores(
@@ -459,7 +460,7 @@ def test_same_result_whatever_the_order_and_parts_of_the_scores(
         _, cfg = make_config(run_dir=str(tmp_path / name), name=f"{name}.toml")
         write_stage(cfg.run_dir, 0, "rollouts", roll, with_extra(ROLLOUTS, EXTRA), parts=2)
         write_stage(cfg.run_dir, 0, "scores", scores, SCORES, parts=parts)
-        m = advantage.run(cfg, 0, quiet=True)
+        m = run_stage("advantage", cfg, 0, quiet=True)
         results.append(
             (manifests.read_complete(layout.folder(cfg.run_dir, 0, "advantages"), ADVANTAGES), m["counts"])
         )
@@ -474,7 +475,7 @@ def test_window_pools_statistics_but_trains_on_current_rows(make_config: Any, lm
     _, cfg = make_config("[advantage]\nwindow = 2")
     write_iteration(cfg.run_dir, 0, rewards("p", [0.0, 0.0]) + rewards("old", [0.0, 1.0]), lm)
     write_iteration(cfg.run_dir, 1, rewards("p", [1.0, 1.0]) + rewards("q", [0.0, 1.0]), lm)
-    m = advantage.run(cfg, 1, quiet=True)
+    m = run_stage("advantage", cfg, 1, quiet=True)
     res = result(cfg, 1)
     assert sorted(res) == ["0001-p-0", "0001-p-1", "0001-q-0", "0001-q-1"]  # no iteration-0 row is trained on
     # p pooled {0, 0, 1, 1}: mean 0.5, sample var 4 * 0.25 / 3 = 1/3; adv = 0.5 / (sqrt(1/3) + 1e-6)
@@ -485,7 +486,7 @@ def test_window_pools_statistics_but_trains_on_current_rows(make_config: Any, lm
     assert (m["window_iters"], m["counts"]["pooled_rows"], m["counts"]["groups_total"]) == ([0, 1], 4, 2)
     # window 1: p = {1, 1} alone is constant and dropped
     _, cfg1 = make_config("[advantage]\nwindow = 1", name="w1.toml")
-    advantage.run(cfg1, 1, quiet=True, force=True)
+    run_stage("advantage", cfg1, 1, quiet=True, force=True)
     assert sorted(result(cfg1, 1)) == ["0001-q-0", "0001-q-1"]
 
 
@@ -493,7 +494,7 @@ def test_window_skips_incomplete_older_iterations(make_config: Any, lm: Any) -> 
     _, cfg = make_config("[advantage]\nwindow = 3")
     write_iteration(cfg.run_dir, 0, rewards("p", [0.0, 0.0]), lm, scores=False)  # never scored
     write_iteration(cfg.run_dir, 1, rewards("p", [1.0, 3.0]), lm)
-    m = advantage.run(cfg, 1, quiet=True)
+    m = run_stage("advantage", cfg, 1, quiet=True)
     assert m["window_iters"] == [1] and m["counts"]["pooled_rows"] == 0
     assert result(cfg, 1)["0001-p-0"]["group_mean"] == 2.0  # (1 + 3) / 2, iteration 0 not pooled
 
@@ -584,20 +585,22 @@ def test_rerun_resume_and_config_change(make_config: Any, lm: Any) -> None:
     sdir = layout.folder(cfg.run_dir, 0, "advantages")
     parts = [sdir / p["file"] for p in m["parts"]]
     before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in parts}
-    assert advantage.run(cfg, 0, quiet=True) == m  # complete: nothing is redone
+    assert run_stage("advantage", cfg, 0, quiet=True) == m  # complete: nothing is redone
     assert {p.name: p.stat().st_mtime_ns for p in parts} == {k: v[1] for k, v in before.items()}
     # an interrupted run: no manifest, part 2 missing -> only part 2 is written, identical bytes
     (sdir / layout.MANIFEST).unlink()
     parts[2].unlink()
-    m2 = advantage.run(cfg, 0, quiet=True)
+    m2 = run_stage("advantage", cfg, 0, quiet=True)
     assert parts[2].read_bytes() == before[parts[2].name][0]
     assert all(p.stat().st_mtime_ns == before[p.name][1] for k, p in enumerate(parts) if k != 2)
     assert (m2["parts"], m2["counts"]) == (m["parts"], m["counts"])
     # another config is refused without --force, replaced with it
     _, other = make_config('[advantage]\nestimator = "rloo"', name="o.toml")
     with pytest.raises(StageError, match="different config"):
-        advantage.run(other, 0, quiet=True)
-    assert advantage.run(other, 0, quiet=True, force=True)["config"]["advantage"]["estimator"] == "rloo"
+        run_stage("advantage", other, 0, quiet=True)
+    assert (
+        run_stage("advantage", other, 0, quiet=True, force=True)["config"]["advantage"]["estimator"] == "rloo"
+    )
     manifest = json.loads((sdir / layout.MANIFEST).read_text())
     assert manifest["stage"] == "advantages" and set(manifest["inputs"]) == {
         "iter=0000/rollouts",

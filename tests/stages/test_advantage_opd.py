@@ -9,7 +9,6 @@ import pytest
 
 from rlhf_batch.errors import ConfigError, SchemaError
 from rlhf_batch.models.tiny import init_model
-from rlhf_batch.stages import advantage, score, train
 from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from tests.stages.test_score import write_rollouts
@@ -32,8 +31,8 @@ def test_opd_stores_teacher_minus_behaviour_per_token_and_trains(make_config, te
         score={"teacher_model": str(teacher)}, advantage={"estimator": "opd", "opd_baseline": "none"}
     )
     write_rollouts(cfg)
-    score.run(cfg, 0, quiet=True)
-    m = advantage.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
+    m = run_stage("advantage", cfg, 0, quiet=True)
     rollouts, scores, adv = _table(cfg, "rollouts"), _table(cfg, "scores"), _table(cfg, "advantages")
     # every group is kept (no zero-variance filter under opd): all 12 rollouts train
     assert m["counts"]["groups_dropped_zero_variance"] == 0 and len(adv) == 12
@@ -44,7 +43,7 @@ def test_opd_stores_teacher_minus_behaviour_per_token_and_trains(make_config, te
         got = np.array(row["token_advantages"], np.float32)
         assert got.shape == want.shape and np.array_equal(got, want)
         assert np.abs(want).max() > 1e-3  # another model: a real signal
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     metrics = pq.read_table(layout.folder(cfg.run_dir, 0, "train") / "metrics.parquet").to_pylist()
     # every row ran (none is idle: each has a non-zero token advantage), the loss is finite
     assert sum(r["sequences"] for r in metrics) == 12 and all(np.isfinite(r["loss"]) for r in metrics)
@@ -76,8 +75,8 @@ def test_opd_task_weight_adds_the_grpo_advantage(make_config, teacher) -> None:
         advantage={"estimator": "opd", "opd_task_weight": 0.5, "opd_baseline": "none"},
     )
     write_rollouts(cfg)
-    score.run(cfg, 0, quiet=True)
-    advantage.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
+    run_stage("advantage", cfg, 0, quiet=True)
     rollouts, scores, adv = _table(cfg, "rollouts"), _table(cfg, "scores"), _table(cfg, "advantages")
     groups: dict[str, list[float]] = {}
     for r in scores.values():
@@ -100,18 +99,18 @@ def test_opd_needs_a_teacher_and_its_column(make_config, teacher) -> None:
         make_config(advantage={"opd_task_weight": 1.0})
     _, plain = make_config()  # scored without a teacher, then opd asked for
     write_rollouts(plain)
-    score.run(plain, 0, quiet=True)
+    run_stage("score", plain, 0, quiet=True)
     _, cfg = make_config(score={"teacher_model": str(teacher)}, advantage={"estimator": "opd"})
     with pytest.raises(SchemaError, match=r"scores/part-.*missing column 'teacher_logprobs'"):
-        advantage.run(cfg, 0, quiet=True)
+        run_stage("advantage", cfg, 0, quiet=True)
     assert manifests.manifest(layout.folder(cfg.run_dir, 0, "advantages")) is None
 
 
 def test_other_estimators_write_no_token_column_and_the_same_identity(make_config, teacher) -> None:
     _, cfg = make_config(score={"teacher_model": str(teacher)})
     write_rollouts(cfg)
-    score.run(cfg, 0, quiet=True)
-    m = advantage.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
+    m = run_stage("advantage", cfg, 0, quiet=True)
     sdir = layout.folder(cfg.run_dir, 0, "advantages")
     assert "token_advantages" not in pq.read_schema(next(sdir.glob("part-*.parquet"))).names
     assert "opd_task_weight" not in m["config"]["advantage"]

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pytest
 
 from rlhf_batch.errors import RewardError
-from rlhf_batch.stages import generate, score
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
@@ -66,7 +66,7 @@ def generated(make_config, data: str, reward: str) -> tuple[Any, pa.Table]:
     _, cfg = make_config(
         generate={"prompts": str(DATA / data), "num_generations": 2}, score={"reward_functions": [reward]}
     )
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     return cfg, read(cfg, "rollouts", ROLLOUTS)
 
 
@@ -78,7 +78,7 @@ def test_trl_conversational_prompts_and_a_trl_reward_function(make_config) -> No
     assert r["prompt_messages"][0].as_py() == [{"role": "user", "content": "Simplify 1/3."}]
     assert r["solution"].to_pylist()[::2] == ["\\frac{1}{3}", "\\frac{1}{2}", "2", "\\frac{3}{4}"]
     CALLS.clear()
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     (call,) = CALLS  # one batched call
     rows = r.to_pylist()
     assert call["prompts"][0] == [{"role": "user", "content": "Simplify 1/3."}]
@@ -94,9 +94,9 @@ def test_trl_function_on_text_prompts_gets_strings(make_config) -> None:
     _, cfg = make_config(
         score={"reward_functions": [f"trl:{HERE}:trl_reward"]}, generate={"num_generations": 2}
     )
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     CALLS.clear()
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     rows = read(cfg, "rollouts", ROLLOUTS).to_pylist()
     assert CALLS[0]["prompts"][:2] == [rows[0]["prompt"], rows[1]["prompt"]]
     assert CALLS[0]["completions"][:2] == [rows[0]["response"], rows[1]["response"]]
@@ -110,7 +110,7 @@ def test_verl_parquet_and_a_verl_compute_score(make_config) -> None:
     assert {"data_source", "ability", "reward_model", "extra_info", "ground_truth"} <= set(r.column_names)
     assert r["ground_truth"].to_pylist()[::2] == ["\\frac{1}{3}", "\\frac{1}{2}", "2", "\\frac{3}{4}"]
     CALLS.clear()
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     rows = r.to_pylist()
     assert len(CALLS) == 8  # once per rollout
     assert CALLS[2] == {
@@ -133,8 +133,8 @@ def test_verl_float_result_and_a_dict_without_score(make_config) -> None:
         generate={"prompts": str(DATA / "verl_math.parquet"), "num_generations": 1},
         score={"reward_functions": [f"verl:{HERE}:verl_plain_score"]},
     )
-    generate.run(cfg, 0, quiet=True)
-    score.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     assert read(cfg, "scores", SCORES)["reward_verl_plain_score"].to_pylist() == [0.5] * 4
     _, cfg = make_config(
         name="b.toml",
@@ -144,7 +144,7 @@ def test_verl_float_result_and_a_dict_without_score(make_config) -> None:
     with pytest.raises(
         RewardError, match=r"verl_no_score returned a dict without 'score' for rollout 0000-\w+-0"
     ):
-        score.run(cfg, 0, quiet=True, force=True)
+        run_stage("score", cfg, 0, quiet=True, force=True)
 
 
 def test_json_array_prompt_file(make_config, tmp_path: Path) -> None:
@@ -153,7 +153,7 @@ def test_json_array_prompt_file(make_config, tmp_path: Path) -> None:
     _, cfg = make_config(
         generate={"prompts": str(data), "num_generations": 1}, score={"reward_functions": []}
     )
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     r = read(cfg, "rollouts", ROLLOUTS)
     assert r["prompt_id"].to_pylist() == ["a", "b"] and r["prompt"].to_pylist() == ["a*1=", "b*2="]
 
@@ -203,7 +203,7 @@ def test_two_verl_compute_score_functions_combine_unchanged(make_config) -> None
     fns = [f"verl:{HERE}:compute_score", "verl:rlhf_batch.rewards.math:compute_score"]
     cfg, _ = generated(make_config, "verl_math.parquet", fns[0])
     cfg.score.reward_functions = fns
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     s = read(cfg, "scores", SCORES)
     ours, math = (
         s["reward_test_ecosystem_compute_score"].to_pylist(),

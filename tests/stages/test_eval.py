@@ -17,6 +17,7 @@ from rlhf_batch.models.tiny import init_model
 from rlhf_batch.runtime import faults
 from rlhf_batch.stages.evaluate import Eval
 from rlhf_batch.stages.executor import execute
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import EVAL
 
@@ -159,12 +160,11 @@ def test_own_sampling_settings_and_score_reward_functions_by_default(make_config
 
 
 def test_a_training_prompt_does_not_get_generates_samples_again(make_config, demo_prompts: Path) -> None:
-    from rlhf_batch.stages import generate
     from rlhf_batch.store.schemas import ROLLOUTS
 
     # eval on the training prompts with generate's sampling settings (temperature 1, 6 new tokens, G = n = 4)
     _, cfg = make_config(eval={"prompts": str(demo_prompts), "n": 4, "reward_functions": [PARITY]})
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     run_eval(cfg)
     gen = manifests.read_complete(layout.folder(cfg.run_dir, 0, "rollouts"), ROLLOUTS).to_pylist()
     ev = eval_rows(cfg).to_pylist()

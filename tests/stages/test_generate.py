@@ -49,7 +49,7 @@ def test_behaviour_logprobs_match_a_plain_forward_pass(
     """Stored log-probs are those of logits/temperature over the whole vocabulary, before top-k and
     top-p filtering: the same definition score and train use."""
     _, cfg = make_config(generate={"temperature": temperature, "top_k": top_k, "top_p": top_p})
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     t = rollouts(cfg).to_pylist()
     model = load_model(cfg.policy_model, "policy", dtype="float32")
     with torch.no_grad():
@@ -82,7 +82,7 @@ def test_same_config_and_seed_give_identical_files_whatever_the_batch_size(
     _, b = make_config(run_dir=str(tmp_path / "b"), name="b.toml", generate={"batch_size": 3})
     _, c = make_config(run_dir=str(tmp_path / "c"), name="c.toml")
     for cfg in (a, b, c):
-        generate.run(cfg, 0, quiet=True)
+        run_stage("generate", cfg, 0, quiet=True)
     ids = [rollouts(cfg).column("response_ids").to_pylist() for cfg in (a, b, c)]
     assert ids[0] == ids[1] == ids[2]
     part = layout.part_name(0, 0)
@@ -90,7 +90,7 @@ def test_same_config_and_seed_give_identical_files_whatever_the_batch_size(
         Path(c.run_dir) / "iter=0000/rollouts" / part
     ).read_bytes()
     _, d = make_config(run_dir=str(tmp_path / "d"), name="d.toml", seed=1)
-    generate.run(d, 0, quiet=True)
+    run_stage("generate", d, 0, quiet=True)
     assert rollouts(d).column("response_ids").to_pylist() != ids[0]  # the seed matters
 
 
@@ -101,7 +101,7 @@ def test_pad_equal_to_eos_keeps_the_eos_token_and_its_logprob(make_config, tmp_p
         model.get_output_embeddings().weight[0] *= 30
     model.save_pretrained(path)
     _, cfg = make_config(policy_model=str(path))
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     t = rollouts(cfg).to_pylist()
     assert all(r["response_ids"][-1] in (0, 4) for r in t if r["finish_reason"] == "stop")  # EOS, <|im_end|>
     stopped = [r for r in t if r["finish_reason"] == "stop" and r["response_ids"][-1] == 0]
@@ -129,7 +129,7 @@ def test_chat_prompts_use_the_chat_template(make_config, tmp_path: Path) -> None
     ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     _, cfg = make_config(generate={"prompts": str(data)}, score={"reward_functions": []})
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     t = rollouts(cfg)
     assert t.column("prompt").to_pylist()[0] == "<|im_start|>user\nsay 0<|im_end|>\n<|im_start|>assistant\n"
     assert t.column("answer").to_pylist()[:4] == ["0"] * 4
@@ -142,16 +142,16 @@ def test_overlong_prompts_error_skip_or_truncate(make_config, tmp_path: Path) ->
     with pytest.raises(
         StageError, match=r"row 1 \(prompt_id \w+\) has 18 tokens > generate.max_prompt_tokens = 8"
     ):
-        generate.run(cfg, 0, quiet=True)
+        run_stage("generate", cfg, 0, quiet=True)
     _, cfg = make_config(
         name="s.toml", generate={"prompts": str(data), "max_prompt_tokens": 8, "overlong": "skip"}
     )
-    m = generate.run(cfg, 0, quiet=True, force=True)
+    m = run_stage("generate", cfg, 0, quiet=True, force=True)
     assert m["rows"] == 4 and m["prompt_counts"]["prompts_skipped_overlong"] == 1
     _, cfg = make_config(
         name="t.toml", generate={"prompts": str(data), "max_prompt_tokens": 8, "overlong": "truncate_left"}
     )
-    m = generate.run(cfg, 0, quiet=True, force=True)
+    m = run_stage("generate", cfg, 0, quiet=True, force=True)
     assert (
         m["prompt_counts"]["prompts_truncated"] == 1 and m["prompt_counts"]["prompts_skipped_overlong"] == 0
     )
@@ -184,7 +184,7 @@ def test_bad_prompt_files(make_config, tmp_path: Path, content: str | None, need
         data.write_text(content)
     _, cfg = make_config(generate={"prompts": str(data)})
     with pytest.raises(StageError, match="bad.jsonl") as e:
-        generate.run(cfg, 0, quiet=True)
+        run_stage("generate", cfg, 0, quiet=True)
     assert needle in str(e.value)
     assert not (Path(cfg.run_dir) / "iter=0000/rollouts/_manifest.json").exists()
 
@@ -192,7 +192,7 @@ def test_bad_prompt_files(make_config, tmp_path: Path, content: str | None, need
 def test_iteration_that_skips_one_is_refused(make_config) -> None:
     _, cfg = make_config()
     with pytest.raises(StageError, match="iteration 0 has no trained policy"):
-        generate.run(cfg, 1, quiet=True)
+        run_stage("generate", cfg, 1, quiet=True)
 
 
 def test_resume_after_a_kill_mid_write_gives_the_rows_of_an_uninterrupted_run(
@@ -213,7 +213,7 @@ def test_resume_after_a_kill_mid_write_gives_the_rows_of_an_uninterrupted_run(
     resumed = subprocess.run(cmd, capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr
     _, clean = make_config(run_dir=str(tmp_path / "clean"), name="clean.toml")
-    generate.run(clean, 0, quiet=True)
+    run_stage("generate", clean, 0, quiet=True)
     assert rollouts(cfg).to_pylist() == rollouts(clean).to_pylist()
     assert not list(sdir.glob(".*.tmp"))  # the killed writer's temporary file was cleaned up
 
@@ -230,7 +230,7 @@ def test_prompts_from_a_datasets_dir_and_from_parquet(make_config, tmp_path: Pat
         _, cfg = make_config(
             run_dir=str(tmp_path / f"run{i}"), name=f"c{i}.toml", generate={"prompts": str(source)}
         )
-        generate.run(cfg, 0, quiet=True)
+        run_stage("generate", cfg, 0, quiet=True)
         tables.append(rollouts(cfg))
     assert tables[0].column("prompt_id").to_pylist() == ["p0"] * 4 + ["p1"] * 4
     assert tables[0].column("answer").to_pylist() == ["aa"] * 4 + ["b"] * 4
@@ -243,7 +243,7 @@ def test_a_tokenizer_without_a_pad_token_uses_eos(make_config, tmp_path: Path) -
     path = init_model(tmp_path / "nopad", pad="none", seed=4)
     assert "pad_token" not in json.loads((path / "tokenizer_config.json").read_text())
     _, cfg = make_config(policy_model=str(path))
-    m = generate.run(cfg, 0, quiet=True)
+    m = run_stage("generate", cfg, 0, quiet=True)
     assert m["rows"] == 48
 
 
@@ -254,7 +254,7 @@ def test_configured_prompt_id_and_messages_column_names(make_config, tmp_path: P
         generate={"prompts": str(data), "prompt_column": "question", "id_column": "uid"},
         score={"reward_functions": []},
     )
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     t = rollouts(cfg)
     assert t.column("prompt_id").to_pylist() == ["first"] * 4 + ["second"] * 4
     assert t.column("prompt").to_pylist()[::4] == ["a*1=", "b*2="]
@@ -266,7 +266,7 @@ def test_configured_prompt_id_and_messages_column_names(make_config, tmp_path: P
         generate={"prompts": str(chat), "messages_column": "conv", "id_column": "uid"},
         score={"reward_functions": []},
     )
-    generate.run(cfg, 0, quiet=True, force=True)
+    run_stage("generate", cfg, 0, quiet=True, force=True)
     t = rollouts(cfg)
     assert t.column("prompt").to_pylist()[0] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert t.column("prompt_id").to_pylist() == ["c0"] * 4
@@ -274,10 +274,10 @@ def test_configured_prompt_id_and_messages_column_names(make_config, tmp_path: P
 
 def test_progress_bar_shows_rollouts_and_tokens_per_second_unless_quiet(make_config, capsys) -> None:
     _, cfg = make_config()
-    generate.run(cfg, 0, quiet=False)
+    run_stage("generate", cfg, 0, quiet=False)
     err = capsys.readouterr().err
     assert "generate" in err and "rollout/s" in err and "tok_s=" in err
-    generate.run(cfg, 0, quiet=True, force=True)
+    run_stage("generate", cfg, 0, quiet=True, force=True)
     assert capsys.readouterr().err == ""
 
 
@@ -287,7 +287,7 @@ def test_iteration_k_samples_from_the_policy_trained_in_iteration_k_minus_1(make
     init_model(prev, seed=7)  # another real model in train's output place (same tokenizer)
     done = output.claim(layout.folder(cfg.run_dir, 0, "train"), "train", {"test": True}, {})
     done.finish(0)  # iteration 0's train stage is complete
-    generate.run(cfg, 1, quiet=True)
+    run_stage("generate", cfg, 1, quiet=True)
     t = rollouts(cfg, 1).to_pylist()
     # the policy column: relative to the run directory (a run can be moved)
     assert t and all(r["policy"] == "iter=0000/policy" and r["rollout_id"].startswith("0001-") for r in t)
@@ -306,15 +306,15 @@ def test_iteration_k_samples_from_the_policy_trained_in_iteration_k_minus_1(make
 def test_changing_reward_or_ref_model_does_not_refuse_complete_rollouts(make_config, tmp_path: Path) -> None:
     # the rollouts depend on the policy, the prompts and [generate], not on what scores them
     _, cfg = make_config()
-    m = generate.run(cfg, 0, quiet=True)
+    m = run_stage("generate", cfg, 0, quiet=True)
     other = tmp_path / "other-model"
     _, changed = make_config(name="b.toml", reward_model=str(other), ref_model=str(other))
-    assert generate.run(changed, 0, quiet=True) == m  # complete: nothing is redone, nothing refused
+    assert run_stage("generate", changed, 0, quiet=True) == m  # complete: nothing is redone, nothing refused
     assert executor.is_done(generate.Generate(changed, 0))  # and `run` skips it
     _, hotter = make_config(name="c.toml", generate={"temperature": 0.5})
     assert not executor.is_done(generate.Generate(hotter, 0))
     with pytest.raises(StageError, match=r"config.generate.temperature: 1.0 on disk, 0.5 now"):
-        generate.run(hotter, 0, quiet=True)
+        run_stage("generate", hotter, 0, quiet=True)
 
 
 def test_prompt_batches_follow_the_seeded_epoch_order_and_are_recorded(
@@ -331,7 +331,7 @@ def test_prompt_batches_follow_the_seeded_epoch_order_and_are_recorded(
         if it:  # a stand-in for iteration it-1's trained policy
             init_model(layout.policy_dir(cfg.run_dir, it - 1), seed=it)
             output.claim(layout.folder(cfg.run_dir, it - 1, "train"), "train", {"test": True}, {}).finish(0)
-        m = generate.run(cfg, it, quiet=True)
+        m = run_stage("generate", cfg, it, quiet=True)
         ids = rollouts(cfg, it).column("prompt_id").to_pylist()
         assert m["rows"] == len(ids) == 5 * 4
         taken.append((m["prompt_batch"], list(dict.fromkeys(ids))))
@@ -351,14 +351,14 @@ def test_prompt_batches_follow_the_seeded_epoch_order_and_are_recorded(
     with pytest.raises(
         StageError, match="generate.prompts_per_iteration: prompts_per_iteration = 13 exceeds the 12"
     ):
-        generate.run(too_big, 0, quiet=True)
+        run_stage("generate", too_big, 0, quiet=True)
 
 
 def test_stops_on_every_end_token_never_samples_pad_and_keeps_special_tokens_in_the_text(make_config) -> None:
     # At temperature 50 the tiny model samples nearly uniformly over its 105 tokens: in 12 x 16
     # rollouts of up to 16 tokens, each special token would appear ~20+ times if it could.
     _, cfg = make_config(generate={"temperature": 50.0, "num_generations": 16, "max_new_tokens": 16})
-    m = generate.run(cfg, 0, quiet=True)
+    m = run_stage("generate", cfg, 0, quiet=True)
     tok = load_tokenizer(cfg.policy_model)
     eos, pad, unk, im_start, im_end = (
         tok.convert_tokens_to_ids(t)

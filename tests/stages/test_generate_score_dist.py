@@ -19,7 +19,7 @@ import torch
 
 from rlhf_batch.config import load_config
 from rlhf_batch.runtime import dist
-from rlhf_batch.stages import generate, score
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
@@ -29,8 +29,8 @@ REPO = Path(__file__).parents[2]
 def generate_and_score(config: str | Path) -> None:
     cfg = load_config(config)
     dist.init(cfg.device)
-    generate.run(cfg, 0, quiet=True)
-    score.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
 
 
 def rows(run_dir: str, stage: str, schema: pa.Schema) -> list[dict]:

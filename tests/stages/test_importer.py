@@ -17,8 +17,8 @@ from rlhf_batch.commands.cli import app
 from rlhf_batch.errors import ConfigError, SchemaError, StageError
 from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.models.load import load_model, load_tokenizer
-from rlhf_batch.stages import score
 from rlhf_batch.stages.importer import import_rollouts
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
@@ -80,7 +80,7 @@ def test_imported_rollouts_score_with_zero_kl_and_carried_columns(make_config, t
         score={"reward_functions": ["rlhf_batch.rewards.demo:letter_count"], "kl_in_reward": True}
     )
     import_rollouts(cfg, write_jsonl(tmp_path / "ext.jsonl", ROWS), 0, quiet=True)
-    m = score.run(cfg, 0, quiet=True)
+    m = run_stage("score", cfg, 0, quiet=True)
     got = manifests.read_complete(layout.folder(cfg.run_dir, 0, "scores"), SCORES).to_pylist()
     # letter_count: "aa" for a*2 -> 2/2; "bxb" for b*3 -> 2/3; "xa" -> 1/2; "c<|endoftext|>" for c*1 ->
     # 1 hit / max(1, 14 characters); "cccc" for c*1 -> 1/4
@@ -275,14 +275,14 @@ def test_imported_rollouts_count_as_done_for_run_and_record_their_command(
 ) -> None:
     from rlhf_batch.stages.executor import is_done
     from rlhf_batch.stages.generate import Generate
-    from rlhf_batch.stages.score import Score
+    from rlhf_batch.stages.score.stage import Score
 
     _, cfg = make_config()
     m = import_rollouts(cfg, write_jsonl(tmp_path / "ext.jsonl", ROWS), 0, quiet=True)
     assert m["command"] == "import" and m["config"]["import"] == str((tmp_path / "ext.jsonl").resolve())
     assert is_done(Generate(cfg, 0))  # `run` keeps imported rollouts: it does not generate over them
     assert not is_done(Score(cfg, 0))
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     assert is_done(Score(cfg, 0))
     # new rollouts (other inputs for score, same config): `run` no longer skips score, and score
     # refuses, naming the changed input
@@ -291,4 +291,4 @@ def test_imported_rollouts_count_as_done_for_run_and_record_their_command(
     with pytest.raises(
         StageError, match=r"complete with a different config or inputs \(inputs.rollouts.key changed"
     ):
-        score.run(cfg, 0, quiet=True)
+        run_stage("score", cfg, 0, quiet=True)

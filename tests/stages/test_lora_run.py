@@ -17,6 +17,7 @@ from rlhf_batch.commands.pipeline import run_pipeline
 from rlhf_batch.errors import ModelError
 from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.models.load import load_model
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import ROLLOUTS, SCORES
 
@@ -34,7 +35,7 @@ def test_lora_reference_is_the_base_with_the_adapter_disabled(
 ) -> None:
     from peft import PeftModel
 
-    import rlhf_batch.stages.score as score_module
+    import rlhf_batch.stages.score.scorer as score_module
 
     loaded: list[str] = []
     real = score_module.load_model
@@ -95,7 +96,6 @@ def test_keep_policies_removes_old_policies_and_no_resume_needs_them(
 ) -> None:
     from rlhf_batch.observe.query import run_sql
     from rlhf_batch.observe.status import print_status
-    from rlhf_batch.stages import generate
 
     keep = {"keep_policies": 1, "keep_every": 2, "threads": 1, "train": TRAIN, "lora": LORA}
     keep["advantage"] = {"drop_zero_variance": False}  # every iteration trains (a group of equal scores too)
@@ -123,7 +123,7 @@ def test_keep_policies_removes_old_policies_and_no_resume_needs_them(
     assert capsys.readouterr().out.count("policy removed (keep_policies)") == 1
     # only a stage that must load the removed weights again fails, naming them
     with pytest.raises(ModelError, match=r"iter=0001/policy was removed by keep_policies"):
-        generate.run(cfg, 2, force=True, quiet=True)
+        run_stage("generate", cfg, 2, force=True, quiet=True)
 
     # the same run killed right after train 2's manifest (before the removal), then run again
     kpath, killed = make_config(iterations=2, name="k.toml", run_dir=str(tmp_path / "killed"), **keep)
@@ -175,7 +175,6 @@ def test_an_empty_iteration_under_r8_after_an_r4_adapter_is_refused(make_config)
     """Instead of copying the r = 4 adapter forward under an r = 8 config."""
     from rlhf_batch.commands.pipeline import run_pipeline
     from rlhf_batch.errors import ConfigError
-    from rlhf_batch.stages import train
     from rlhf_batch.stages.executor import execute
     from rlhf_batch.stages.registry import get
 
@@ -192,5 +191,5 @@ def test_an_empty_iteration_under_r8_after_an_r4_adapter_is_refused(make_config)
     with pytest.raises(
         ConfigError, match=r"lora.r: is 8, but the adapter .*iter=0000/policy/adapter has r = 4"
     ):
-        train.run(r8, 1, quiet=True)
+        run_stage("train", r8, 1, quiet=True)
     assert not layout.policy_dir(cfg.run_dir, 1).exists()

@@ -24,7 +24,7 @@ from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.models.load import load_model, load_tokenizer
 from rlhf_batch.models.tiny import init_model
 from rlhf_batch.runtime import faults
-from rlhf_batch.stages import score
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import ROLLOUTS, SCORES, with_extra
 
@@ -133,7 +133,7 @@ def policy_copy(tiny_model: Path, tmp_path: Path) -> str:
 def test_reward_functions_receive_each_rollouts_token_ids(make_config) -> None:
     _, cfg = make_config(score={"reward_functions": [f"{HERE}:token_reward"], "rows_per_part": 5})
     rows = write_rollouts(cfg)
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     got = by_id(scores(cfg))
     for r in rows:  # the ids as written to the rollouts table, row by row
         expected = sum(r["prompt_ids"]) + 1000 * len(r["response_ids"])
@@ -148,7 +148,7 @@ def test_reward_functions_by_import_path_with_weights(make_config) -> None:
         }
     )
     write_rollouts(cfg)
-    m = score.run(cfg, 0, quiet=True)
+    m = run_stage("score", cfg, 0, quiet=True)
     got = by_id(scores(cfg))
     # reward_raw = 2 * letter_count - 0.5 * len(response); letter_count = right letters among the
     # first N / max(N, len): a*2= "aa" 2/2, "xa" 1/2, "aaa" 2/3; b*3= "bb" 2/3, "bbb" 3/3; c*1= "cc" 1/2
@@ -176,7 +176,7 @@ def test_none_is_recorded_excluded_and_counted(make_config) -> None:
         score={"reward_functions": ["rlhf_batch.rewards.demo:letter_count", f"{HERE}:none_for_b"]}
     )
     write_rollouts(cfg)
-    m = score.run(cfg, 0, quiet=True)
+    m = run_stage("score", cfg, 0, quiet=True)
     for r in scores(cfg):
         is_b = r["prompt_id"] == "p1"
         assert (r["reward_none_for_b"] is None) == is_b
@@ -195,7 +195,7 @@ def test_a_raising_function_names_itself_and_the_rollout_and_keeps_written_parts
         with pytest.raises(
             RewardError, match=rf"{HERE}:flaky_reward raised ValueError: cannot parse \(rollout 0000-p2-1\)"
         ):
-            score.run(cfg, 0, quiet=True)
+            run_stage("score", cfg, 0, quiet=True)
     finally:
         FAIL_ON.clear()
     written = {p.name: p.stat().st_mtime_ns for p in layout.list_parts(sdir)}
@@ -203,7 +203,7 @@ def test_a_raising_function_names_itself_and_the_rollout_and_keeps_written_parts
         sorted(written) == [layout.part_name(0, 0), layout.part_name(0, 1)]
         and manifests.manifest(sdir) is None
     )
-    m = score.run(cfg, 0, quiet=True)  # the function is fixed: the re-run only writes part 2
+    m = run_stage("score", cfg, 0, quiet=True)  # the function is fixed: the re-run only writes part 2
     assert m["rows"] == 12
     assert {p.name: p.stat().st_mtime_ns for p in layout.list_parts(sdir)}.items() >= written.items()
 
@@ -211,7 +211,7 @@ def test_a_raising_function_names_itself_and_the_rollout_and_keeps_written_parts
 def test_score_clip_clips_the_score_not_reward_raw(make_config) -> None:
     _, cfg = make_config(score={"reward_functions": [f"{HERE}:big_reward"], "score_clip": 2.0})
     write_rollouts(cfg)
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     for r in scores(cfg):
         raw, clipped = {"p0": (5.0, 2.0), "p1": (-7.0, -2.0), "p2": (0.5, 0.5)}[
             r["prompt_id"]
@@ -222,7 +222,7 @@ def test_score_clip_clips_the_score_not_reward_raw(make_config) -> None:
 def test_reward_model_score_is_weighted_into_reward_raw(make_config, tiny_reward_model: Path) -> None:
     _, cfg = make_config(reward_model=str(tiny_reward_model), score={"reward_model_weight": 0.5})
     rows = by_id(write_rollouts(cfg))
-    m = score.run(cfg, 0, quiet=True)
+    m = run_stage("score", cfg, 0, quiet=True)
     hf = load_model(str(tiny_reward_model), "rm", kind="reward", dtype="float32")
     for r in scores(cfg):
         seq = (
@@ -240,12 +240,12 @@ def test_progress_bar_counts_every_token_each_model_reads_unless_quiet(
 ) -> None:
     _, cfg = make_config(reward_model=str(tiny_reward_model), ref_model=policy_copy)
     rows = write_rollouts(cfg)
-    score.run(cfg, 0, quiet=False)
+    run_stage("score", cfg, 0, quiet=False)
     err = capsys.readouterr().err
     # the reference and the reward model each read every prompt + response token once
     tokens = 2 * sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
     assert re.search(rf"score: done {tokens}/{tokens} tok in .*tok/s\)", err), err  # stderr is no tty
-    score.run(cfg, 0, quiet=True, force=True)
+    run_stage("score", cfg, 0, quiet=True, force=True)
     assert capsys.readouterr().err == ""
 
 
@@ -256,7 +256,7 @@ def test_progress_bar_counts_every_token_each_model_reads_unless_quiet(
 def test_kl_is_exactly_zero_when_the_reference_is_the_policy_itself(make_config, estimator: str) -> None:
     _, cfg = make_config(score={"kl_estimator": estimator})
     rows = by_id(write_rollouts(cfg))  # policy column == policy_model == the reference
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     for r in scores(cfg):
         assert r["ref_logprobs"] == rows[r["rollout_id"]]["behavior_logprobs"]
         assert r["kl"] == [0.0] * len(r["ref_logprobs"]) and r["kl_sum"] == 0.0
@@ -266,7 +266,7 @@ def test_kl_is_exactly_zero_when_the_reference_is_the_policy_itself(make_config,
 def test_same_weights_under_another_path_recompute_to_within_1e_5(make_config, policy_copy: str) -> None:
     _, cfg = make_config(ref_model=policy_copy)
     rows = by_id(write_rollouts(cfg))
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     for r in scores(cfg):
         beh = rows[r["rollout_id"]]["behavior_logprobs"]
         assert max(abs(a - b) for a, b in zip(r["ref_logprobs"], beh, strict=True)) < 1e-5
@@ -286,7 +286,7 @@ def test_same_weights_under_another_path_recompute_to_within_1e_5(make_config, p
 def test_kl_sign_and_estimators(make_config, estimator: str, delta: float, per_token: float) -> None:
     _, cfg = make_config(score={"kl_estimator": estimator, "kl_reward_coef": 0.1})
     write_rollouts(cfg, policy="some/other/policy", delta=delta)  # behaviour = reference + delta per token
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     for r in scores(cfg):
         n = len(r["kl"])  # 3 or 4 tokens
         assert r["kl"] == pytest.approx([per_token] * n, abs=1e-5)
@@ -300,7 +300,7 @@ def test_kl_sign_and_estimators(make_config, estimator: str, delta: float, per_t
 def test_kl_out_of_the_reward_but_in_the_loss_keeps_kl_and_sets_kl_coef_0(make_config) -> None:
     _, cfg = make_config(score={"kl_in_reward": False}, train={"kl_loss_coef": 0.1})
     write_rollouts(cfg, policy="other", delta=0.25)
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     for r in scores(cfg):
         assert r["kl_coef"] == 0.0 and r["reward"] == r["score"] and r["kl_sum"] > 0.7  # 3+ tokens x 0.25
 
@@ -316,7 +316,7 @@ def test_no_reference_forward_when_no_kl_is_used(
         w.write_bytes(b"not safetensors")
     _, cfg = make_config(score=no_kl, ref_model=str(ref))
     write_rollouts(cfg, policy="other", delta=0.25)
-    m = score.run(cfg, 0, quiet=True)
+    m = run_stage("score", cfg, 0, quiet=True)
     rows = scores(cfg)
     assert len(rows) == 12
     for r in rows:
@@ -329,7 +329,7 @@ def test_no_reference_forward_when_no_kl_is_used(
     )
     write_rollouts(with_kl, policy="other", delta=0.25)
     with pytest.raises(Exception, match="safetensors|header|deserializ"):
-        score.run(with_kl, 0, quiet=True)
+        run_stage("score", with_kl, 0, quiet=True)
 
 
 def test_adaptive_controller_beta_carries_from_iteration_to_iteration(make_config) -> None:
@@ -338,17 +338,17 @@ def test_adaptive_controller_beta_carries_from_iteration_to_iteration(make_confi
     for it in (0, 1):
         write_rollouts(cfg, it, policy="other", delta=0.5, responses=EQUAL_LENGTHS)  # kl_sum = 3 x 0.5 = 1.5
     with pytest.raises(StageError, match="score that iteration first"):
-        score.run(cfg, 1, quiet=True)
-    m0 = score.run(cfg, 0, quiet=True)
+        run_stage("score", cfg, 1, quiet=True)
+    m0 = run_stage("score", cfg, 0, quiet=True)
     assert {r["kl_coef"] for r in scores(cfg, 0)} == {0.1}
     # error = clip(1.5 / 1.0 - 1, -0.2, 0.2) = 0.2; beta = 0.1 * (1 + 0.2 * 12 rollouts / 100) = 0.1024
     assert m0["mean_kl_sum"] == pytest.approx(1.5, abs=1e-5)
     assert m0["kl_controller"]["beta"] == pytest.approx(0.1024, rel=1e-12)
-    score.run(cfg, 1, quiet=True)
+    run_stage("score", cfg, 1, quiet=True)
     for r in scores(cfg, 1):
         assert r["kl_coef"] == pytest.approx(0.1024, rel=1e-12)
         assert r["reward"] == pytest.approx(r["score"] - 0.1024 * r["kl_sum"], abs=1e-12)
-    score.run(cfg, 1, force=True, quiet=True)  # a re-run sees the same beta
+    run_stage("score", cfg, 1, force=True, quiet=True)  # a re-run sees the same beta
     assert [r["kl_coef"] for r in scores(cfg, 1)] == pytest.approx([0.1024] * 12, rel=1e-12)
     assert manifests.manifest(layout.folder(cfg.run_dir, 1, "scores"))["kl_controller"][
         "beta"
@@ -359,7 +359,7 @@ def test_constant_controller_keeps_kl_coef(make_config) -> None:
     _, cfg = make_config(score={"kl_reward_coef": 0.2})
     for it in (0, 1):
         write_rollouts(cfg, it, policy="other", delta=0.5)
-        score.run(cfg, it, quiet=True)
+        run_stage("score", cfg, it, quiet=True)
         assert {r["kl_coef"] for r in scores(cfg, it)} == {0.2}
 
 
@@ -378,8 +378,8 @@ def test_results_do_not_depend_on_the_token_budget_or_part_size(
     )  # 7 tokens: one row per batch
     rows = write_rollouts(a)
     write_rollouts(b)
-    score.run(a, 0, quiet=True)
-    score.run(b, 0, quiet=True)
+    run_stage("score", a, 0, quiet=True)
+    run_stage("score", b, 0, quiet=True)
     sa, sb = scores(a), scores(b)
     assert [r["rollout_id"] for r in sa] == [r["rollout_id"] for r in sb] == [r["rollout_id"] for r in rows]
     for ra, rb in zip(sa, sb, strict=True):
@@ -408,8 +408,8 @@ def test_resume_after_sigkill_gives_the_rows_of_an_uninterrupted_run(
     assert killed.returncode == -9, killed.stderr
     assert [layout.part_number(p) for p in layout.list_parts(sdir)] == [0, 1, 2]
     assert manifests.manifest(sdir) is None
-    m = score.run(cfg, 0, quiet=True)
-    score.run(clean, 0, quiet=True)
+    m = run_stage("score", cfg, 0, quiet=True)
+    run_stage("score", clean, 0, quiet=True)
     assert m["rows"] == 12 and len(m["parts"]) == 6
     assert scores(cfg) == scores(clean)
 
@@ -417,19 +417,19 @@ def test_resume_after_sigkill_gives_the_rows_of_an_uninterrupted_run(
 def test_rescoring_needs_force_and_leaves_rollouts_alone(make_config) -> None:
     _, cfg = make_config()
     write_rollouts(cfg)
-    m = score.run(cfg, 0, quiet=True)
+    m = run_stage("score", cfg, 0, quiet=True)
     sdir = layout.folder(cfg.run_dir, 0, "scores")
     mtimes = {p: p.stat().st_mtime_ns for p in layout.list_parts(sdir)}
-    assert score.run(cfg, 0, quiet=True) == m  # complete: nothing is redone
+    assert run_stage("score", cfg, 0, quiet=True) == m  # complete: nothing is redone
     cfg.score.max_tokens_per_batch = 7  # a batching knob is not a reason to re-score
-    assert score.run(cfg, 0, quiet=True) == m
+    assert run_stage("score", cfg, 0, quiet=True) == m
     assert {p: p.stat().st_mtime_ns for p in layout.list_parts(sdir)} == mtimes
     rdir = layout.folder(cfg.run_dir, 0, "rollouts")
     before = manifests.file_fingerprint(rdir)
     cfg.score.reward_functions = [f"{HERE}:length_reward"]
     with pytest.raises(StageError, match="--force"):
-        score.run(cfg, 0, quiet=True)
-    score.run(cfg, 0, force=True, quiet=True)
+        run_stage("score", cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, force=True, quiet=True)
     assert "reward_length_reward" in scores(cfg)[0] and "reward_letter_count" not in scores(cfg)[0]
     assert manifests.file_fingerprint(rdir) == before
 
@@ -461,7 +461,7 @@ def test_bad_rollouts_are_refused_naming_the_rollout(make_config, edit, message:
     _, cfg = make_config()
     write_rollouts(cfg, edit=edit)
     with pytest.raises(SchemaError, match=message):
-        score.run(cfg, 0, quiet=True)
+        run_stage("score", cfg, 0, quiet=True)
 
 
 def test_a_reference_model_with_another_vocabulary_is_refused(make_config, tmp_path) -> None:
@@ -473,13 +473,13 @@ def test_a_reference_model_with_another_vocabulary_is_refused(make_config, tmp_p
         ModelError,
         match=r"the tokenizers of the policy \(.*\) and of the reference model .* have different vocabularies",
     ):
-        score.run(cfg, 0, quiet=True)
+        run_stage("score", cfg, 0, quiet=True)
 
 
 def test_missing_rollouts_and_missing_rewards_are_errors(make_config) -> None:
     _, cfg = make_config()
     with pytest.raises(StageError, match="rollouts are not complete"):
-        score.run(cfg, 0, quiet=True)
+        run_stage("score", cfg, 0, quiet=True)
     cfg.score.reward_functions = []
     with pytest.raises(ConfigError, match="reward_functions and/or reward_model"):
-        score.run(cfg, 0, quiet=True)
+        run_stage("score", cfg, 0, quiet=True)

@@ -13,7 +13,7 @@ from rlhf_batch.errors import ModelError
 from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.models.load import load_model
 from rlhf_batch.models.tiny import init_model
-from rlhf_batch.stages import score
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import SCORES
 from tests.stages.test_score import by_id, write_rollouts
@@ -30,7 +30,7 @@ def test_a_copy_of_the_policy_as_teacher_gives_the_behaviour_logprobs(
     teacher = shutil.copytree(tiny_model, tmp_path / "teacher")
     _, cfg = make_config(score={"teacher_model": str(teacher)})
     rows = by_id(write_rollouts(cfg))
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     got = scores(cfg)
     assert len(got) == 12
     for r in got:  # the same weights: the same log-probs up to KV-cache vs full-forward rounding
@@ -45,7 +45,7 @@ def test_another_teacher_gives_its_own_forward(make_config, tmp_path) -> None:
     teacher = init_model(tmp_path / "teacher", arch="qwen2", seed=5)  # same tokenizer, other weights
     _, cfg = make_config(score={"teacher_model": str(teacher)})
     rows = write_rollouts(cfg)
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     model = load_model(str(teacher), "teacher", dtype="float32")
     got = by_id(scores(cfg))
     for row in rows:
@@ -61,7 +61,7 @@ def test_another_teacher_gives_its_own_forward(make_config, tmp_path) -> None:
 def test_no_teacher_no_column_and_the_identity_as_before(make_config) -> None:
     _, cfg = make_config()
     write_rollouts(cfg)
-    score.run(cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
     assert "teacher_logprobs" not in scores(cfg)[0]
     m = manifests.manifest(layout.folder(cfg.run_dir, 0, "scores"))
     assert "teacher_model" not in m["config"]["score"] and "teacher_model" not in m["inputs"]
@@ -74,7 +74,7 @@ def test_a_teacher_with_another_tokenizer_is_one_line_and_writes_nothing(make_co
     with pytest.raises(
         ModelError, match=r"^score.teacher_model: the tokenizer of .* differs from the policy's"
     ) as e:
-        score.run(cfg, 0, quiet=True)
+        run_stage("score", cfg, 0, quiet=True)
     assert "\n" not in str(e.value)
     assert manifests.manifest(layout.folder(cfg.run_dir, 0, "scores")) is None
     assert not list(layout.folder(cfg.run_dir, 0, "scores").glob("part-*.parquet"))

@@ -22,8 +22,8 @@ from rlhf_batch.models.load import load_model
 from rlhf_batch.models.policy import sampling_policy, start_policy
 from rlhf_batch.models.tiny import init_model
 from rlhf_batch.observe.report import write_report
-from rlhf_batch.stages import generate
 from rlhf_batch.stages.importer import import_rollouts
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests, output, retention
 from rlhf_batch.store.schemas import ROLLOUTS
 from tests.store.test_retention import fake_policy
@@ -74,7 +74,7 @@ def test_generate_samples_from_the_policy_max_staleness_iterations_back(make_con
     pol0 = _trained(cfg, 0, seed=7)
     _trained(cfg, 1, seed=8)
     assert [sampling_policy(cfg, k) for k in (0, 1, 2)] == [cfg.policy_model, cfg.policy_model, str(pol0)]
-    m1, m2 = (generate.run(cfg, k, quiet=True) for k in (1, 2))
+    m1, m2 = (run_stage("generate", cfg, k, quiet=True) for k in (1, 2))
     assert (m1["policy_iteration"], m1["staleness"]) == (-1, 1)  # the initial policy, one update behind
     assert (m2["policy_iteration"], m2["staleness"]) == (0, 1)
     assert {r["policy"] for r in _rollouts(cfg, 1)} == {cfg.policy_model}  # outside the run: as is
@@ -96,7 +96,7 @@ def test_lock_step_samples_from_the_start_policy_as_before(make_config) -> None:
     for it, seed in ((0, 7), (1, 8), (2, 9)):
         _trained(cfg, it, seed)
     assert [sampling_policy(cfg, k) for k in range(4)] == [start_policy(cfg, k) for k in range(4)]
-    m = generate.run(cfg, 2, quiet=True)
+    m = run_stage("generate", cfg, 2, quiet=True)
     assert (m["policy_iteration"], m["staleness"]) == (1, 0)
     assert {r["policy"] for r in _rollouts(cfg, 2)} == {"iter=0001/policy"}
 

@@ -27,8 +27,9 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.models import checkpoint
 from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.models.load import load_model
-from rlhf_batch.stages import train
-from rlhf_batch.stages.train_data import Step, cut_balanced, lr_factor, plan_steps
+from rlhf_batch.stages.registry import run_stage
+from rlhf_batch.stages.train import loop, parallel, save
+from rlhf_batch.stages.train.data import Step, cut_balanced, lr_factor, plan_steps
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import ADVANTAGES, METRICS
 
@@ -243,7 +244,7 @@ def test_train_writes_policy_metrics_and_manifest(make_config, tiny_model: Path)
         train_toml(lr=1e-2, tokens_per_step=16, max_tokens_per_batch=14, ppo_epochs=2, checkpoint_every=2)
     )
     write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 12, [4] * 12))
-    m = train.run(cfg, 0, quiet=True)
+    m = run_stage("train", cfg, 0, quiet=True)
 
     table = metrics(cfg.run_dir)
     assert table.schema.remove_metadata().equals(METRICS)
@@ -309,7 +310,7 @@ def test_policy_loads_with_transformers_and_generates(make_config, tiny_model: P
 
     _, cfg = make_config(train_toml(lr=1e-2))
     write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8)))
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     out = layout.policy_dir(cfg.run_dir, 0)
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
@@ -324,7 +325,7 @@ def test_policy_loads_with_transformers_and_generates(make_config, tiny_model: P
 def test_lr_zero_leaves_the_weights_unchanged(make_config, tiny_model: Path) -> None:
     _, cfg = make_config(train_toml(lr=0.0, weight_decay=0.1, tokens_per_step=8, ppo_epochs=2))
     write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8)))
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     assert max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) == 0.0
     assert all(g > 0 for g in metrics(cfg.run_dir).column("grad_norm").to_pylist())  # gradients were there
 
@@ -335,7 +336,7 @@ def test_progress_bar_shows_steps_loss_clip_kl_and_tokens_per_second(
     # 8 rows x 4 response tokens, 16 per step: 2 steps; the bar ends on the last step's numbers
     _, cfg = make_config(train_toml(lr=1e-2, tokens_per_step=16, ppo_epochs=1))
     write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8))
-    train.run(cfg, 0, quiet=False)
+    run_stage("train", cfg, 0, quiet=False)
     last = capsys.readouterr().err.split("\r")[-1]
     row = metrics(cfg.run_dir).to_pylist()[-1]
     assert "train iter=0" in last and "2/2" in last
@@ -348,7 +349,7 @@ def test_sequences_per_step_sets_the_rows_of_each_optimizer_step(make_config, ti
     # row i goes to step (2i + 1) x 4 // 20: 0, 0, 1, 1, 1, 2, 2, 3, 3, 3 -> 2, 3, 2, 3 rows
     _, cfg = make_config(train_toml(lr=1e-2, tokens_per_step=1000, sequences_per_step=3, ppo_epochs=2))
     write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 10, [4] * 10))
-    m = train.run(cfg, 0, quiet=True)
+    m = run_stage("train", cfg, 0, quiet=True)
     rows = metrics(cfg.run_dir).to_pylist()
     assert m["counts"]["steps"] == 8 and [r["sequences"] for r in rows[:4]] == [2, 3, 2, 3]
     assert [r["tokens"] for r in rows[:4]] == [8, 12, 8, 12]
@@ -362,7 +363,7 @@ def test_lr_schedule_and_grad_norm_in_the_metrics(make_config, tiny_model: Path)
     keys = dict(lr=0.01, warmup_steps=2, lr_schedule="cosine", tokens_per_step=8, max_grad_norm=1e-6)
     _, cfg = make_config(train_toml(**keys))
     write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 12, [4] * 12))
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     table = metrics(cfg.run_dir)
     expected = [0.005, 0.01, 0.01, 0.00853553, 0.005, 0.00146447]
     assert table.column("lr").to_pylist() == pytest.approx(expected, abs=1e-8)
@@ -383,7 +384,7 @@ def test_grad_clipping_shrinks_the_update(make_config, tiny_model: Path, tmp_pat
             train_toml(**keys), name=f"{max_norm}.toml", run_dir=str(tmp_path / str(max_norm))
         )
         write_advantages(cfg.run_dir, table)
-        train.run(cfg, 0, quiet=True)
+        run_stage("train", cfg, 0, quiet=True)
         assert metrics(cfg.run_dir).num_rows == 1
         moved[max_norm] = max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(tiny_model))
     assert moved[0.0] > 0.009
@@ -395,14 +396,14 @@ def test_old_logprobs_stored_or_recomputed(make_config, tiny_model: Path) -> Non
     table = make_table(tiny_model, *random_lengths(8), old_shift=-0.5)
     _, cfg = make_config(train_toml(lr=0.0))
     write_advantages(cfg.run_dir, table)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     assert metrics(cfg.run_dir).column("ratio_mean")[0].as_py() == pytest.approx(1.648721, abs=1e-5)
     # recompute_old: the old log-probs are the starting policy's, so r = 1 again
     _, cfg2 = make_config(
         train_toml(lr=0.0, recompute_old=True), name="b.toml", run_dir=str(Path(cfg.run_dir).parent / "b")
     )
     write_advantages(cfg2.run_dir, table)
-    train.run(cfg2, 0, quiet=True)
+    run_stage("train", cfg2, 0, quiet=True)
     first = metrics(cfg2.run_dir).slice(0, 1).to_pylist()[0]
     assert first["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and first["clip_fraction"] == 0.0
 
@@ -413,7 +414,7 @@ def test_ess_and_clip_fraction_are_over_the_whole_step(make_config, tiny_model: 
     table = make_table(tiny_model, [3, 3], [1, 1], advantages=[1.0, 1.0], old_shift=[0.0, -math.log(2)])
     _, cfg = make_config(train_toml(lr=0.0, max_tokens_per_batch=4))
     write_advantages(cfg.run_dir, table)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     row = metrics(cfg.run_dir).to_pylist()[0]
     assert row["ess"] == pytest.approx(0.9, abs=1e-5)
     assert row["ratio_mean"] == pytest.approx(1.5, abs=1e-5)
@@ -433,7 +434,7 @@ def test_tis_cap_recomputes_old_and_weights_tokens_by_the_capped_behaviour_ratio
     table = make_table(tiny_model, [3, 3], [1, 1], advantages=[1.0, 1.0], old_shift=[0.0, -math.log(4)])
     _, cfg = make_config(train_toml(lr=0.0, max_tokens_per_batch=4, tis_cap=2.0))
     write_advantages(cfg.run_dir, table)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     row = metrics(cfg.run_dir).to_pylist()[0]
     assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert row["loss_objective"] == pytest.approx(-1.5, abs=1e-5)
@@ -450,7 +451,7 @@ def test_masked_importance_sampling_drops_tokens_and_reports_their_share(
     table = make_table(tiny_model, [3, 3, 3], [1, 1, 1], advantages=[1.0, 1.0, 1.0], old_shift=shifts)
     _, cfg = make_config(train_toml(lr=0.0, max_tokens_per_batch=6, tis_mode="mask"))
     write_advantages(cfg.run_dir, table)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     row = metrics(cfg.run_dir).to_pylist()[0]
     assert row["loss_objective"] == pytest.approx(-1.0, abs=1e-5)
     assert row["tis_masked"] == pytest.approx(1 / 3, abs=1e-6)
@@ -465,7 +466,7 @@ def test_sequence_ratio_is_the_rows_geometric_mean_in_train(make_config, tiny_mo
     keys = {"lr": 0.0, "ratio_level": "sequence", "aggregation": "seq_mean_token_mean"}
     _, cfg = make_config(train_toml(**keys))
     write_advantages(cfg.run_dir, table)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     row = metrics(cfg.run_dir).to_pylist()[0]
     assert row["loss_objective"] == pytest.approx(-1.0003, abs=2e-6)
     assert row["clip_fraction"] == pytest.approx(0.5)
@@ -478,7 +479,7 @@ def test_cispo_weighs_every_token_by_its_truncated_ratio_in_train(make_config, t
     table = make_table(tiny_model, [3, 3], [2, 1], advantages=[1.0, -1.0], old_shift=[-0.5, -2.0])
     _, cfg = make_config(train_toml(lr=0.0, loss="cispo"))
     write_advantages(cfg.run_dir, table)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     beh = table.column("behavior_logprobs").to_pylist()
     terms = [-math.exp(0.5) * 1.0 * (b + 0.5) for b in beh[0]] + [-5.0 * -1.0 * (b + 2.0) for b in beh[1]]
     row = metrics(cfg.run_dir).to_pylist()[0]
@@ -494,7 +495,7 @@ def test_a_stale_run_trains_with_the_decoupled_objective_by_default(make_config,
     table = make_table(tiny_model, [3, 3], [1, 1], advantages=[1.0, 1.0], old_shift=[0.0, -math.log(8)])
     _, cfg = make_config(train_toml(lr=0.0, max_tokens_per_batch=4), max_staleness=1)
     write_advantages(cfg.run_dir, table)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     row = metrics(cfg.run_dir).to_pylist()[0]
     assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert row["loss_objective"] == pytest.approx(-3.0, abs=1e-5)
@@ -505,7 +506,7 @@ def test_kl_to_ref_and_entropy_in_the_loss(make_config, tiny_model: Path) -> Non
     table = make_table(tiny_model, *random_lengths(8), advantages=[0.0] * 8, ref_shift=-0.3)
     _, cfg = make_config(train_toml(lr=0.0, kl_loss_coef=0.5, entropy_coef=0.01))
     write_advantages(cfg.run_dir, table)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     row = metrics(cfg.run_dir).to_pylist()[0]
     assert row["kl_to_ref"] == pytest.approx(0.040818, abs=1e-5)
     assert row["loss_kl_to_ref"] == pytest.approx(0.020409, abs=1e-5)
@@ -523,7 +524,7 @@ def test_kl_to_the_behaviour_policy_is_a_metric(make_config, tiny_model: Path) -
     table = make_table(tiny_model, *random_lengths(8), advantages=[0.0] * 8, old_shift=-0.5)
     _, cfg = make_config(train_toml(lr=0.0, kl_to_inference_coef=0.2, tokens_per_step=12))
     write_advantages(cfg.run_dir, table)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     rows = metrics(cfg.run_dir).to_pylist()
     assert len(rows) > 1  # lr = 0: every step sees the same policy, so the same numbers
     for row in rows:
@@ -534,14 +535,14 @@ def test_kl_to_the_behaviour_policy_is_a_metric(make_config, tiny_model: Path) -
     # off by default: the column is there and 0
     _, off = make_config(train_toml(lr=0.0), name="off.toml", run_dir=str(Path(cfg.run_dir).parent / "off"))
     write_advantages(off.run_dir, table)
-    train.run(off, 0, quiet=True)
+    run_stage("train", off, 0, quiet=True)
     assert set(metrics(off.run_dir).column("loss_kl_to_inference").to_pylist()) == {0.0}
 
 
 def test_bf16_autocast_step_on_cpu(make_config, tiny_model: Path) -> None:
     """dtype = bfloat16 switches autocast on (train.build_trainer: autocast_bf16 and the dtype resolves to
     bfloat16, which it does on any CPU when asked by name). One step against the float32 step."""
-    from rlhf_batch.stages.train_data import load_rows
+    from rlhf_batch.stages.train.data import load_rows
 
     _, cfg = make_config(train_toml(lr=1e-3))
     data = load_rows(write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8))))
@@ -549,7 +550,7 @@ def test_bf16_autocast_step_on_cpu(make_config, tiny_model: Path) -> None:
     out = {}
     for dtype in ("float32", "bfloat16"):
         _, cfg = make_config(train_toml(lr=1e-3), name=f"{dtype}.toml", dtype=dtype)
-        trainer = train.build_trainer(cfg, str(tiny_model), data, steps)
+        trainer = parallel.build_trainer(cfg, str(tiny_model), data, steps)
         row = trainer.step(steps[0])
         params = list(trainer.model.parameters())
         out[dtype] = (trainer.bf16, row, {p.dtype for p in params}, {p.grad.dtype for p in params})
@@ -577,14 +578,14 @@ def test_a_bf16_step_casts_each_weight_once_and_sums_the_same_gradients(
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from rlhf_batch.core.losses import grpo_loss
-    from rlhf_batch.stages.train_data import load_rows, micro_batch
+    from rlhf_batch.stages.train.data import load_rows, micro_batch
 
     _, cfg = make_config(train_toml(lr=0.0, max_grad_norm=0.0), dtype="bfloat16")
     data = load_rows(write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(8))))
     steps = plan_steps(
         data.resp_lens, data.seq_lens, 10**6, 12, 1, (0, 0)
     )  # one step, 12-token micro-batches
-    trainer = train.build_trainer(cfg, str(tiny_model), data, steps)
+    trainer = parallel.build_trainer(cfg, str(tiny_model), data, steps)
     work = steps[0].for_rank(0, 1)
     assert trainer.bf16 and len(work) >= 3
     head = trainer.model.get_output_embeddings()  # the LM head casts its weight itself, per call
@@ -621,14 +622,14 @@ def test_a_bf16_step_casts_each_weight_once_and_sums_the_same_gradients(
 def test_finite_finds_one_nan_or_inf_anywhere(dtype: torch.dtype) -> None:
     # the check the stage runs on every trained weight before writing the policy
     w = torch.randn(300, 70).to(dtype)
-    assert train._finite(w) and train._finite(w[:0])
+    assert save._finite(w) and save._finite(w[:0])
     for pos in [(0, 0), (123, 45), (299, 69)]:
         for bad in (math.nan, math.inf, -math.inf):
             x = w.clone()
             x[pos] = bad
-            assert not train._finite(x), (pos, bad)
+            assert not save._finite(x), (pos, bad)
     big = torch.full((4,), torch.finfo(dtype).max, dtype=dtype)  # finite, however large
-    assert train._finite(big) and train._finite(-big)
+    assert save._finite(big) and save._finite(-big)
 
 
 def test_rows_of_advantage_zero_are_not_run_and_change_nothing(
@@ -638,7 +639,7 @@ def test_rows_of_advantage_zero_are_not_run_and_change_nothing(
     forward pass but keeps it in the step's normaliser. Trained both ways, the weights agree."""
     from rlhf_batch.observe.report import write_report
     from rlhf_batch.observe.status import print_status
-    from rlhf_batch.stages.train_data import load_rows
+    from rlhf_batch.stages.train.data import load_rows
 
     # 8 rows, 4 per step, 2 epochs: rows 0-3 all of advantage 0, rows 4-7 two of them 0; epoch 1
     # runs the same two micro-batches as steps again, in a seeded order
@@ -646,7 +647,7 @@ def test_rows_of_advantage_zero_are_not_run_and_change_nothing(
     table = make_table(tiny_model, *random_lengths(8), advantages=adv, old_shift=0.05)
     _, cfg = make_config(train_toml(lr=1e-4, sequences_per_step=4, ppo_epochs=2))
     data = load_rows(write_advantages(cfg.run_dir, table))
-    active = train._active_rows(cfg.train, data)
+    active = loop._active_rows(cfg.train, data)
     assert active is not None and active.tolist() == [a != 0 for a in adv]
     args = (data.resp_lens, data.seq_lens, 10**6, 10**6, 2, (0, 0))
     plan = plan_steps(*args, sequences_per_step=4, active=active)
@@ -656,7 +657,7 @@ def test_rows_of_advantage_zero_are_not_run_and_change_nothing(
     assert [len(s.micro[0]) for s in full] == [4, 4, 4, 4]
     out = {}
     for name, steps in (("skipped", plan), ("run", full)):
-        trainer = train.build_trainer(cfg, str(tiny_model), data, steps)
+        trainer = parallel.build_trainer(cfg, str(tiny_model), data, steps)
         rows = [trainer.step(s) for s in steps]
         out[name] = (rows, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()})
     (skipped, w_skip), (run, w_run) = out["skipped"], out["run"]
@@ -679,7 +680,7 @@ def test_rows_of_advantage_zero_are_not_run_and_change_nothing(
     w_skip, w_run = ({k: v for k, v in w.items() if k in initial} for w in (w_skip, w_run))  # tied head once
     assert max_diff(w_skip, w_run) < 1e-6 < 1e-5 < max_diff(w_skip, initial)
     # the stage writes the idle steps' token means as nulls, which status and the report skip
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     steps_table = metrics(cfg.run_dir)
     # (its plan cuts micro-batches by train.max_padding: epoch 0's first step, rows 0-3, is idle)
     assert steps_table.num_rows == 4 and steps_table["ratio_mean"][0].as_py() is None
@@ -690,7 +691,7 @@ def test_rows_of_advantage_zero_are_not_run_and_change_nothing(
     assert "train" in status and "nan" not in status.lower()
     # with an entropy term every row moves the loss: nothing is skipped
     _, cfg_e = make_config(train_toml(entropy_coef=0.01), name="e.toml")
-    assert train._active_rows(cfg_e.train, data) is None
+    assert loop._active_rows(cfg_e.train, data) is None
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
@@ -706,7 +707,7 @@ def test_micro_batching_does_not_change_a_step(
         keys = dict(lr=1e-4, aggregation=aggregation, ppo_epochs=2, max_tokens_per_batch=budget)
         _, cfg = make_config(train_toml(**keys), name=f"{name}.toml", run_dir=str(tmp_path / name))
         write_advantages(cfg.run_dir, table)
-        train.run(cfg, 0, quiet=True)
+        run_stage("train", cfg, 0, quiet=True)
         results.append((metrics(cfg.run_dir).to_pylist(), weights(layout.policy_dir(cfg.run_dir, 0))))
     (rows_a, w_a), (rows_b, w_b) = results
     assert len(rows_a) == len(rows_b) == 2
@@ -719,15 +720,15 @@ def test_micro_batching_does_not_change_a_step(
 def test_rerun_is_skipped_other_config_refused_unless_force(make_config, tiny_model: Path) -> None:
     _, cfg = make_config(train_toml(lr=0.0))
     write_advantages(cfg.run_dir, make_table(tiny_model, *random_lengths(4)))
-    first = train.run(cfg, 0, quiet=True)
+    first = run_stage("train", cfg, 0, quiet=True)
     policy = layout.policy_dir(cfg.run_dir, 0) / "model.safetensors"
     mtime = policy.stat().st_mtime_ns
-    assert train.run(cfg, 0, quiet=True) == first
+    assert run_stage("train", cfg, 0, quiet=True) == first
     assert policy.stat().st_mtime_ns == mtime
     _, other = make_config(train_toml(lr=1e-2), name="other.toml")
     with pytest.raises(StageError, match="different config"):
-        train.run(other, 0, quiet=True)
-    forced = train.run(other, 0, force=True, quiet=True)
+        run_stage("train", other, 0, quiet=True)
+    forced = run_stage("train", other, 0, force=True, quiet=True)
     assert forced["config"]["train"]["lr"] == 1e-2
     assert max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) > 1e-3
 
@@ -737,14 +738,14 @@ def test_iteration_starts_from_the_previous_policy(make_config, tiny_model: Path
     table = make_table(tiny_model, *random_lengths(4))
     write_advantages(cfg.run_dir, table, iteration=1)
     with pytest.raises(StageError, match="iter=0000/train"):
-        train.run(cfg, 1, quiet=True)
+        run_stage("train", cfg, 1, quiet=True)
     write_advantages(cfg.run_dir, table, iteration=0)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     _, zero_lr = make_config(train_toml(lr=0.0), name="zero.toml")
     # iteration 1 continues iteration 0's optimizer: a new lr is refused unless --force
     with pytest.raises(StageError, match=r"train.lr 0.01 -> 0.0 since iteration 0.*--force"):
-        train.run(zero_lr, 1, quiet=True)
-    m = train.run(zero_lr, 1, force=True, quiet=True)
+        run_stage("train", zero_lr, 1, quiet=True)
+    m = run_stage("train", zero_lr, 1, force=True, quiet=True)
     assert m["optimizer"]["changed"] == {"lr": [0.01, 0.0]}
     w0, w1 = weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(cfg.run_dir, 1))
     assert max_diff(w1, w0) == 0.0 < max_diff(w1, weights(tiny_model))
@@ -754,12 +755,12 @@ def test_missing_or_bad_advantages_are_named(make_config, tiny_model: Path) -> N
     # (an empty advantages table is not an error: train takes zero steps, test_train_carry.py)
     _, cfg = make_config()
     with pytest.raises(StageError, match=r"iter=0000/advantages: advantages are missing"):
-        train.run(cfg, 0, quiet=True)
+        run_stage("train", cfg, 0, quiet=True)
     table = make_table(tiny_model, [3, 3], [2, 2])
     bad = table.set_column(4, "behavior_logprobs", pa.array([[-1.0, -1.0], [-1.0]], pa.list_(pa.float32())))
     write_advantages(cfg.run_dir, bad)
     with pytest.raises(StageError, match=r"rollout 0000-p0-1: column 'behavior_logprobs'"):
-        train.run(cfg, 0, quiet=True)
+        run_stage("train", cfg, 0, quiet=True)
 
 
 def test_resume_after_sigkill_matches_an_uninterrupted_run(
@@ -789,13 +790,13 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
     assert manifests.manifest(ckpt.parent) is None  # killed before the end
     before = json.loads((saved / "state.json").read_text())["metrics"]
 
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     rows = metrics(cfg.run_dir).to_pylist()
     assert len(rows) == 48
     assert rows[: len(before)] == before  # resumed: the killed run's rows, timings included
     _, ref = make_config(train_toml(**keys), name="ref.toml", run_dir=str(tmp_path / "ref"))
     write_advantages(ref.run_dir, table)
-    train.run(ref, 0, quiet=True)
+    run_stage("train", ref, 0, quiet=True)
     assert (
         max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(ref.run_dir, 0)))
         < 1e-6
@@ -818,7 +819,7 @@ def test_gradient_checkpointing_gives_the_same_steps(make_config, tiny_model: Pa
         keys = dict(lr=1e-4, tokens_per_step=12, gradient_checkpointing=on)
         _, cfg = make_config(train_toml(**keys), name=f"{on}.toml", run_dir=str(tmp_path / str(on)))
         write_advantages(cfg.run_dir, table)
-        train.run(cfg, 0, quiet=True)
+        run_stage("train", cfg, 0, quiet=True)
         out.append((metrics(cfg.run_dir).to_pylist(), weights(layout.policy_dir(cfg.run_dir, 0))))
     (rows_off, w_off), (rows_on, w_on) = out
     assert [r["grad_norm"] for r in rows_on] == pytest.approx([r["grad_norm"] for r in rows_off], rel=1e-5)

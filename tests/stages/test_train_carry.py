@@ -21,7 +21,7 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.models import checkpoint, optim_state
 from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.models.load import load_model, load_tokenizer
-from rlhf_batch.stages import train
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from tests.stages.test_train import make_table, max_diff, metrics, train_toml, weights, write_advantages
 
@@ -154,14 +154,14 @@ def test_schedule_change_mid_run_is_refused_unless_force(make_config, tiny_model
     _, cfg = make_config(train_toml(**KEYS), iterations=2)
     for it in (0, 1):
         write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8, seed=it), iteration=it)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     _, cosine = make_config(train_toml(**{**KEYS, "lr_schedule": "cosine"}), name="c.toml", iterations=2)
     with pytest.raises(
         StageError, match=r"train.lr_schedule 'linear' -> 'cosine' since iteration 0.*--force"
     ):
-        train.run(cosine, 1, quiet=True)
+        run_stage("train", cosine, 1, quiet=True)
     assert not layout.folder(cfg.run_dir, 1, "train").exists()  # refused before anything was written
-    m = train.run(cosine, 1, force=True, quiet=True)
+    m = run_stage("train", cosine, 1, force=True, quiet=True)
     assert m["optimizer"]["changed"] == {"lr_schedule": ["linear", "cosine"]}
     # the new schedule at the run's steps 4..7 of 8: 0.5 (1 + cos(pi (s - 3) / 5)), s = 4: 0.904508
     assert metrics(cfg.run_dir, 1).column("lr").to_pylist()[0] == pytest.approx(1e-2 * 0.904508, rel=1e-5)
@@ -201,7 +201,7 @@ def test_an_empty_iteration_carries_the_optimizer_state_unchanged(make_config, t
     write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8).slice(0, 0), iteration=1)
     write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8, seed=1), iteration=2)
     for it in (0, 1, 2):
-        train.run(cfg, it, quiet=True)
+        run_stage("train", cfg, it, quiet=True)
     opt0, opt1 = layout.optimizer_dir(cfg.run_dir, 0), layout.optimizer_dir(cfg.run_dir, 1)
     for name in (optim_state.TENSORS, optim_state.META):
         assert (opt1 / name).read_bytes() == (opt0 / name).read_bytes()
@@ -224,16 +224,16 @@ def test_a_missing_optimizer_state_is_an_error_unless_asked_to_start_fresh(
     _, cfg = make_config(train_toml(**KEYS), iterations=2)
     for it in (0, 1):
         write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8, seed=it), iteration=it)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     opt0 = layout.optimizer_dir(cfg.run_dir, 0)
     shutil.rmtree(opt0)
     with pytest.raises(
         StageError, match=rf"{opt0}: the optimizer state of iteration 0 is missing.*fresh_optimizer"
     ):
-        train.run(cfg, 1, quiet=True)
+        run_stage("train", cfg, 1, quiet=True)
     assert not layout.folder(cfg.run_dir, 1, "train").exists()  # refused before anything was written
     _, fresh = make_config(train_toml(**KEYS, fresh_optimizer=True), name="fresh.toml", iterations=2)
-    m = train.run(fresh, 1, quiet=True)
+    m = run_stage("train", fresh, 1, quiet=True)
     # started afresh on purpose, and recorded: no state carried, the schedule from step 0 again
     assert m["optimizer"]["fresh"] is True
     assert (m["optimizer"]["carried_from"], m["optimizer"]["global_step_start"]) == (None, 0)

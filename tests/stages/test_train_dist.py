@@ -13,8 +13,8 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf_batch.models import checkpoint
-from rlhf_batch.stages import train
-from rlhf_batch.stages.train_data import load_rows, plan_steps
+from rlhf_batch.stages.registry import run_stage
+from rlhf_batch.stages.train.data import load_rows, plan_steps
 from rlhf_batch.store import layout, manifests
 from tests.stages.test_train import (
     make_table,
@@ -83,7 +83,7 @@ def test_two_ranks_match_one_rank(make_config, tiny_model: Path, tmp_path: Path)
     path, two, one, n_steps = two_and_one_rank(make_config, tiny_model, tmp_path)
     done = torchrun_train(path)
     assert done.returncode == 0, done.stderr[-4000:]
-    train.run(one, 0, quiet=True)
+    run_stage("train", one, 0, quiet=True)
     assert_same_training(two, one, n_steps, tiny_model)
 
 
@@ -102,7 +102,7 @@ def test_two_ranks_match_one_rank_when_rows_of_advantage_zero_do_not_run(
     assert any(not s.micro for s in plan) and any(s.micro for s in plan)
     done = torchrun_train(path)
     assert done.returncode == 0, done.stderr[-4000:]
-    train.run(one, 0, quiet=True)
+    run_stage("train", one, 0, quiet=True)
     assert_same_training(two, one, n_steps, tiny_model)
 
 
@@ -123,7 +123,7 @@ def test_fsdp_two_ranks_killed_and_resumed_match_one_rank(
     assert "model.layers.0.mlp.up_proj.weight/exp_avg" in state
     done = torchrun_train(path)  # resumes from the gathered full state dicts of step 4
     assert done.returncode == 0, done.stderr[-4000:]
-    train.run(one, 0, quiet=True)
+    run_stage("train", one, 0, quiet=True)
     assert_same_training(two, one, n_steps, tiny_model)
     # the policy is a plain Hugging Face model dir, written whole by rank 0
     assert weights(layout.policy_dir(two.run_dir, 0)).keys() == weights(tiny_model).keys()
@@ -137,7 +137,7 @@ def test_fsdp_two_ranks_killed_and_resumed_match_one_rank(
     write_advantages(one.run_dir, table, iteration=1)
     done = torchrun_train(path, iteration=1)
     assert done.returncode == 0, done.stderr[-4000:]
-    m = train.run(one, 1, quiet=True)
+    m = run_stage("train", one, 1, quiet=True)
     assert m["optimizer"]["global_step_start"] == n_steps
     w_two, w_one = weights(layout.policy_dir(two.run_dir, 1)), weights(layout.policy_dir(one.run_dir, 1))
     assert max_diff(w_two, w_one) < 1e-5 < 1e-4 < max_diff(w_one, weights(layout.policy_dir(one.run_dir, 0)))
@@ -157,6 +157,6 @@ def test_fsdp_on_one_rank_under_torchrun_shards_and_matches_plain(
     assert done.returncode == 0, done.stderr[-4000:]
     sharded = manifests.manifest(layout.folder(two.run_dir, 0, "train"))
     assert sharded is not None and sharded["fsdp"] is True and sharded["world_size"] == 1
-    plain = train.run(one, 0, quiet=True)
+    plain = run_stage("train", one, 0, quiet=True)
     assert plain["fsdp"] is False
     assert_same_training(two, one, n_steps, tiny_model, world=1)

@@ -11,8 +11,9 @@ import pytest
 
 from rlhf_batch.commands.pipeline import run_pipeline
 from rlhf_batch.errors import StageError
-from rlhf_batch.stages import train
 from rlhf_batch.stages.executor import output_of
+from rlhf_batch.stages.registry import run_stage
+from rlhf_batch.stages.train.stage import Train
 from rlhf_batch.store import layout
 from rlhf_batch.store.layout import SCHEDULE as RECORD
 from tests.stages.test_train import make_table, metrics, train_toml, write_advantages
@@ -29,15 +30,15 @@ def test_stage_commands_with_default_iterations_cannot_train_past_the_schedule(
     _, cfg = make_config(train_toml(**KEYS))
     for it in (0, 1):
         write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8, seed=it), iteration=it)
-    train.run(cfg, 0, quiet=True)
+    run_stage("train", cfg, 0, quiet=True)
     record = Path(cfg.run_dir) / RECORD
     assert json.loads(record.read_text())["total_steps"] == 4
     with pytest.raises(StageError, match=rf"schedule ended at step 4 \({record}\).*train.total_steps"):
-        train.run(cfg, 1, quiet=True)
+        run_stage("train", cfg, 1, quiet=True)
     assert not layout.folder(cfg.run_dir, 1, "train").exists()
     # extended on purpose: 8 steps; iteration 1 at the run's steps 4..7: lr 1e-2 x (1 - s / 8)
     _, longer = make_config(train_toml(**KEYS, total_steps=8), name="longer.toml")
-    train.run(longer, 1, quiet=True)
+    run_stage("train", longer, 1, quiet=True)
     assert metrics(cfg.run_dir, 1).column("lr").to_pylist() == pytest.approx([5e-3, 3.75e-3, 2.5e-3, 1.25e-3])
     assert json.loads(record.read_text())["changed"] == [{"from_iteration": 1, "total_steps": 8}]
 
@@ -49,17 +50,11 @@ def test_the_length_is_part_of_train_identity_under_a_decaying_schedule(
     # the input prepare reads
     write_advantages(one.run_dir, make_table(tiny_model, [3] * 8, [4] * 8), iteration=0)
     _, three = make_config(train_toml(**KEYS), name="three.toml", iterations=3)
-    assert (
-        output_of(train.Train(one, 0)).identity["config"]
-        != output_of(train.Train(three, 0)).identity["config"]
-    )
+    assert output_of(Train(one, 0)).identity["config"] != output_of(Train(three, 0)).identity["config"]
     _, flat1 = make_config(train_toml(**{**KEYS, "lr_schedule": "constant"}), name="f1.toml", iterations=1)
     _, flat3 = make_config(train_toml(**{**KEYS, "lr_schedule": "constant"}), name="f3.toml", iterations=3)
     # the length changes nothing
-    assert (
-        output_of(train.Train(flat1, 0)).identity["config"]
-        == output_of(train.Train(flat3, 0)).identity["config"]
-    )
+    assert output_of(Train(flat1, 0)).identity["config"] == output_of(Train(flat3, 0)).identity["config"]
 
 
 @pytest.mark.slow
@@ -87,14 +82,14 @@ def test_a_train_folder_written_before_the_record_stays_complete(make_config, ti
     complete train folders."""
     _, cfg = make_config(train_toml(**KEYS))
     write_advantages(cfg.run_dir, make_table(tiny_model, [3] * 8, [4] * 8), iteration=0)
-    m = train.run(cfg, 0, quiet=True)
+    m = run_stage("train", cfg, 0, quiet=True)
     assert m["config"]["train"]["total_steps"] == "1 iterations"
     # as an older version wrote it: total_steps 0 in the identity, no record
     from rlhf_batch.stages.executor import is_done
 
     (Path(cfg.run_dir) / RECORD).unlink()
     sdir = layout.folder(cfg.run_dir, 0, "train")
-    legacy = train.Train(cfg, 0)
+    legacy = Train(cfg, 0)
     man = json.loads((sdir / layout.MANIFEST).read_text())
     man["config"]["train"]["total_steps"] = 0
     (sdir / layout.MANIFEST).write_text(json.dumps(man))
@@ -102,4 +97,4 @@ def test_a_train_folder_written_before_the_record_stays_complete(make_config, ti
     assert out.identity["config"]["train"]["total_steps"] == 0
     man["key"] = out.key  # the key that older version computed for it
     (sdir / layout.MANIFEST).write_text(json.dumps(man))
-    assert is_done(train.Train(cfg, 0))
+    assert is_done(Train(cfg, 0))

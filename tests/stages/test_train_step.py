@@ -6,7 +6,7 @@ import math
 import torch
 
 from rlhf_batch.core.losses import grpo_loss
-from rlhf_batch.stages.train_step import StepMetrics
+from rlhf_batch.stages.train.step import StepMetrics
 
 
 def ess(*batches: tuple[torch.Tensor, torch.Tensor]) -> float:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlhf_batch.errors import ConfigError
+from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import fs
 
 
@@ -57,11 +58,10 @@ def test_create_is_exclusive_on_local_disk_and_on_the_store(tmp_path: Path, s3_r
 
 
 def test_read_commands_take_a_run_on_the_store(s3_run: str, make_config) -> None:
-    from rlhf_batch.stages import generate, score
 
     path, cfg = make_config(run_dir=s3_run)
-    generate.run(cfg, 0, quiet=True)
-    score.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
 
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "rlhf_batch", *args], capture_output=True, text=True)
@@ -80,12 +80,11 @@ def test_read_commands_take_a_run_on_the_store(s3_run: str, make_config) -> None
 def test_trackers_of_a_run_on_the_store_write_beside_the_model_cache(
     s3_run: str, make_config, tmp_path: Path, monkeypatch
 ) -> None:
-    from rlhf_batch.stages import generate
 
     monkeypatch.setenv("RLHF_BATCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     _, cfg = make_config(run_dir=s3_run, report_to=["tensorboard"])
-    generate.run(cfg, 0, quiet=True)
+    run_stage("generate", cfg, 0, quiet=True)
     events = list((fs.local_side(s3_run, "tracking") / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0].is_relative_to(tmp_path / "cache" / "runs")
     assert not any(p.name.endswith(":") for p in tmp_path.iterdir())  # no local folder named s3:

@@ -7,7 +7,7 @@ K+1 loads it before its first step, so Adam's moments, its bias correction and t
 rate schedule (warmup once, then the decay over the run's steps) run on as if one process had
 trained every iteration. Iteration 0, or an iteration after one with no state, starts fresh.
 
-Schedule length: fixed once per run in RUN_DIR/schedule.json (train_schedule.py).
+Schedule length: fixed once per run in RUN_DIR/schedule.json (schedule.py).
 
 Changing `train.lr`, `weight_decay`, `warmup_steps` or `lr_schedule` in the middle of a run is refused (naming the old and new values) unless `--force`: then the
 iteration continues from the carried moments and global step with the new settings (the
@@ -56,7 +56,7 @@ def changes(cfg: Config, iteration: int, prev: dict[str, Any] | None, force: boo
     if prev is None:
         return {}
     tc = cfg.train
-    now = {k: getattr(tc, k) for k in SCHEDULE}  # the length: train_schedule.py
+    now = {k: getattr(tc, k) for k in SCHEDULE}  # the length: schedule.py
     diff = {k: [prev.get(k), v] for k, v in now.items() if prev.get(k) != v}
     if diff and not force:
         said = ", ".join(f"train.{k} {old!r} -> {new!r}" for k, (old, new) in diff.items())

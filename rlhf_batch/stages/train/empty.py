@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.runtime import dist
-from rlhf_batch.stages.train_carry import record
+from rlhf_batch.stages.train.carry import record
 from rlhf_batch.store import atomic, layout, manifests
 from rlhf_batch.store.fs import local_dir, run_path
 
@@ -61,7 +61,7 @@ def _has_adapter(start: str) -> bool:
 
 
 def _copy_policy(cfg: Any, src: Path, dst: Path) -> None:
-    """The policy copied unchanged, with a record of its source (score_checks.origin: a policy
+    """The policy copied unchanged, with a record of its source (score/checks.origin: a policy
     carried forward from the reference is the reference, and gets KL exactly 0), its weights'
     content hash (modeldir.py) and, for the LoRA base with no adapter yet, a mark so the next
     train starts a fresh adapter."""

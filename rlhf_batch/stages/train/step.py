@@ -13,6 +13,9 @@ token-weighted means, i.e. the masked means over all the step's real tokens (the
 computes it); ess is computed once over all the step's sequences (from their log importance
 weights, on every rank). A micro-batch reads nothing back from the device: the metrics are summed
 there and read once a step.
+
+The loss is `core.losses.grpo_loss` (its per-token objectives: core/objectives.py), called with
+the config's settings as `_loss_kwargs` (the end of this module) gives them.
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_batch.config import TrainConfig
+from rlhf_batch.config import Config, TrainConfig
 from rlhf_batch.core.losses import grpo_loss
 from rlhf_batch.errors import StageError
 from rlhf_batch.models.forward import padded_logprobs
-from rlhf_batch.stages.train_data import Step, TrainRows, lr_factor, micro_batch
+from rlhf_batch.stages.train.data import Step, TrainRows, lr_factor, micro_batch
 
 LOSSES = ("loss", "loss_objective", "loss_kl_to_ref", "loss_kl_to_inference", "loss_entropy")
 TOKEN_MEANS = ("clip_fraction", "kl_approx", "kl_to_ref", "entropy", "ratio_mean", "tis_masked")
@@ -124,7 +127,7 @@ class StepMetrics:
 
 @dataclass
 class Trainer:
-    """Built by `train.build_trainer`, fully wired: `net` is already wrapped in DDP (world > 1) or
+    """Built by `parallel.build_trainer`, fully wired: `net` is already wrapped in DDP (world > 1) or
     sharded with FSDP2 (`sharded`), and `optimizer` holds the parameters `net` trains."""
 
     model: torch.nn.Module  # the Hugging Face model (float32 master weights)
@@ -141,7 +144,7 @@ class Trainer:
     tokenizer: Any  # the policy's tokenizer, saved with it
     sharded: bool = False
     step_offset: int = 0  # optimizer steps the run took before this stage (carried AdamW state)
-    stats: Any = None  # train_stats.RolloutStats: the per-rollout diagnostics, when collected
+    stats: Any = None  # stats.RolloutStats: the per-rollout diagnostics, when collected
 
     def _accumulate(self, last: bool) -> Any:
         """DDP: no gradient sync before the step's last micro-batch. FSDP reduce-scatters after
@@ -202,7 +205,7 @@ class Trainer:
                 metrics.add(out, mask, logp, td["old_logprobs"], weight, entropy)
                 if self.stats is not None and weight:
                     self.stats.add(rows, step.epoch, step.index, out.row_stats)
-        if not work:  # no row of the step can move the loss (train_data): AdamW steps on zeros
+        if not work:  # no row of the step can move the loss (data.py): AdamW steps on zeros
             # (every trainable parameter: one that its rows would have left without a gradient,
             # a mixture-of-experts expert no token reached, takes this step too)
             for p in self.model.parameters():
@@ -237,7 +240,7 @@ class Trainer:
 @torch.no_grad()
 def recompute_old(trainer: Trainer, steps: list[Step]) -> None:
     """Replace the behaviour log-probs by the current policy's (before the first update).
-    Rows the plan does not run (train_data: `active`) are not computed; theirs are left at 0.
+    Rows the plan does not run (data.py: `active`) are not computed; theirs are left at 0.
 
     Each rank computes the epoch-0 micro-batches it owns (together they cover every row once)
     into a flat [sum T] buffer; a sum over ranks gives every rank all of them.
@@ -256,3 +259,32 @@ def recompute_old(trainer: Trainer, steps: list[Step]) -> None:
             )
     data.behavior = data.old  # what truncated importance sampling weighs against
     data.old = _all_reduce(flat).cpu().numpy()
+
+
+def norm_const(cfg: Config) -> float:
+    return cfg.train.norm_const or float(cfg.generate.max_new_tokens)
+
+
+def _loss_kwargs(cfg: Config) -> dict[str, Any]:
+    tc = cfg.train
+    return {
+        "eps_low": tc.eps_low,
+        "eps_high": tc.eps_high or tc.eps_low,
+        "dual_clip": tc.dual_clip or None,
+        "aggregation": tc.aggregation,
+        "kl_coef": tc.kl_loss_coef,
+        "entropy_coef": tc.entropy_coef,
+        "norm_const": norm_const(cfg),
+        "kl_to_inference_coef": tc.kl_to_inference_coef,
+        "tis_cap": tc.tis_cap,
+        "ratio_level": tc.ratio_level,
+        "loss_type": tc.loss,
+        "cispo_max": tc.cispo_max,
+        "tis_mode": tc.tis_mode,
+        "tis_low": tc.tis_low,
+        **(
+            {"eps_low": tc.seq_eps_low, "eps_high": tc.seq_eps_high or tc.seq_eps_low}
+            if tc.ratio_level == "sequence"
+            else {}
+        ),
+    }

@@ -21,7 +21,7 @@ from rlhf_batch.store.schemas import ROLLOUTS
 
 def origin(path: str) -> str:
     """The model a policy directory holds the weights of: following the records of policies
-    carried forward unchanged (train_empty) back to the first, while each source still has the
+    carried forward unchanged (train/empty.py) back to the first, while each source still has the
     fingerprint recorded when it was copied."""
     from rlhf_batch.store.modeldir import carried_from, model_fingerprint, without_path
 
