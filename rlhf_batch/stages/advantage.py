@@ -328,7 +328,7 @@ def _prepare(
         },
     )
     batch_std = None
-    if a.estimator == "grpo" and a.scale == "batch":
+    if a.estimator in ("grpo", "opd") and a.scale == "batch":  # opd: its grpo part
         batch_std = float(
             con.execute(sql_text("advantage_batch_std"), {"ddof": a.ddof}).fetchall()[0][0] or 0.0
         )

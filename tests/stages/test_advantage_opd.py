@@ -69,6 +69,29 @@ def test_opd_baseline_mean_subtracts_the_iterations_mean_token_difference(make_c
     assert abs(np.concatenate([row["token_advantages"] for row in adv.values()]).mean()) < 1e-5
 
 
+def test_opd_scale_batch_divides_by_the_batch_std(make_config, teacher) -> None:
+    """opd's group part with advantage.scale = "batch": (r - group mean) / (std of every reward of
+    the iteration, ddof 1 + eps), as grpo's; it divided by eps alone before (no batch std was
+    computed for opd)."""
+    _, cfg = make_config(
+        score={"teacher_model": str(teacher)}, advantage={"estimator": "opd", "scale": "batch"}
+    )
+    write_rollouts(cfg)
+    run_stage("score", cfg, 0, quiet=True)
+    run_stage("advantage", cfg, 0, quiet=True)
+    scores, adv = _table(cfg, "scores"), _table(cfg, "advantages")
+    rewards = np.array([r["reward"] for r in scores.values()], np.float64)
+    batch_std = rewards.std(ddof=1)  # over all 12 rewards, around the batch mean
+    assert batch_std > 0.01
+    groups: dict[str, list[float]] = {}
+    for r in scores.values():
+        groups.setdefault(r["prompt_id"], []).append(r["reward"])
+    for rid, row in adv.items():
+        g = np.array(groups[row["prompt_id"]], np.float64)
+        want = 0.0 if g.min() == g.max() else (scores[rid]["reward"] - g.mean()) / (batch_std + 1e-6)
+        assert row["advantage"] == pytest.approx(want, abs=1e-5)
+
+
 def test_opd_task_weight_adds_the_grpo_advantage(make_config, teacher) -> None:
     _, cfg = make_config(
         score={"teacher_model": str(teacher)},
