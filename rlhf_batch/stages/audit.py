@@ -17,6 +17,7 @@ without `--force`, as every stage's; its inputs are the rollouts manifests it re
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -24,7 +25,7 @@ import pyarrow as pa
 from rlhf_batch.config import Config, reward_search_path
 from rlhf_batch.data.topup import rounds_taken
 from rlhf_batch.errors import ConfigError, StageError
-from rlhf_batch.rewards import load_reward_functions
+from rlhf_batch.rewards import RewardFunction, load_reward_functions
 from rlhf_batch.rewards.cache import RewardCalls, table_batch
 from rlhf_batch.rewards.conventions import check_arguments
 from rlhf_batch.stages.base import Part, Stage, list_tokens
@@ -44,11 +45,19 @@ class Audit(Stage):
     name, folder, unit = "audit", layout.AUDIT, "row"
     in_pipeline = False  # a command of its own: `run` never runs it
 
+    def __init__(self, cfg: Config, iteration: int):
+        super().__init__(cfg, iteration)
+        self.fns: list[RewardFunction]  # prepare(): the audit functions
+        self.rounds: list[Path]  # prepare(): the rollouts folders audited (round 0, then top-ups)
+        self.rows: int  # prepare(): their rows
+        self.rollouts: pa.Table  # open(): the rollouts, with their round in `topup`
+        self.calls: RewardCalls  # open(): how the functions are called (and cached)
+
     @classmethod
     def runs_at(cls, cfg: Config, iteration: int) -> bool:
         return False
 
-    def inputs(self) -> dict[str, Any]:
+    def prepare(self) -> None:
         cfg, it = self.cfg, self.iteration
         key = "score.audit_functions"
         self.fns = load_reward_functions(
@@ -67,7 +76,7 @@ class Audit(Stage):
         ]
         found = [manifest(d) or {} for d in self.rounds]
         self.rows = sum(int(m["rows"]) for m in found)
-        return {"rollouts": [{k: m[k] for k in ("key", "rows")} for m in found]}
+        self.fingerprints = {"rollouts": [{k: m[k] for k in ("key", "rows")} for m in found]}
 
     def plan(self) -> int:
         return math.ceil(self.rows / self.cfg.score.rows_per_part)
