@@ -71,9 +71,23 @@ class S3Server:
         while time.monotonic() < deadline and self.proc.poll() is None:
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
+                    return self._warm()
             time.sleep(0.1)
         raise RuntimeError(f"moto server did not start on {self.endpoint}")
+
+    def _warm(self) -> None:
+        """moto loads its S3 code on the first S3 request (seconds on a busy machine, more than the
+        1 s read timeout of tests/store/test_s3_timeouts.py): made here, it is no test's request."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem(
+            key=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            secret=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            endpoint_url=self.endpoint,
+            skip_instance_cache=True,
+        )
+        with contextlib.suppress(Exception):  # a server refusing the credentials has loaded it too
+            fs.ls("")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
