@@ -14,6 +14,9 @@ IMAGE ?= rlhf-batch:$(VARIANT)
 RUN_DIR ?= runs/demo
 WHEELS ?= wheels
 GPU_PYTHON_VERSION ?= 3.11
+# test files run in this many processes at once (pytest-xdist, one file per process at a time)
+PYTEST_WORKERS ?= 1
+XDIST = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
 
 .PHONY: setup airflow trackio vllm trl s3 deploy image test test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check gpu-bench clean
 
@@ -92,11 +95,11 @@ image:
 # reason is not on the allow-list (ALLOWED_SKIPS in tests/conftest.py) is (RLHF_BATCH_STRICT_SKIPS);
 # then a short random-kill soak (6 kills; `make soak` runs 24)
 test: setup airflow trackio vllm s3 deploy
-	RLHF_BATCH_STRICT_SKIPS=1 $(PY) -m pytest -q -ra --durations=60 $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	RLHF_BATCH_STRICT_SKIPS=1 $(PY) -m pytest -q -ra --durations=60 $(XDIST) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	RLHF_BATCH_SOAK_KILLS=6 $(PY) -m pytest -q -m soak tests/reliability/test_soak.py
 
 test-fast: setup s3 deploy
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 demo: setup
 	$(VENV)/bin/rlhf-batch run pipelines/demo.toml --set run_dir=$(RUN_DIR)

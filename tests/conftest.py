@@ -44,6 +44,16 @@ def _torch_threads_restored():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_model_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Model copies from an object store (and trackers' files of a run on one) go to this
+    session's temporary directory, not the user's ~/.cache/rlhf-batch: under pytest-xdist each
+    worker has its own (stages started as subprocesses inherit the variable)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLHF_BATCH_CACHE", str(tmp_path_factory.mktemp("rlhf-batch-cache")))
+        yield
+
+
 _refused_skips: list[str] = []
 
 

@@ -29,15 +29,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def hold_port(port: int = 0) -> socket.socket:
+    """A port of 127.0.0.1 (the OS picks one for 0) held by a bound socket that does not listen:
+    a connection to it is refused, and no other free_port() or outgoing connection of this
+    machine (another pytest-xdist worker's) gets it, while the holder's own server, which binds
+    it with SO_REUSEADDR (Python's socket servers and moto's do), still can."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", port))
+    return s
+
+
 class S3Server:
     """One moto server process; `start` and `stop` may be called again (same port, its data is
-    lost on stop: moto keeps objects in memory)."""
+    lost on stop: moto keeps objects in memory). Its port is held from the start (hold_port), so
+    a server of another worker cannot take it while this one starts."""
 
     def __init__(self, env: dict[str, str] | None = None) -> None:
         self.extra_env = env or {}  # the server's own settings (e.g. INITIAL_NO_AUTH_ACTION_COUNT)
         if not SERVER.exists():
             raise RuntimeError(f"{SERVER}: no moto server; run `make s3` (make test does)")
-        self.port = free_port()
+        self.held: socket.socket | None = hold_port()  # from now until stop()
+        self.port = int(self.held.getsockname()[1])
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
@@ -45,6 +58,8 @@ class S3Server:
         return {**CREDENTIALS, "AWS_ENDPOINT_URL": self.endpoint}
 
     def start(self) -> None:
+        if self.held is None:  # started again
+            self.held = hold_port(self.port)
         self.proc = subprocess.Popen(
             [str(SERVER), "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
@@ -53,18 +68,35 @@ class S3Server:
             env={**os.environ, **self.extra_env},
         )
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
+                    return self._warm()
             time.sleep(0.1)
         raise RuntimeError(f"moto server did not start on {self.endpoint}")
+
+    def _warm(self) -> None:
+        """moto loads its S3 code on the first S3 request (seconds on a busy machine, more than the
+        1 s read timeout of tests/store/test_s3_timeouts.py): made here, it is no test's request."""
+        import s3fs
+
+        fs = s3fs.S3FileSystem(
+            key=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+            secret=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+            endpoint_url=self.endpoint,
+            skip_instance_cache=True,
+        )
+        with contextlib.suppress(Exception):  # a server refusing the credentials has loaded it too
+            fs.ls("")
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=10)
         self.proc = None
+        if self.held is not None:
+            self.held.close()
+            self.held = None
 
 
 def new_bucket(server: S3Server) -> str:
@@ -89,7 +121,8 @@ class Proxy:
 
     def __init__(self, target_port: int):
         self.target = target_port
-        self.port = free_port()
+        self.held = hold_port()  # kept while down(): the port stays this proxy's
+        self.port = int(self.held.getsockname()[1])
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.listener: socket.socket | None = None
         self.conns: list[socket.socket] = []
@@ -101,6 +134,8 @@ class Proxy:
 
     def down(self) -> None:
         if self.listener is not None:
+            with contextlib.suppress(OSError):  # wakes the accept() in its thread: closing alone
+                self.listener.shutdown(socket.SHUT_RDWR)  # would leave the port listening till then
             self.listener.close()
             self.listener = None
         with self.lock:

@@ -21,14 +21,14 @@ def test_machine_without_a_gpu():
 """
 
 
-def pytest_in(tmp_path: Path, extra: str, strict: bool) -> subprocess.CompletedProcess[str]:
+def pytest_in(tmp_path: Path, extra: str, strict: bool, *args: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_sample.py").write_text(TESTS + extra)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RLHF_BATCH_STRICT_SKIPS", None)
     if strict:
         env["RLHF_BATCH_STRICT_SKIPS"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider"]
-    return subprocess.run([*cmd, str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    return subprocess.run([*cmd, *args, str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path)
 
 
 def test_an_allowed_skip_passes_and_any_other_fails_the_strict_session(tmp_path: Path) -> None:
@@ -45,3 +45,18 @@ def test_needs_a_venv():
     module = 'pytest.skip("whole module", allow_module_level=True)\n'
     res = pytest_in(tmp_path, module, strict=True)
     assert res.returncode == 1 and "whole module" in res.stdout, res.stdout
+
+
+def test_the_strict_session_sees_the_skips_of_xdist_workers(tmp_path: Path) -> None:
+    """Under `-n 2` (pytest-xdist) tests and collection run in worker processes; their skips reach
+    the controller's hooks, so the allow-list still fails the session."""
+    xdist = ("-n", "2", "--dist", "loadfile")
+    assert pytest_in(tmp_path, "", True, *xdist).returncode == 0
+    (tmp_path / "test_module.py").write_text(
+        'import pytest\npytest.skip("whole module", allow_module_level=True)\n'
+    )
+    wrong = 'def test_needs_a_venv():\n    pytest.skip("trackio is not installed")\n'
+    res = pytest_in(tmp_path, wrong, True, *xdist)
+    assert res.returncode == 1, res.stdout
+    assert "2 skip(s) not on the allow-list" in res.stdout, res.stdout
+    assert "test_needs_a_venv: trackio is not installed" in res.stdout and "whole module" in res.stdout

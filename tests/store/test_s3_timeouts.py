@@ -22,6 +22,10 @@ FAST = {  # seconds: a hung store is noticed quickly here (the defaults are 10, 
     "RLHF_BATCH_STORE_READ_TIMEOUT_S": "1",
     "RLHF_BATCH_STORE_DEADLINE_S": "3",
 }
+# for a server that answers: a 1 s read timeout would take a busy machine's slow answer (the
+# server beside other test processes) for a hang; an answer retried as transient still ends in
+# "does not answer" after the 20 s deadline, which each message checked below is not
+PATIENT = {**FAST, "RLHF_BATCH_STORE_READ_TIMEOUT_S": "10", "RLHF_BATCH_STORE_DEADLINE_S": "20"}
 
 
 def generate(path: Path, env: dict) -> tuple[subprocess.CompletedProcess, float]:
@@ -79,7 +83,7 @@ def test_a_store_that_never_answers_ends_the_command_in_one_line(config, s3_serv
 
 @pytest.mark.slow
 def test_missing_bucket_and_credentials_each_have_their_own_line(config, s3_server, tmp_path: Path) -> None:
-    env = {**os.environ, **s3_server.env(), **FAST}
+    env = {**os.environ, **s3_server.env(), **PATIENT}
     one_line(generate(config("s3://no-such-bucket/run"), env)[0], "bucket 'no-such-bucket' does not exist")
     bare = {k: v for k, v in env.items() if not k.startswith("AWS_") or k == "AWS_ENDPOINT_URL"}
     bare |= {
@@ -93,7 +97,7 @@ def test_missing_bucket_and_credentials_each_have_their_own_line(config, s3_serv
     strict = S3Server(env={"INITIAL_NO_AUTH_ACTION_COUNT": "0"})  # checks every key it is given
     strict.start()
     try:
-        done, took = generate(config("s3://any/run"), {**os.environ, **strict.env(), **FAST})
+        done, took = generate(config("s3://any/run"), {**os.environ, **strict.env(), **PATIENT})
     finally:
         strict.stop()
     one_line(done, "refused the credentials (InvalidAccessKeyId)")
