@@ -62,7 +62,9 @@ def test_trajectories_interleave_sampled_and_environment_tokens(make_config, hid
         tool = ids[starts[1] : starts[2]]
         assert set(mask[starts[1] : starts[2]]) == {0} and set(mask[: starts[1]] + mask[starts[2] :]) == {1}
         assert all(lp == 0.0 for lp in r["behavior_logprobs"][starts[1] : starts[2]])
-        assert f"<|im_start|>tool\n{r['letter']}<|im_end|>\n<|im_start|>assistant\n" in tok.decode(tool)
+        # a tool message as Qwen2.5's template renders it: a user turn holding a <tool_response>
+        want = f"<|im_start|>user\n<tool_response>\n{r['letter']}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        assert want in tok.decode(tool)
         assert r["prompt"] == f"?*{r['count']}="  # the letter is not in the prompt
         assert r["env_asked"] in (0.0, 1.0) and 0.0 <= r["env_answer"] <= 1.0
     # the seed contract: turn 1 is what single-turn generate samples for the same rollout id
