@@ -430,10 +430,6 @@ class Store:
     def makedirs(self, path: Path) -> None:
         """A folder and its parents (a prefix on an object store exists through its objects)."""
 
-    def clear_stale(self, parent: Path, pattern: str) -> None:
-        """Remove what killed writers left under temporary names `pattern` in `parent` (nothing
-        where nothing is written beside the final name: an object store's scratch is local)."""
-
     def sync(self, folder: Path) -> None:
         """Make the renames and writes in `folder` durable (fsync)."""
 
@@ -528,10 +524,6 @@ class LocalStore(Store):
 
     def makedirs(self, path: Path) -> None:
         path.mkdir(parents=True, exist_ok=True)
-
-    def clear_stale(self, parent: Path, pattern: str) -> None:
-        for stale in parent.glob(pattern):  # of a killed writer (one writer: the run lock)
-            self.remove(stale)
 
     def sync(self, folder: Path) -> None:
         fsync_path(folder)
