@@ -94,6 +94,7 @@ def _stage_runner(
             _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python)
         if stage.name == "train":
             warn_health(cfg, stage.iteration)
+            warn_reward_health(cfg, stage.iteration)
 
     return run_stage
 
@@ -335,6 +336,26 @@ def warn_health(cfg: Config, it: int) -> None:
 
     if warning := iteration_warning(cfg.run_dir, it):
         print(warning_line(it, warning), file=sys.stderr, flush=True)
+
+
+def warn_reward_health(cfg: Config, it: int) -> None:
+    """One warning line on stderr when iteration `it` is flagged by the reward_health view (its
+    scores, top-up rounds and eval are complete once it trains). Skipped where no flag can be
+    raised yet: before iteration `window` (no earlier iteration to compare with) with fewer than
+    two reward parts (no dominant one)."""
+    from rlhf_batch.observe.health import REWARD_THRESHOLDS, reward_warning_line, reward_warnings
+    from rlhf_batch.observe.query import connect
+
+    parts = len(cfg.score.reward_functions) + bool(cfg.reward_model)
+    if it < REWARD_THRESHOLDS["window"] and parts < 2:
+        return
+    con = connect(cfg.run_dir)
+    try:
+        warning = reward_warnings(con).get(it)
+    finally:
+        con.close()
+    if warning:
+        print(reward_warning_line(it, warning), file=sys.stderr, flush=True)
 
 
 def reward_by_iteration(cfg: Config) -> list[dict[str, Any]]:

@@ -95,6 +95,13 @@ def warning_line(it: int, warning: str) -> str:
     return f"warning: iteration {it} train health: {warning} ({HINT})"
 
 
+REWARD_HINT = 'rlhf-batch sql "SELECT * FROM reward_health"'
+
+
+def reward_warning_line(it: int, warning: str) -> str:
+    return f"warning: iteration {it} reward health: {warning} ({REWARD_HINT})"
+
+
 # Reward-hacking signatures (rlhf_batch/core/reward_health.py; docs/inspecting.md "Run health").
 # Changes are in units of the pooled standard deviation of the two iterations' rollouts (z):
 REWARD_THRESHOLDS = {
@@ -190,3 +197,11 @@ def register_reward_view(con: Any) -> None:
         }
     )
     con.register(REWARD_VIEW, table)
+
+
+def reward_warnings(con: Any) -> dict[int, str]:
+    """The reward_health warning of every flagged iteration, computed now (`register_reward_view`)
+    over a connection from `query.connect`: what `status` and `run` show."""
+    register_reward_view(con)
+    found = con.execute(f"SELECT iter, warning FROM {REWARD_VIEW} WHERE warning <> ''").fetchall()
+    return {int(it): str(w) for it, w in found}

@@ -1,6 +1,7 @@
 """`rlhf-batch status`: per iteration and stage, complete / stale / partial / missing, rows, timing, the
 staleness of the policy that sampled the rollouts and headline numbers, read from the manifests
-and the stage folders."""
+and the stage folders; train's health (`health ok` or `HEALTH: ...`) on its train row and the
+reward_health warning (`REWARD HEALTH: ...`) on the scores row of a flagged iteration."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.core.eval_metrics import with_overall
+from rlhf_batch.observe.health import reward_warnings
 from rlhf_batch.observe.query import connect, existing_run, one_line
 from rlhf_batch.sql import sql_text
 from rlhf_batch.store import layout
@@ -29,8 +31,9 @@ def print_status(run_dir: str | Path) -> None:
         return
     con = connect(root)
     try:
+        flagged = _reward_warnings(con)
         rows = [
-            (str(it), label, *_stage_status(con, root, it, stage, r))
+            (str(it), label, *_stage_status(con, root, it, stage, r, flagged))
             for it in iters
             for label, stage, r in _status_stages(root, it)
         ]
@@ -69,9 +72,11 @@ def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
     return out
 
 
-def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> tuple[str, ...]:
+def _stage_status(
+    con: Any, root: Path, it: int, stage: str, topup: int = 0, flagged: dict[int, str] | None = None
+) -> tuple[str, ...]:
     """(state, rows, startup, work, tok/s, stale, details) of one stage of one iteration (of its
-    top-up round `topup`)."""
+    top-up round `topup`); `flagged`: the reward_health warnings, shown on their scores row."""
     import duckdb
 
     from rlhf_batch.store import manifests
@@ -112,6 +117,8 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
             )
     if stage == "eval" and m:
         details += eval_details(m)
+    if stage == "scores" and not topup and m and (warning := (flagged or {}).get(it)):
+        details.append(f"REWARD HEALTH: {warning}")
     if stage == "train" and m:
         details += _health(con, it)
     if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
@@ -125,6 +132,17 @@ def _stage_status(con: Any, root: Path, it: int, stage: str, topup: int = 0) -> 
     )
     stale = str((m or {}).get("staleness", "-")) if stage == "rollouts" else "-"
     return state, str(rows) if files or m else "-", *timing_cells(m), stale, ", ".join(details)
+
+
+def _reward_warnings(con: Any) -> dict[int, str]:
+    """The reward_health view's warnings, per iteration; none when a file it reads is damaged
+    (its stage's own line says so)."""
+    import duckdb
+
+    try:
+        return reward_warnings(con)
+    except duckdb.Error:
+        return {}
 
 
 def _stale_downstream(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:

@@ -26,6 +26,16 @@ the stale `tis_cap` default, as `max_staleness` > 0 does). Its staleness, the po
 between its sampling policy and train K's start policy, is (K - j) + the source iteration's own
 staleness; the manifest's `replay` records, per source iteration j, that staleness, the rows
 and their rollout ids, plus the candidates and the cap; `counts.rows_replayed` counts them.
+
+A multi-turn row keeps its `loss_mask` (the replay parts have the column when a source's rows
+have it; a single-turn source's rows hold null there: all ones). With `advantage.estimator =
+"opd"` a row keeps its stored `token_advantages`: teacher - behaviour log-probs of the policy
+that sampled it (- that iteration's baseline + opd_task_weight x its group advantage). The
+teacher is fixed, so its log-probs still hold; the per-token signal is the one a stale rollout
+carries (behaviour, not the current policy: advantage has no model to recompute it), and the
+decoupled objective corrects for the sampling policy as above. A source iteration written
+with another estimator has no per-token advantages to replay: opd refuses it in one line
+(`_check_token_advantages`), before anything is written.
 """
 
 from __future__ import annotations
@@ -131,6 +141,8 @@ def choose(con: Any, cfg: Config, iteration: int, own_rows: int) -> Replayed:
         files = {f: _files(cfg, j, f) for f in (layout.ROLLOUTS, layout.SCORES, layout.ADVANTAGES)}
         if not files[layout.ADVANTAGES]:
             continue  # an iteration whose every row was filtered out
+        if cfg.advantage.estimator == "opd":
+            _check_token_advantages(cfg, iteration, j)
         try:
             rows = con.execute(CANDIDATES.replace("{where}", r.get("where", "true")), files).fetchall()
         except duckdb.Error as e:
@@ -148,6 +160,24 @@ def choose(con: Any, cfg: Config, iteration: int, own_rows: int) -> Replayed:
     for j, rid in picked:
         out.ids.setdefault(j, []).append(rid)
     return out
+
+
+def _columns(cfg: Config, j: int) -> set[str]:
+    """The columns any part of iteration j's advantages has (from the Parquet footers)."""
+    sdir = layout.folder(cfg.run_dir, j, layout.ADVANTAGES)
+    parts = (manifests.manifest(sdir) or {}).get("parts", [])
+    return {name for p in parts for name in manifests.parquet_file(sdir / p["file"]).schema_arrow.names}
+
+
+def _check_token_advantages(cfg: Config, iteration: int, j: int) -> None:
+    """opd replays only rows that have their per-token advantages (rows of an opd iteration)."""
+    if "token_advantages" not in _columns(cfg, j):
+        sdir = layout.folder(cfg.run_dir, j, layout.ADVANTAGES)
+        raise StageError(
+            f"advantage.replay: {sdir} has no token_advantages (written with another "
+            f"advantage.estimator than opd), so its rows cannot be replayed into opd iteration "
+            f"{iteration}; redo it with {layout.redo_command(sdir)} or lower advantage.replay.iterations"
+        )
 
 
 def parts(chosen: Replayed | None, rows_per_part: int) -> int:
@@ -177,12 +207,14 @@ def write_parts(
 ) -> None:
     """Write the replay parts among `todo` (part `first` + i holds rows [i R, (i + 1) R))."""
     from rlhf_batch.stages.base import Part, list_tokens
-    from rlhf_batch.store.schemas import ADVANTAGES, TOKEN_ADVANTAGES, with_extra
+    from rlhf_batch.store.schemas import ADVANTAGES, LOSS_MASK, TOKEN_ADVANTAGES, with_extra
 
     mine = [n for n in todo if n >= first]
     if not mine:
         return
     schema = with_extra(ADVANTAGES, TOKEN_ADVANTAGES) if cfg.advantage.estimator == "opd" else ADVANTAGES
+    if any(LOSS_MASK.names[0] in _columns(cfg, j) for j in chosen.ids):  # multi-turn rows keep their mask
+        schema = with_extra(schema, LOSS_MASK)  # (null in a single-turn source's rows: all ones)
     table, size = rows_table(con, cfg, iteration, chosen, schema), cfg.advantage.rows_per_part
     for n in mine:
         part = table.slice((n - first) * size, size)

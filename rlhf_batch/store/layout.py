@@ -24,8 +24,8 @@ Temporary names: a file or folder is written under `tmp_name` (hidden, `.NAME.PI
 renamed; `is_tmp` recognises it, and the folders older versions wrote (`.NAME.tmp-PID`), so a
 leftover of a killed writer of either version is found and removed (`leftovers`).
 
-A stage (a command: generate, import, score, advantage, train, eval) writes one folder (rollouts,
-scores, advantages, train, eval); the unit of work and of resume inside a folder is a *part*.
+A stage (a command: generate, import, score, advantage, train, eval, audit) writes one folder
+(rollouts, scores, advantages, train, eval, audit); the unit of work and of resume inside a folder is a *part*.
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ DUCKDB_SPILL = ".duckdb.tmp"  # RUN_DIR/.duckdb.tmp/: advantage's DuckDB spills 
 ITER_GLOB, TOPUP_GLOB = "iter=*", "topup=*"  # every iteration folder, every top-up round folder
 PART_GLOB = "part-*-*.parquet"  # every finished part
 ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL = "rollouts", "scores", "advantages", "train", "eval"
-FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL)
 AUDIT = "audit"  # written only by `rlhf-batch audit`, never by `run`
+FOLDERS = (ROLLOUTS, SCORES, ADVANTAGES, TRAIN, EVAL, AUDIT)  # every stage's output folder
 REWARD_CACHE = "reward_cache"  # RUN_DIR/reward_cache/: score.reward_cache's verdicts (rewards/cache.py)
 TURNS_DIR = "turns"  # rollouts/turns/: multi-turn generate's per-part turn checkpoints (stages/multiturn.py)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet
 import pytest
 from typer.testing import CliRunner
 
@@ -168,10 +169,16 @@ def test_entropy_change_is_null_without_an_earlier_iteration(crossing: Path) -> 
 def test_run_prints_one_warning_line_for_a_flagged_iteration(make_config, lr: float, lines: int) -> None:
     """A real one-iteration run: at lr 0.05 (AdamW steps of ~0.05 per weight on a tiny model) the
     policy moves far past the clip within the iteration (median clip fraction > 0.2); at 1e-7 it
-    does not move (ratio 1: clip 0, ESS 1, KL 0) and nothing is printed."""
+    does not move (ratio 1: clip 0, ESS 1, KL 0) and nothing is printed. The flagged run also has
+    a second reward part, token_reward (sum of the prompt ids + 1000 x response tokens), that
+    dwarfs length_reward (response characters, at most 6 here): it explains nearly all of
+    reward_raw's variance, so reward_health flags dominant_part and `run` prints that line too."""
+    functions = ["tests.stages.test_score:length_reward"]
+    if lines:
+        functions.append("tests.stages.test_score:token_reward")
     extra = f"""
 [score]
-reward_functions = ["tests.stages.test_score:length_reward"]
+reward_functions = {json.dumps(functions)}
 [train]
 lr = {lr}
 ppo_epochs = 2
@@ -184,6 +191,28 @@ sequences_per_step = 8
     assert len(warned) == lines, r.stderr
     flagged = [x for x in view(Path(cfg.run_dir)) if x["flags"]]
     assert len(flagged) == lines
+    rewarded = [line for line in r.stderr.splitlines() if "reward health" in line]
+    assert len(rewarded) == lines, r.stderr
     if lines:
         assert warned[0] == run_health.warning_line(0, flagged[0]["warning"])
         assert "clip_fraction" in flagged[0]["flags"]
+        # the squared correlation of token_reward with reward_raw, from the scores file
+        scores = pa.parquet.read_table(layout.folder(cfg.run_dir, 0, "scores")).to_pydict()
+        x, y = scores["reward_token_reward"], scores["reward_raw"]
+        r2 = _corr(x, y) ** 2
+        assert r2 > 0.9
+        assert rewarded[0] == run_health.reward_warning_line(
+            0, f"reward_token_reward explains {100 * r2:.0f}% of reward_raw's variance (> 90%)"
+        )
+        r = runner.invoke(app, ["status", "--run-dir", cfg.run_dir])
+        line = next(x for x in r.stdout.splitlines() if " scores " in x)
+        assert "REWARD HEALTH: reward_token_reward explains" in line
+
+
+def _corr(x: list[float], y: list[float]) -> float:
+    """Pearson's correlation, written out."""
+    n = len(x)
+    mx, my = sum(x) / n, sum(y) / n
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True))
+    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy)

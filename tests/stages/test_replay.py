@@ -158,3 +158,46 @@ def test_a_killed_replay_advantage_resumes_to_the_same_parts(make_config, tmp_pa
     assert m["replay"] == m_ref["replay"] and [p["rows"] for p in m["parts"]] == [
         p["rows"] for p in m_ref["parts"]
     ]
+
+
+def test_replayed_opd_rows_keep_their_token_advantages_on_s3(make_config, tmp_path, s3_run) -> None:
+    """opd on an S3 run dir (a real S3-protocol server): a replayed row is the stored row of its
+    iteration, its `token_advantages` included (teacher - behaviour log-probs of the policy that
+    sampled it, as a stale rollout's: the decoupled objective corrects for that policy). Two
+    iterations of 3 prompts x 4 written rollouts: opd keeps every group, so 12 own rows and a cap
+    of floor(0.25 x 12 / 0.75) = 4 of iteration 0's 12 rows. A source iteration written by
+    another estimator has no token advantages: refused in one line, nothing written."""
+    from rlhf_batch.models.tiny import init_model
+    from rlhf_batch.stages.registry import run_stage
+    from rlhf_batch.store.schemas import ADVANTAGES, TOKEN_ADVANTAGES, with_extra
+    from tests.stages.test_score import write_rollouts
+
+    teacher = init_model(tmp_path / "teacher", arch="qwen2", seed=5)
+    adv = {"estimator": "opd", "rows_per_part": 8, "replay": {"iterations": 1, "max_share": 0.25}}
+    _, cfg = make_config(run_dir=s3_run, score={"teacher_model": str(teacher)}, advantage=adv)
+    for it in (0, 1):
+        write_rollouts(cfg, it, delta=0.01 * it)
+        run_stage("score", cfg, it, quiet=True)
+        m = run_stage("advantage", cfg, it, quiet=True)
+    schema = with_extra(ADVANTAGES, TOKEN_ADVANTAGES)
+
+    def table(it: int) -> list[dict[str, Any]]:
+        return manifests.read_complete(layout.folder(cfg.run_dir, it, "advantages"), schema).to_pylist()
+
+    stored = {r["rollout_id"]: r for r in table(0)}
+    rows = table(1)
+    replayed = [r for r in rows if r["rollout_id"].startswith("0000-")]
+    assert len(rows) == 16 and len(replayed) == m["counts"]["rows_replayed"] == 4
+    assert m["replay"]["candidates"] == 12 and m["replay"]["max_rows"] == 4
+    assert all(r == stored[r["rollout_id"]] for r in replayed)  # token_advantages as stored
+    assert all(len(r["token_advantages"]) == len(r["input_ids"]) - r["prompt_len"] for r in replayed)
+
+    _, grpo = make_config(run_dir=s3_run, advantage={"rows_per_part": 8}, name="grpo.toml")
+    run_stage("advantage", grpo, 0, force=True, quiet=True)  # iteration 0 re-done by grpo
+    with pytest.raises(StageError) as e:
+        run_stage("advantage", cfg, 1, force=True, quiet=True)
+    assert str(e.value).startswith(
+        "advantage.replay: "
+    ) and "iter=0000/advantages has no token_advantages" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert table(1) == rows  # the old output is kept

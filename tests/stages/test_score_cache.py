@@ -4,6 +4,8 @@ and misses (and has no such counts with the cache off)."""
 
 from __future__ import annotations
 
+import json
+
 from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import SCORES
@@ -30,3 +32,43 @@ def test_cached_rescore_equals_uncached_score(make_config) -> None:
     assert (m["counts"]["reward_cache_hits"], m["counts"]["reward_cache_misses"]) == (36, 0)
     assert m["counts"]["reward_cache_hits_length_reward"] == 12
     assert table(on).equals(fresh)
+
+
+def test_eval_and_a_topup_round_reuse_the_verdicts_of_earlier_stages(make_config, tmp_path) -> None:
+    """One `run` of 1 iteration, eval before and after it, sampling with top_k = 1 (every sample
+    of a prompt is its most likely response: the same tokens in generate, a top-up round and
+    eval, whose parts are alike: 2 prompts x 4 samples). The prompt "d*1=" is there twice (p0 in
+    part 0, p2 in part 1). By hand, 4 prompts x 4 samples = 16 rollouts per stage, 1 reward
+    function, every group constant (so one top-up round, the cap: min_groups 1 is never met),
+    and the policy carried forward unchanged (no trainable row):
+
+    * eval of iteration 0 runs first: part 0 misses 8; part 1 hits p2's 4 samples (p0's
+      contents, stored by part 0) and misses p3's 4: 4 hits, 12 misses;
+    * score of round 0: the same 16 contents, 16 hits;
+    * score of top-up round 1 (sample indices 4..7, the same contents): 16 hits;
+    * eval of iteration 1 (the carried policy, the same weights): 16 hits."""
+    from rlhf_batch.commands.pipeline import run_pipeline
+
+    prompts = tmp_path / "four.jsonl"
+    rows = [("p0", "d*1=", "d", 1), ("p1", "c*2=", "c", 2), ("p2", "d*1=", "d", 1), ("p3", "a*3=", "a", 3)]
+    prompts.write_text(
+        "".join(json.dumps({"id": i, "prompt": p, "letter": x, "count": c}) + "\n" for i, p, x, c in rows)
+    )
+    path, cfg = make_config(
+        score={"reward_cache": True, "kl_in_reward": False},
+        generate={"prompts": str(prompts), "top_k": 1, "prompts_per_part": 2, "num_generations": 4},
+        advantage={"min_groups": 1, "max_topup_rounds": 1},
+        eval={"prompts": str(prompts), "n": 4, "top_k": 1, "prompts_per_part": 2},
+        iterations=1,
+        in_process=True,
+    )
+    run_pipeline(path, [], quiet=True)
+
+    def counts(it: int, folder: str, topup: int = 0) -> tuple[int, int]:
+        c = manifests.manifest(layout.folder(cfg.run_dir, it, folder, topup))["counts"]
+        return c["reward_cache_hits"], c["reward_cache_misses"]
+
+    assert counts(0, "eval") == (4, 12)
+    assert counts(0, "scores") == (16, 0)
+    assert counts(0, "scores", 1) == (16, 0)
+    assert counts(1, "eval") == (16, 0)

@@ -135,13 +135,19 @@ def test_every_file_of_finished_runs_is_named_in_on_disk_md(
 ) -> None:
     from rlhf_batch.commands.pipeline import run_pipeline
     from rlhf_batch.data.demo import ensure_demo_assets
+    from rlhf_batch.stages.registry import run_stage
 
     # the demo's assets in the run dir; LoRA from an initial adapter; eval; a top-up round
-    # (8 informative groups wanted of 4 prompts); keep_policies = 1 removes iteration 0's policy
+    # (8 informative groups wanted of 4 prompts); keep_policies = 1 removes iteration 0's policy;
+    # the reward cache, and an audit of iteration 0 after the run
     extra = f"""
         demo = true
         policy_model = "{{run_dir}}/models/policy"
         keep_policies = 1
+        [score]
+        reward_functions = ["rlhf_batch.rewards.demo:letter_count"]
+        audit_functions = ["tests.stages.test_score:length_reward"]
+        reward_cache = true
         [generate]
         prompts = "{{run_dir}}/data/prompts.jsonl"
         prompts_per_iteration = 4
@@ -162,7 +168,10 @@ def test_every_file_of_finished_runs_is_named_in_on_disk_md(
     ensure_demo_assets(cfg)
     _init_adapter(cfg.policy_model, tmp_path / "adapter")
     run_pipeline(path, [], quiet=True)
+    run_stage("audit", cfg, 0, quiet=True)
     run_dir = Path(cfg.run_dir)
+    assert list(run_dir.glob(f"{layout.REWARD_CACHE}/*/*/part-*.parquet"))
+    assert (layout.folder(run_dir, 0, layout.AUDIT) / layout.MANIFEST).is_file()
     for name in (layout.INIT_ADAPTER, layout.POLICY_REMOVED, "report.html"):  # the run wrote them
         assert list(run_dir.rglob(name)), name
     assert list(run_dir.glob("iter=*/topup=01/rollouts")) and list(run_dir.glob("iter=*/eval"))
