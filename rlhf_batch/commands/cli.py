@@ -249,7 +249,8 @@ def run(
     quiet: QuietOpt = False,
 ) -> None:
     """All stages for iterations 0..N-1, skipping completed ones (safe to re-run, cron, Airflow); one
-    warning line for each iteration whose train crosses a health threshold."""
+    warning line for each iteration whose train crosses a health threshold, and one for each
+    iteration the reward_health view flags (signs of reward hacking)."""
     from rlhf_batch.commands.pipeline import run_pipeline
 
     overrides = list(set_ or [])
@@ -376,7 +377,7 @@ def sql(
 @app.command()
 def status(target: TargetArg = None, run_dir: RunDirOpt = None, config: ConfigOpt = None) -> None:
     """Per iteration and stage: complete / stale / partial / missing, rows, start-up and work seconds, tokens/s,
-    mean reward, KL, lengths, and train's health (ok, or the thresholds crossed)."""
+    mean reward, KL, lengths, train's health (ok, or the thresholds crossed) and the reward_health flags."""
     from rlhf_batch.commands.runs import run_dir_of
     from rlhf_batch.observe.status import print_status
 

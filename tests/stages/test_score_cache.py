@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import SCORES
@@ -34,6 +36,7 @@ def test_cached_rescore_equals_uncached_score(make_config) -> None:
     assert table(on).equals(fresh)
 
 
+@pytest.mark.slow  # a whole `run` (eval twice, two rounds, advantage, train, the report) on 16 rollouts
 def test_eval_and_a_topup_round_reuse_the_verdicts_of_earlier_stages(make_config, tmp_path) -> None:
     """One `run` of 1 iteration, eval before and after it, sampling with top_k = 1 (every sample
     of a prompt is its most likely response: the same tokens in generate, a top-up round and
@@ -72,3 +75,36 @@ def test_eval_and_a_topup_round_reuse_the_verdicts_of_earlier_stages(make_config
     assert counts(0, "scores") == (16, 0)
     assert counts(0, "scores", 1) == (16, 0)
     assert counts(1, "eval") == (16, 0)
+
+
+@pytest.mark.slow  # a child process to kill: its start-up (torch, transformers) is most of it
+def test_a_killed_cached_score_resumes_to_the_uninterrupted_table(make_config, tmp_path) -> None:
+    """score with the cache, killed while writing part 1 (rows 5-9): part 0 is on disk, and so
+    are the verdicts part 1 computed (the cache is written before the part). The resumed run
+    writes parts 1 and 2 and equals a score without the cache; by hand its manifest counts, 3
+    functions a rollout: part 0 missed 5 x 3 = 15, part 1 hits its 5 x 3 = 15 stored verdicts,
+    part 2 misses 2 x 3 = 6: 15 hits, 21 misses."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlhf_batch.runtime import faults
+
+    fns = [f"{HERE}:length_reward", f"{HERE}:token_reward", "rlhf_batch.rewards.demo:letter_count"]
+    score = {"reward_functions": fns, "reward_weights": [0.1, 1e-3, 1.0], "rows_per_part": 5}
+    _, off = make_config(score=score, run_dir=str(tmp_path / "uncached"))
+    path, on = make_config(score={**score, "reward_cache": True}, name="cached.toml")
+    write_rollouts(off)
+    write_rollouts(on)
+    run_stage("score", off, 0, quiet=True)
+    fresh = table(off)
+    env = {**os.environ, faults.FAULT_ENV: "scores:part-1:tmp", "PYTHONPATH": str(Path(__file__).parents[2])}
+    cmd = [sys.executable, "-m", "rlhf_batch", "score", str(path), "--iter", "0", "--quiet"]
+    killed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr
+    sdir = layout.folder(on.run_dir, 0, "scores")
+    assert [p.name for p in layout.list_parts(sdir)] == ["part-00000-00000.parquet"]
+    m = run_stage("score", on, 0, quiet=True)
+    assert (m["counts"]["reward_cache_hits"], m["counts"]["reward_cache_misses"]) == (15, 21)
+    assert table(on).equals(fresh)
