@@ -201,3 +201,48 @@ def test_replayed_opd_rows_keep_their_token_advantages_on_s3(make_config, tmp_pa
     ) and "iter=0000/advantages has no token_advantages" in str(e.value)
     assert "\n" not in str(e.value)
     assert table(1) == rows  # the old output is kept
+
+
+def _with_loss_mask(cfg: Any, it: int) -> None:
+    """iter=`it`/rollouts rewritten with a multi-turn `loss_mask`: the last response token of
+    every odd sample is not the policy's (an environment's)."""
+    import pyarrow as pa
+
+    from rlhf_batch.store import output
+    from rlhf_batch.store.schemas import LOSS_MASK, with_extra
+
+    sdir = layout.folder(cfg.run_dir, it, "rollouts")
+    t = pq.read_table(sdir)
+    masks = [
+        [1] * (len(ids) - 1) + [1 - s % 2]
+        for ids, s in zip(t["response_ids"].to_pylist(), t["sample_idx"].to_pylist(), strict=True)
+    ]
+    t = t.append_column(LOSS_MASK.field("loss_mask"), pa.array(masks, LOSS_MASK.field("loss_mask").type))
+    schema = with_extra(
+        with_extra(pa.schema([f for f in t.schema if f.name != "loss_mask"]), LOSS_MASK), t.schema
+    )
+    stage = output.claim(sdir, "rollouts", {"test": True}, {}, True)
+    stage.write_table(0, t.select(schema.names), schema)
+    stage.finish(1)
+
+
+def test_replayed_multi_turn_rows_keep_their_loss_mask(make_config, tmp_path) -> None:
+    """Rows whose rollouts carry a loss_mask (multi-turn) keep it when replayed: train must not
+    learn the environment's tokens of a replayed row either. 12 own rows (letter_count varies in
+    every group of write_rollouts' responses), a cap of floor(0.25 x 12 / 0.75) = 4."""
+    from rlhf_batch.stages.registry import run_stage
+    from tests.stages.test_score import write_rollouts
+
+    adv = {"rows_per_part": 8, "replay": {"iterations": 1, "max_share": 0.25}}
+    _, cfg = make_config(score={"kl_in_reward": False}, advantage=adv)
+    for it in (0, 1):
+        write_rollouts(cfg, it)
+        _with_loss_mask(cfg, it)
+        run_stage("score", cfg, it, quiet=True)
+        m = run_stage("advantage", cfg, it, quiet=True)
+    stored = {r["rollout_id"]: r for r in rows(cfg.run_dir, 0, "advantages")}
+    assert all("loss_mask" in r for r in stored.values())
+    replayed = [r for r in rows(cfg.run_dir, 1, "advantages") if r["rollout_id"].startswith("0000-")]
+    assert len(replayed) == m["counts"]["rows_replayed"] == 4
+    assert all(r == stored[r["rollout_id"]] for r in replayed)  # loss_mask included
+    assert any(0 in r["loss_mask"] for r in stored.values())
