@@ -344,14 +344,18 @@ def warn_reward_health(cfg: Config, it: int) -> None:
     raised yet: before iteration `window` (no earlier iteration to compare with) with fewer than
     two reward parts (no dominant one)."""
     from rlhf_batch.observe.health import REWARD_THRESHOLDS, reward_warning_line, reward_warnings
-    from rlhf_batch.observe.query import connect
+    from rlhf_batch.observe.query import connect, one_line
 
     parts = len(cfg.score.reward_functions) + bool(cfg.reward_model)
     if it < REWARD_THRESHOLDS["window"] and parts < 2:
         return
+    import duckdb
+
     con = connect(cfg.run_dir)
     try:
         warning = reward_warnings(con).get(it)
+    except duckdb.Error as e:  # a check that could not run stops nothing
+        warning = f"not computed ({one_line(e)})"
     finally:
         con.close()
     if warning:
