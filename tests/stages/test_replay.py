@@ -160,6 +160,7 @@ def test_a_killed_replay_advantage_resumes_to_the_same_parts(make_config, tmp_pa
     ]
 
 
+@pytest.mark.slow  # an S3 server's round trips, a teacher and two iterations of score and advantage
 def test_replayed_opd_rows_keep_their_token_advantages_on_s3(make_config, tmp_path, s3_run) -> None:
     """opd on an S3 run dir (a real S3-protocol server): a replayed row is the stored row of its
     iteration, its `token_advantages` included (teacher - behaviour log-probs of the policy that
