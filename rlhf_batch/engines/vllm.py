@@ -249,7 +249,7 @@ class VLLMEngine:
     a stage run at once (`one_call`), scheduling and batching them itself; one request and seed
     per row, or per prompt (seed_per_rollout = false)."""
 
-    one_call = True  # generate hands it every part's rows in one `sample` call
+    one_call = True  # single-turn: generate hands it every part's rows in one `sample` call
 
     def __init__(self, cfg: Config, policy: str, tok: Any, prompts: Prompts):
         self.g = cfg.generate
@@ -259,6 +259,7 @@ class VLLMEngine:
         fault_point("rollouts:model-loaded")
         check_lengths(self.llm, prompts, self.g)
         self.stop_ids = stop_ids(self.llm, tok)
+        self.max_context = self.llm.max_model_len  # a multi-turn context's limit (stages/multiturn.py)
 
     def sample(
         self, prompts: list[list[int]], seeds: list[int], bar: Any
