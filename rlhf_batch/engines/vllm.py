@@ -15,7 +15,9 @@ generate's own, so only sampling differs between the engines. Decisions:
   then depends on its group (G, and the engine's batch): still reproducible for a fixed engine,
   G and batch, but not alone by its own seed.
 * Every part of a stage run is sampled by one ``generate`` call (``one_call``: the stage writes
-  and commits the parts one by one after it), so vLLM schedules all of them at once.
+  and commits the parts one by one after it), so vLLM schedules all of them at once. With an
+  environment (multi-turn) generate calls ``sample`` once per turn of a part instead, on the live
+  trajectories' contexts (stages/multiturn.py); ``max_context`` (``max_model_len``) bounds them.
 * The engine stays alive in its process: a later stage run in the same process with the same
   settings reuses it (an iteration that samples the same stale policy, a top-up round); a new
   policy of the same architecture is loaded into it in place (vLLM's ``reload_weights`` in each

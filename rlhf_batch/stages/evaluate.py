@@ -5,6 +5,9 @@ prompt/messages/id columns and max_prompt_tokens) are drawn with generate's engi
 `generate_part`, with eval's own temperature, top_p, top_k and max_new_tokens, and scored with
 score's reward-calling code (`eval.reward_functions`, default `score.reward_functions` and their
 weights). No KL, no clipping, no reward model: `reward` is the weighted sum of the functions.
+With `generate.environment` set, the samples are trajectories sampled turn by turn with the
+environment (generate's turn loop, stages/multiturn.py, its checkpoints in eval's folder); the
+reward functions may read the environment's `env_<name>` reward parts, checked at each part.
 
 A sample is *correct* when the value of one reward function, `eval.correct_function` (default:
 the first), is >= `eval.correct_threshold` (default 1.0: a 0/1 verifiable reward is correct when
