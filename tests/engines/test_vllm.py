@@ -69,7 +69,9 @@ def rows(run_dir: str) -> dict[str, dict]:
 def vllm_runs(tmp_path_factory: pytest.TempPathFactory, model64: Path, demo_prompts: Path) -> dict:
     """ONE vLLM process (each start costs tens of seconds) for the tests below: the kept-alive
     engine's samples (KEPT_ALIVE), then the generate stage of iteration 0 twice on that engine,
-    in parts of 5 prompts (run_dir "once") and of 12 (run_dir "again")."""
+    in parts of 5 prompts (run_dir "once") and of 12 (run_dir "again"); then a multi-turn
+    generate killed between turns in a process before it (one more engine start) is resumed
+    ("multi") and run again uninterrupted ("multi-clean")."""
     need_vllm()
     tmp = tmp_path_factory.mktemp("vllm")
     g = {"engine": "vllm", "enforce_eager": True, "max_new_tokens": 8, "temperature": 0.8}
@@ -111,13 +113,13 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory, model64: Path, demo_prom
 
 
 def killed_multi_turn(tmp: Path, raw: dict) -> None:
-    """The multi-turn demo task (4 hidden prompts x 2, parts of 2 prompts) on vLLM, killed after
-    turn 0 of part 1 (part 0 written); KEPT_ALIVE resumes it."""
+    """The multi-turn demo task (4 hidden prompts x 2, parts of 2 prompts) on vLLM, killed in turn 1
+    of part 1 before its commit (part 0 written, turn 0 of part 1 committed); KEPT_ALIVE resumes it."""
     g = raw["generate"] | {"prompts": str(write_prompts(tmp / "hidden.jsonl", 4, seed=0, hidden=True))}
     g |= {"environment": "rlhf_batch.envs.demo:ask_letter", "max_turns": 2, "num_generations": 2}
     g |= {"prompts_per_part": 2}
     (tmp / "multi.toml").write_text(tomli_w.dumps(raw | {"run_dir": str(tmp / "multi"), "generate": g}))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), FAULT_ENV: "rollouts:part-1:turn-0"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), FAULT_ENV: "rollouts:part-1:turn-1"}
     cmd = [str(VLLM_PY), "-m", "rlhf_batch", "generate", str(tmp / "multi.toml"), "--iter", "0", "--quiet"]
     # as `run` starts it: a group of its own, whose watchdog takes vLLM's EngineCore down with it
     proc = subprocess.Popen(
