@@ -304,17 +304,16 @@ def env_chars(*, env_chars: list[float], **_: object) -> list[float]:
     return list(env_chars)
 
 
-def test_eval_runs_the_turn_loop_and_its_rewards_read_the_environments_parts(make_config, hidden) -> None:
-    env = '[generate]\nenvironment = "tests.stages.test_multiturn:chars"\nmax_turns = 2\n'
-    ev = (
-        f'[eval]\nprompts = "{hidden}"\nn = 2\nreward_functions = ["tests.stages.test_multiturn:env_chars"]\n'
-    )
+def test_eval_runs_the_turn_loop_and_its_rewards_read_the_environments_parts(make_config, tmp_path) -> None:
+    held_out = write_prompts(tmp_path / "held_out.jsonl", 3, seed=1, hidden=True)
+    env = '[generate]\nenvironment = "tests.stages.test_multiturn:chars"\nmax_turns = 2\nenv_workers = 1\n'
+    ev = f'[eval]\nprompts = "{held_out}"\nn = 2\nreward_functions = ["tests.stages.test_multiturn:env_chars"]\n'
     _, cfg = make_config(env + ev)
     m = run_stage("eval", cfg, 0, quiet=True)
     sdir = layout.folder(cfg.run_dir, 0, "eval")
     t = manifests.read_complete(sdir, EVAL).to_pylist()
     tok = load_tokenizer(cfg.policy_model)
-    assert len(t) == 6 * 2 and m["overall"]["prompts"] == 6
+    assert len(t) == 3 * 2 and m["overall"]["prompts"] == 3
     for r in t:
         ids, starts, mask = r["response_ids"], r["turn_starts"], r["loss_mask"]
         assert len(mask) == len(ids) == len(r["behavior_logprobs"]) and r["env_error"] is None
