@@ -191,10 +191,8 @@ class Eval(Stage):
             self.iteration,
             self.policy,
             bar,
-            None,
-            0,
-            self.pool,
-            self.sdir,
+            pool=self.pool,
+            where=self.sdir,
         )
         if self.sampling.environment:  # the environment's reward parts are known now
             carried = [c for c in t.column_names if c not in ROLLOUTS.names]
