@@ -193,11 +193,6 @@ class GenerateConfig:
         _need(self.max_trajectory_tokens >= 0, "generate.max_trajectory_tokens", "must be >= 0 (0: no limit)")
         _need(self.env_timeout_s >= 0, "generate.env_timeout_s", "must be >= 0 (0: no limit)")
         _need(self.env_workers >= 1, "generate.env_workers", "must be >= 1")
-        _need(
-            not self.environment or self.engine == "hf",
-            "generate.environment",
-            "is not supported with generate.engine = 'vllm' yet (use engine = 'hf')",
-        )
         _need(self.prompts_per_iteration >= 0, "generate.prompts_per_iteration", "must be >= 0 (0: all)")
         _need(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         if isinstance(self.prompts, list) and any(isinstance(x, dict) for x in self.prompts):

@@ -15,7 +15,9 @@ generate's own, so only sampling differs between the engines. Decisions:
   then depends on its group (G, and the engine's batch): still reproducible for a fixed engine,
   G and batch, but not alone by its own seed.
 * Every part of a stage run is sampled by one ``generate`` call (``one_call``: the stage writes
-  and commits the parts one by one after it), so vLLM schedules all of them at once.
+  and commits the parts one by one after it), so vLLM schedules all of them at once. With an
+  environment (multi-turn) generate calls ``sample`` once per turn of a part instead, on the live
+  trajectories' contexts (stages/multiturn.py); ``max_context`` (``max_model_len``) bounds them.
 * The engine stays alive in its process: a later stage run in the same process with the same
   settings reuses it (an iteration that samples the same stale policy, a top-up round); a new
   policy of the same architecture is loaded into it in place (vLLM's ``reload_weights`` in each
@@ -249,7 +251,7 @@ class VLLMEngine:
     a stage run at once (`one_call`), scheduling and batching them itself; one request and seed
     per row, or per prompt (seed_per_rollout = false)."""
 
-    one_call = True  # generate hands it every part's rows in one `sample` call
+    one_call = True  # single-turn: generate hands it every part's rows in one `sample` call
 
     def __init__(self, cfg: Config, policy: str, tok: Any, prompts: Prompts):
         self.g = cfg.generate
@@ -259,6 +261,7 @@ class VLLMEngine:
         fault_point("rollouts:model-loaded")
         check_lengths(self.llm, prompts, self.g)
         self.stop_ids = stop_ids(self.llm, tok)
+        self.max_context = self.llm.max_model_len  # a multi-turn context's limit (stages/multiturn.py)
 
     def sample(
         self, prompts: list[list[int]], seeds: list[int], bar: Any

@@ -5,6 +5,9 @@ prompt/messages/id columns and max_prompt_tokens) are drawn with generate's engi
 `generate_part`, with eval's own temperature, top_p, top_k and max_new_tokens, and scored with
 score's reward-calling code (`eval.reward_functions`, default `score.reward_functions` and their
 weights). No KL, no clipping, no reward model: `reward` is the weighted sum of the functions.
+With `generate.environment` set, the samples are trajectories sampled turn by turn with the
+environment (generate's turn loop, stages/multiturn.py, its checkpoints in eval's folder); the
+reward functions may read the environment's `env_<name>` reward parts, checked at each part.
 
 A sample is *correct* when the value of one reward function, `eval.correct_function` (default:
 the first), is >= `eval.correct_threshold` (default 1.0: a 0/1 verifiable reward is correct when
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -47,7 +50,10 @@ from rlhf_batch.stages.generate import generate_part
 from rlhf_batch.stages.score.scorer import reward_values
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.ids import row_seed
-from rlhf_batch.store.schemas import EVAL, with_extra
+from rlhf_batch.store.schemas import EVAL, ROLLOUTS, with_extra
+
+if TYPE_CHECKING:
+    from rlhf_batch.envs.pool import EnvPool
 
 SOURCE_COLUMN = "data_source"
 ALL = "all"
@@ -89,6 +95,7 @@ class Eval(Stage):
         self.tok: Any  # plan(): the policy's tokenizer
         self.prompts: Prompts  # plan(): the held-out prompts
         self.engine: Engine  # open(): what samples
+        self.pool: EnvPool | None = None  # open(): the environments' workers (generate.environment)
 
     def identity(self) -> dict[str, Any]:
         run_level = {k: v for k, v in self.cfg.identity("generate").items() if not isinstance(v, dict)}
@@ -139,7 +146,8 @@ class Eval(Stage):
                 raise StageError(
                     f"{self.sampling.prompts}: column '{name}' clashes with an eval column; rename it"
                 )
-        check_arguments(self.fns, self.prompts.carried.column_names, describe(self.sampling.prompts))
+        if not self.sampling.environment:  # else at each part: the environment's reward parts too
+            check_arguments(self.fns, self.prompts.carried.column_names, describe(self.sampling.prompts))
         return math.ceil(len(self.prompts.ids) / self.sampling.prompts_per_part)
 
     def progress_total(self, todo: list[int]) -> int:
@@ -149,9 +157,46 @@ class Eval(Stage):
     def open(self, todo: list[int]) -> None:
         self.engine = make_engine(self.scfg, self.policy, self.tok, self.prompts)
         self.calls = RewardCalls.from_config(self.cfg)  # the reward cache, async calls
+        g = self.sampling
+        if g.environment:  # multi-turn: the turn loop of generate, with eval's sampling settings
+            from rlhf_batch.envs.pool import EnvPool
+
+            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def write_parts(self, todo: list[int], out: Any, bar: Any) -> None:
+        if not self.sampling.environment:
+            return super().write_parts(todo, out, bar)
+        from rlhf_batch.stages.multiturn import write_turn_parts
+
+        return write_turn_parts(self, todo, out, bar)
+
+    def on_complete(self) -> None:
+        if self.sampling.environment:
+            from rlhf_batch.stages.multiturn import drop_checkpoints
+
+            drop_checkpoints(self.sdir)
 
     def write_part(self, n: int, bar: Any) -> Part:
-        t = generate_part(self.engine, self.tok, self.prompts, n, self.scfg, self.iteration, self.policy, bar)
+        t = generate_part(
+            self.engine,
+            self.tok,
+            self.prompts,
+            n,
+            self.scfg,
+            self.iteration,
+            self.policy,
+            bar,
+            pool=self.pool,
+            where=self.sdir,
+        )
+        if self.sampling.environment:  # the environment's reward parts are known now
+            carried = [c for c in t.column_names if c not in ROLLOUTS.names]
+            check_arguments(self.fns, carried, describe(self.sampling.prompts))
         rid = t["rollout_id"].to_pylist()
         values, extra = reward_values(
             self.fns,

@@ -149,15 +149,19 @@ class Generate(Stage):
             del self.pool
 
     def on_complete(self) -> None:
-        if self.cfg.generate.environment:  # the turn checkpoints of parts written since
-            from rlhf_batch.stages.multiturn import TURNS_DIR
-            from rlhf_batch.store import fs
+        if self.cfg.generate.environment:
+            from rlhf_batch.stages.multiturn import drop_checkpoints
 
-            fs.remove(self.sdir / TURNS_DIR)
+            drop_checkpoints(self.sdir)
 
     def write_parts(self, todo: list[int], out: Any, bar: Any) -> None:
         """Part by part; an engine that samples best all at once (`one_call`: vllm) gets every
-        part's rows in one call first, and the parts are then written and committed one by one."""
+        part's rows in one call first, and the parts are then written and committed one by one.
+        With an environment, part by part turn by turn (multiturn.py) whatever the engine."""
+        if self.cfg.generate.environment:
+            from rlhf_batch.stages.multiturn import write_turn_parts
+
+            return write_turn_parts(self, todo, out, bar)
         if not todo or not getattr(self.engine, "one_call", False):  # no part left: no engine opened
             return super().write_parts(todo, out, bar)
         first = topup.sample_offset(self.cfg, self.topup)
@@ -172,8 +176,6 @@ class Generate(Stage):
         return None
 
     def write_part(self, n: int, bar: Any) -> Part:
-        if self.cfg.generate.environment:
-            return self.part(self.multi_turn_part(n, bar))
         table = generate_part(
             self.engine,
             self.tok,
@@ -185,28 +187,10 @@ class Generate(Stage):
             bar,
             self.order,
             topup.sample_offset(self.cfg, self.topup),
+            getattr(self, "pool", None),
+            self.sdir,
         )
         return self.part(table)
-
-    def multi_turn_part(self, n: int, bar: Any) -> pa.Table:
-        """Part n's trajectories, turn by turn with the environment (stages/multiturn.py)."""
-        from rlhf_batch.stages import multiturn
-
-        plan = part_rows(
-            self.prompts, n, self.cfg, self.iteration, self.order, topup.sample_offset(self.cfg, self.topup)
-        )
-        carried = self.prompts.carried.take(pa.array([i for i, _ in plan.rows], pa.int64())).to_pylist()
-        rows = [
-            {**c, "prompt_id": self.prompts.ids[i], "prompt": self.prompts.texts[i]}
-            for c, (i, _) in zip(carried, plan.rows, strict=True)
-        ]
-        trajs = multiturn.sample_part(self.engine, self.pool, self.tok, self.cfg, plan, rows, self.sdir, n)
-        results = [(t.ids, t.logps, t.finish) for t in trajs]
-        table = part_table(plan, results, self.tok, self.prompts, n, self.cfg, self.policy)
-        for name, col in multiturn.turn_columns(trajs).items():
-            table = table.append_column(name, col)
-        bar.update(len(trajs))
-        return table
 
     def part(self, table: pa.Table) -> Part:
         schema = with_extra(ROLLOUTS, self.prompts.carried.schema)
@@ -241,12 +225,48 @@ def generate_part(
     bar: Any,
     order: list[int] | None = None,
     first_sample: int = 0,
+    pool: Any = None,
+    where: Any = None,
 ) -> pa.Table:
     """All rollouts of the prompts in part n (of `order`, default every prompt in file order), in
-    (prompt, sample) order; sample indices start at `first_sample` (a top-up round's)."""
+    (prompt, sample) order; sample indices start at `first_sample` (a top-up round's). With
+    `cfg.generate.environment`: trajectories, turn by turn with the environments of `pool`
+    (envs/pool.py), each turn committed to the turn checkpoint in the stage folder `where`."""
     plan = part_rows(prompts, n, cfg, iteration, order, first_sample)
+    if cfg.generate.environment:
+        return _multi_turn_part(engine, pool, tok, prompts, plan, n, cfg, policy, bar, where)
     results = engine.sample(plan.prompts, plan.seeds, bar)
     return part_table(plan, results, tok, prompts, n, cfg, policy)
+
+
+def _multi_turn_part(
+    engine: Engine,
+    pool: Any,
+    tok: Any,
+    prompts: Prompts,
+    plan: PartRows,
+    n: int,
+    cfg: Config,
+    policy: str,
+    bar: Any,
+    where: Any,
+) -> pa.Table:
+    """Part n's trajectories, turn by turn with the environment (stages/multiturn.py): the
+    rollouts columns, then the trajectory columns and the environment's reward parts."""
+    from rlhf_batch.stages import multiturn
+
+    carried = prompts.carried.take(pa.array([i for i, _ in plan.rows], pa.int64())).to_pylist()
+    rows = [
+        {**c, "prompt_id": prompts.ids[i], "prompt": prompts.texts[i]}
+        for c, (i, _) in zip(carried, plan.rows, strict=True)
+    ]
+    trajs = multiturn.sample_part(engine, pool, tok, cfg, plan, rows, where, n)
+    results = [(t.ids, t.logps, t.finish) for t in trajs]
+    table = part_table(plan, results, tok, prompts, n, cfg, policy)
+    for name, col in multiturn.turn_columns(trajs).items():
+        table = table.append_column(name, col)
+    bar.update(len(trajs))
+    return table
 
 
 @dataclass

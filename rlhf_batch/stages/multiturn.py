@@ -11,7 +11,8 @@ last turn cut, or the observation that would not fit left out: finish_reason 'le
 After each turn the state of every trajectory of the part is committed to
 `turns/part-NNNNN.json` in the stage's folder; a run killed mid-part resumes at its last complete
 turn (the environments are made again and replayed from the committed texts) and writes the same
-rows as an uninterrupted run. The file is removed once the part is written.
+rows as an uninterrupted run. The file is removed once the part is written, the folder once the
+stage is committed.
 """
 
 from __future__ import annotations
@@ -88,6 +89,23 @@ def _save(path: Path, rids: list[str], turn: int, trajs: list[Trajectory]) -> No
     write_json_atomic(path, state)
 
 
+def write_turn_parts(stage: Any, todo: list[int], out: Any, bar: Any) -> None:
+    """The parts of a stage that samples trajectories (generate, eval), one by one; a part's turn
+    checkpoint is removed once the part is written."""
+    for n in todo:
+        out.write(n, stage.write_part(n, bar))
+        fs.remove(checkpoint_path(stage.sdir, n))
+
+
+def drop_checkpoints(sdir: Path) -> None:
+    """The turn checkpoints a kill left, once the stage is committed (not before: fanned out, the
+    other ranks may still be writing theirs)."""
+    from rlhf_batch.store.manifests import manifest
+
+    if manifest(sdir) is not None:
+        fs.remove(sdir / TURNS_DIR)
+
+
 def sample_part(
     engine: Any,
     pool: EnvPool,
@@ -102,9 +120,7 @@ def sample_part(
     g = cfg.generate
     path = checkpoint_path(where, n)
     first, trajs = _load(path, plan.rids) or (0, [Trajectory() for _ in plan.rids])
-    positions = getattr(
-        getattr(getattr(engine, "model", None), "config", None), "max_position_embeddings", None
-    )
+    positions = context_limit(engine)
 
     def fits(i: int, extra: int) -> bool:
         """Whether trajectory i can take `extra` more tokens and still sample a whole turn."""
@@ -124,6 +140,15 @@ def sample_part(
         fault_point(f"rollouts:part-{n}:turn-{turn}")
         _save(path, plan.rids, turn + 1, trajs)
     return trajs
+
+
+def context_limit(engine: Any) -> int | None:
+    """The tokens a trajectory's context may hold with its next turn: the vLLM engine's
+    `max_model_len`, else the model's positions (None: no limit known)."""
+    if (limit := getattr(engine, "max_context", None)) is not None:
+        return int(limit)
+    config = getattr(getattr(engine, "model", None), "config", None)
+    return getattr(config, "max_position_embeddings", None)
 
 
 def _assistant_turn(t: Trajectory, res: tuple[list[int], list[float], str], tok: Any, g: Any) -> bool:

@@ -7,9 +7,11 @@ cores: the tests are few, and marked slow.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +20,12 @@ import pytest
 import tomli_w
 import torch
 
+from rlhf_batch.data.demo import write_prompts
 from rlhf_batch.models.forward import response_logprobs
 from rlhf_batch.models.load import load_model
 from rlhf_batch.models.tiny import init_model
+from rlhf_batch.runtime.faults import FAULT_ENV
+from rlhf_batch.runtime.procgroup import GROUP_ENV
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import ROLLOUTS
 
@@ -64,7 +69,9 @@ def rows(run_dir: str) -> dict[str, dict]:
 def vllm_runs(tmp_path_factory: pytest.TempPathFactory, model64: Path, demo_prompts: Path) -> dict:
     """ONE vLLM process (each start costs tens of seconds) for the tests below: the kept-alive
     engine's samples (KEPT_ALIVE), then the generate stage of iteration 0 twice on that engine,
-    in parts of 5 prompts (run_dir "once") and of 12 (run_dir "again")."""
+    in parts of 5 prompts (run_dir "once") and of 12 (run_dir "again"); then a multi-turn
+    generate killed between turns in a process before it (one more engine start) is resumed
+    ("multi") and run again uninterrupted ("multi-clean")."""
     need_vllm()
     tmp = tmp_path_factory.mktemp("vllm")
     g = {"engine": "vllm", "enforce_eager": True, "max_new_tokens": 8, "temperature": 0.8}
@@ -74,6 +81,7 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory, model64: Path, demo_prom
     raw |= {"score": {"reward_functions": ["rlhf_batch.rewards.demo:letter_count"]}}
     (tmp / "config.toml").write_text(tomli_w.dumps(raw))
     (tmp / "kept.py").write_text(KEPT_ALIVE)
+    killed_multi_turn(tmp, raw)
     other = init_model(
         tmp / "policy-b", hidden=128, heads=2, kv_heads=1, seed=1
     )  # another policy, same shape
@@ -85,6 +93,8 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory, model64: Path, demo_prom
             str(tmp / "config.toml"),
             str(tmp / "again"),
             str(other),
+            str(tmp / "multi.toml"),
+            str(tmp / "multi-clean"),
         ],
         capture_output=True,
         text=True,
@@ -97,7 +107,37 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory, model64: Path, demo_prom
         **json.loads(res.stdout.strip().splitlines()[-1]),
         "once": str(tmp / "once"),
         "twice": str(tmp / "again"),
+        "multi": str(tmp / "multi"),
+        "multi_clean": str(tmp / "multi-clean"),
     }
+
+
+def killed_multi_turn(tmp: Path, raw: dict) -> None:
+    """The multi-turn demo task (4 hidden prompts x 2, parts of 2 prompts) on vLLM, killed in turn 1
+    of part 1 before its commit (part 0 written, turn 0 of part 1 committed); KEPT_ALIVE resumes it."""
+    g = raw["generate"] | {"prompts": str(write_prompts(tmp / "hidden.jsonl", 4, seed=0, hidden=True))}
+    g |= {"environment": "rlhf_batch.envs.demo:ask_letter", "max_turns": 2, "num_generations": 2}
+    g |= {"prompts_per_part": 2}
+    (tmp / "multi.toml").write_text(tomli_w.dumps(raw | {"run_dir": str(tmp / "multi"), "generate": g}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), FAULT_ENV: "rollouts:part-1:turn-1"}
+    cmd = [str(VLLM_PY), "-m", "rlhf_batch", "generate", str(tmp / "multi.toml"), "--iter", "0", "--quiet"]
+    # as `run` starts it: a group of its own, whose watchdog takes vLLM's EngineCore down with it
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env | {GROUP_ENV: "self"},
+        start_new_session=True,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, err = proc.communicate(timeout=900)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -9, err[-4000:]
+    sdir = layout.folder(tmp / "multi", 0, layout.ROLLOUTS)
+    assert len(layout.list_parts(sdir)) == 1 and (sdir / "turns" / "part-00001.json").exists()
 
 
 def test_vllm_rollouts_match_our_forward_stop_at_eos_and_repeat_with_the_seed(vllm_runs, model64) -> None:
@@ -127,6 +167,34 @@ def test_vllm_rollouts_match_our_forward_stop_at_eos_and_repeat_with_the_seed(vl
     other = rows(vllm_runs["twice"])
     assert {k: v["response_ids"] for k, v in other.items()} == {k: v["response_ids"] for k, v in got.items()}
     assert len(manifests.manifest(layout.folder(vllm_runs["twice"], 0, layout.ROLLOUTS))["parts"]) == 1
+
+
+def test_vllm_runs_the_turn_loop_and_resumes_a_killed_run(vllm_runs, model64) -> None:
+    """Multi-turn on vLLM: each turn one generate call on the live trajectories' contexts (prompt
+    and everything so far as token ids); the rows have hf's trajectory columns; a run killed
+    between turns and resumed by another process writes the uninterrupted run's rows."""
+    sdir = layout.folder(vllm_runs["multi"], 0, layout.ROLLOUTS)
+    m = manifests.manifest(sdir)
+    assert m is not None and m["engine"] == "vllm" and m["rows"] == 8 and m["counts"]["env_errors"] == 0
+    assert not (sdir / "turns").exists()
+    got = manifests.read_complete(sdir, ROLLOUTS)
+    clean = manifests.read_complete(layout.folder(vllm_runs["multi_clean"], 0, layout.ROLLOUTS), ROLLOUTS)
+    model = load_model(str(model64), "policy", dtype="float32")
+    diffs = []
+    for r in got.to_pylist():
+        ids, mask, starts = r["response_ids"], r["loss_mask"], r["turn_starts"]
+        assert r["turn_roles"] == ["assistant", "tool", "assistant"] and r["turns"] == 2
+        assert len(mask) == len(ids) == len(r["behavior_logprobs"])
+        assert set(mask[starts[1] : starts[2]]) == {0} and set(mask[: starts[1]] + mask[starts[2] :]) == {1}
+        assert all(lp == 0.0 for lp, k in zip(r["behavior_logprobs"], mask, strict=True) if not k)
+        with torch.no_grad():  # the sampled tokens' log-probs given the whole trajectory before them
+            lp, _, _ = response_logprobs(model, [r["prompt_ids"] + ids], [len(r["prompt_ids"])], 0.8)
+        diffs += [
+            abs(a - b) for a, b, k in zip(lp[0].tolist(), r["behavior_logprobs"], mask, strict=True) if k
+        ]
+    assert max(diffs) < 1e-4, max(diffs)
+    keep = [c for c in got.column_names if c not in ("env_seconds",)]
+    assert got.select(keep).equals(clean.select(keep))
 
 
 def test_vllm_engine_without_vllm_names_the_fix(make_config, model64) -> None:
@@ -216,6 +284,11 @@ if __name__ == "__main__":
     for sets in ([], [f"run_dir={sys.argv[3]}", "generate.prompts_per_part=12"]):  # the stage, twice
         run_stage("generate", load_config(sys.argv[2], sets), 0, quiet=True)
         engines.add(id(ve._LIVE["engine"]))
+    multi = sys.argv[5]
+    run_stage("generate", load_config(multi, []), 0, quiet=True)  # resumes the killed multi-turn run
+    ve._LIVE["engine"].llm.reset_prefix_cache()  # as in a new process: nothing of the resumed run cached
+    run_stage("generate", load_config(multi, [f"run_dir={sys.argv[6]}"]), 0, quiet=True)  # uninterrupted
+    engines.add(id(ve._LIVE["engine"]))
     reloaded = ve.shared_engine(b, cfg)  # the next iteration's policy, loaded in place
     on_b = ve.sample_rows(reloaded, rows, seeds, cfg.generate, {0})
     ve._LIVE.clear()

@@ -17,10 +17,10 @@ from rlhf_batch.errors import ConfigError, UserError
 from rlhf_batch.models.load import load_tokenizer
 from rlhf_batch.observe.query import connect
 from rlhf_batch.observe.report import collect
-from rlhf_batch.runtime import faults
+from rlhf_batch.runtime import dist, faults
 from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
-from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES
+from rlhf_batch.store.schemas import ADVANTAGES, EVAL, ROLLOUTS, SCORES
 
 
 def ask(prompts: Path, more: str = "") -> str:
@@ -144,7 +144,7 @@ def test_token_budget_cuts_the_trajectory(make_config, hidden) -> None:
 
 
 @pytest.mark.slow
-def test_kill_between_turns_resumes_identical(make_config, hidden, tmp_path: Path) -> None:
+def test_kill_between_turns_and_a_fan_out_give_the_uninterrupted_rows(make_config, hidden, tmp_path) -> None:
     path, cfg = make_config(ask(hidden))
     cmd = [sys.executable, "-m", "rlhf_batch", "generate", str(path), "--quiet"]
     env = {**os.environ, faults.FAULT_ENV: "rollouts:part-1:turn-1"}  # part 0 written, part 1 at turn 2
@@ -159,15 +159,28 @@ def test_kill_between_turns_resumes_identical(make_config, hidden, tmp_path: Pat
     run_stage("generate", clean, 0, quiet=True)
     a, b = rollouts(cfg).drop(["env_seconds", "policy"]), rollouts(clean).drop(["env_seconds", "policy"])
     assert a.equals(b)
+    # --rank r --world-size 2 (independent processes, one after the other here): rank 0 writes
+    # part 0, rank 1 part 1 and commits. Rank 0 finishes first and must leave the turn
+    # checkpoint of a part rank 1 is still sampling (`other`, another plan: rank 1 starts it over)
+    _, fan = make_config(ask(hidden), run_dir=str(tmp_path / "fan"), name="fan.toml")
+    other = layout.folder(fan.run_dir, 0, "rollouts") / "turns" / "part-00001.json"
+    other.parent.mkdir(parents=True)
+    other.write_text('{"rollout_ids": [], "turn": 1, "trajectories": []}')
+    try:
+        dist.set_fanout(0, 2)
+        assert run_stage("generate", fan, 0, quiet=True) == {}  # not committed: part 1 is missing
+        assert other.exists()
+        dist.set_fanout(1, 2)
+        assert run_stage("generate", fan, 0, quiet=True)["rows"] == 12
+    finally:
+        dist.set_fanout(None, None)
+    assert rollouts(fan).drop(["env_seconds", "policy"]).equals(b)  # row for row
+    assert not other.exists()  # removed once part 1 was written
 
 
 def test_bad_environment_keys_are_one_line_errors(make_config) -> None:
     with pytest.raises(ConfigError, match="'generate.environment' must be 'module:factory', got 'nocolon'"):
         make_config('[generate]\nenvironment = "nocolon"\n')
-    with pytest.raises(
-        ConfigError, match="'generate.environment' is not supported with generate.engine = 'vllm'"
-    ):
-        make_config('[generate]\nenvironment = "a:b"\nengine = "vllm"\n')
     _, cfg = make_config('[generate]\nenvironment = "tests.stages.nope:factory"\n')
     with pytest.raises(UserError, match=r"^generate.environment: cannot load 'tests.stages.nope:factory'"):
         run_stage("generate", cfg, 0, quiet=True)
@@ -268,3 +281,54 @@ def test_single_turn_identity_is_unchanged(make_config) -> None:
     got = multi.identity("generate")["generate"]
     assert got["environment"] == "rlhf_batch.envs.demo:ask_letter" and got["max_turns"] == 4
     assert "env_workers" not in got  # how many processes step the environments decides nothing
+
+
+class Chars:
+    """Answers the first assistant turn with "ok" (a user message) and ends at the second; its
+    reward part `chars` is each assistant text's length."""
+
+    def __init__(self, row: dict) -> None:
+        self.n = 0
+
+    def step(self, text: str) -> Step:
+        self.n += 1
+        return Step("ok" if self.n == 1 else None, role="user", reward_parts={"chars": float(len(text))})
+
+
+def chars(row: dict) -> Chars:
+    return Chars(row)
+
+
+def env_chars(*, env_chars: list[float], **_: object) -> list[float]:
+    """An eval reward function that reads the environment's reward part."""
+    return list(env_chars)
+
+
+def test_eval_runs_the_turn_loop_and_its_rewards_read_the_environments_parts(make_config, tmp_path) -> None:
+    held_out = write_prompts(tmp_path / "held_out.jsonl", 3, seed=1, hidden=True)
+    env = '[generate]\nenvironment = "tests.stages.test_multiturn:chars"\nmax_turns = 2\nenv_workers = 1\n'
+    ev = f'[eval]\nprompts = "{held_out}"\nn = 2\nreward_functions = ["tests.stages.test_multiturn:env_chars"]\n'
+    _, cfg = make_config(env + ev)
+    m = run_stage("eval", cfg, 0, quiet=True)
+    sdir = layout.folder(cfg.run_dir, 0, "eval")
+    t = manifests.read_complete(sdir, EVAL).to_pylist()
+    tok = load_tokenizer(cfg.policy_model)
+    assert len(t) == 3 * 2 and m["overall"]["prompts"] == 3
+    for r in t:
+        ids, starts, mask = r["response_ids"], r["turn_starts"], r["loss_mask"]
+        assert len(mask) == len(ids) == len(r["behavior_logprobs"]) and r["env_error"] is None
+        if r["turns"] == 2:  # else the token budget (the model's positions) ended it after turn 1
+            assert r["turn_roles"] == ["assistant", "user", "assistant"]
+            assert "ok" in tok.decode(ids[starts[1] : starts[2]]) and set(mask[starts[1] : starts[2]]) == {0}
+        # the environment saw each assistant turn's text: its tokens without the stop token (the
+        # tiny model's EOS 0 or <|im_end|> 4) that ended it
+        bounds = [*starts, len(ids)]
+        segs = [
+            ids[a:b]
+            for a, b, role in zip(starts, bounds[1:], r["turn_roles"], strict=True)
+            if role == "assistant"
+        ]
+        texts = [tok.decode(s[:-1] if s and s[-1] in (0, 4) else s) for s in segs]
+        assert r["env_chars"] == r["reward_env_chars"] == r["reward"] == float(sum(map(len, texts)))
+    assert any(r["turns"] == 2 for r in t)
+    assert not (sdir / "turns").exists()  # removed once complete

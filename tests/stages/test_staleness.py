@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -129,12 +130,29 @@ def test_retention_keeps_every_policy_a_lagging_generate_samples_from(make_confi
 
 @pytest.mark.slow
 def test_a_stale_run_records_and_shows_its_staleness(make_config, tmp_path: Path) -> None:
+    """Multi-turn (an environment), so the lanes run the turn loop and train its masked rows."""
+    env = {"environment": "rlhf_batch.envs.demo:ask_letter", "max_turns": 2}
     path, cfg = make_config(
-        iterations=3, max_staleness=1, in_process=True, threads=1, train={"lr": 1e-3, "tokens_per_step": 256}
+        iterations=3,
+        max_staleness=1,
+        in_process=True,
+        threads=1,
+        train={"lr": 1e-3, "tokens_per_step": 256},
+        generate=env,
+        score={"reward_functions": ["rlhf_batch.rewards.demo:ask_letter"]},
     )
     run_pipeline(path, [], quiet=True)
     by_iter = {it: manifests.manifest(layout.folder(cfg.run_dir, it, "rollouts")) for it in range(3)}
     assert [(m["policy_iteration"], m["staleness"]) for m in by_iter.values()] == [(-1, 0), (-1, 1), (0, 1)]
+    for it, m in by_iter.items():  # trajectories of two turns, the tool's answer between them
+        assert m["counts"]["turns"] > m["rows"] and m["counts"]["env_errors"] == 0
+        t = pq.read_table(layout.folder(cfg.run_dir, it, "rollouts"), columns=["loss_mask", "turn_roles"])
+        assert ["assistant", "tool", "assistant"] in t.column("turn_roles").to_pylist()
+        # the decoupled objective (recompute_old, tis_cap) trains the sampled tokens only (1 epoch)
+        adv = pq.read_table(layout.folder(cfg.run_dir, it, "advantages"), columns=["loss_mask"])
+        sampled = sum(map(sum, adv.column("loss_mask").to_pylist()))
+        metrics = pq.read_table(layout.folder(cfg.run_dir, it, "train") / "metrics.parquet")
+        assert sum(metrics.column("tokens").to_pylist()) == sampled < len(pc.list_flatten(adv["loss_mask"]))
     policy = pq.read_table(layout.folder(cfg.run_dir, 2, "rollouts"), columns=["policy"])
     assert set(policy.column("policy").to_pylist()) == {"iter=0000/policy"}
     train = manifests.manifest(layout.folder(cfg.run_dir, 2, "train"))
