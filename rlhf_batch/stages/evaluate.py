@@ -161,7 +161,7 @@ class Eval(Stage):
         if g.environment:  # multi-turn: the turn loop of generate, with eval's sampling settings
             from rlhf_batch.envs.pool import EnvPool
 
-            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s)
+            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s, reward_search_path(self.cfg))
 
     def close(self) -> None:
         if self.pool is not None:

@@ -37,7 +37,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlhf_batch.config import Config
+from rlhf_batch.config import Config, reward_search_path
 from rlhf_batch.data import curriculum, topup
 from rlhf_batch.data.mixtures import identity as mixture_identity
 from rlhf_batch.data.mixtures import is_mixture
@@ -108,7 +108,9 @@ class Generate(Stage):
         if self.cfg.generate.environment:
             from rlhf_batch.envs.pool import load_factory
 
-            load_factory(self.cfg.generate.environment)  # a bad name: one line, before anything is written
+            load_factory(
+                self.cfg.generate.environment, reward_search_path(self.cfg)
+            )  # a bad name: one line, before anything is written
         nxt = layout.folder(self.cfg.run_dir, self.iteration + 1, layout.ROLLOUTS)
         if self.topup and self.cfg.generate.prompts_per_iteration and nxt.exists():
             raise StageError(
@@ -140,7 +142,7 @@ class Generate(Stage):
         if g.environment:
             from rlhf_batch.envs.pool import EnvPool
 
-            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s)
+            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s, reward_search_path(self.cfg))
 
     def close(self) -> None:
         pool = getattr(self, "pool", None)
