@@ -689,3 +689,48 @@ def _cached(path: Path) -> Path:
     except OSError:  # another process of this machine cached it first
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def snapshot(root: Path) -> Path:
+    """`root` read through one listing of the run, for commands that only read it (`status`,
+    `sql`, `report`): one recursive listing (a LIST request per 1000 objects) answers every later
+    look at what exists, its size and ETag, below `root`, so reading a file is one GET; without it
+    each existence check, glob and open is a HEAD or a LIST of its own. The answers are those of
+    the moment of the listing (a writer's later parts are not seen: read commands show a run as
+    it was when they started). Local paths are returned as they are."""
+    if store_of(root).local or getattr(root, "storage_options", {}).get("use_listings_cache"):
+        return root  # local, or a snapshot already
+    from upath import UPath
+
+    opts = {**root.storage_options, "use_listings_cache": True}  # type: ignore[attr-defined]
+    snap = cast(Path, UPath(str(root), **opts))
+    fsys = filesystem(snap)
+    if hasattr(fsys, "_call_s3"):  # s3fs: the store deadline on each request, as run_path's
+        _bound(fsys)
+    fsys.invalidate_cache()  # the instance may be an earlier snapshot's (fsspec caches instances)
+    retry(snap, lambda: fsys.find(key(snap)))  # fills the listings cache of every folder below
+    _listed_below(fsys, key(snap).rstrip("/"))
+    return snap
+
+
+def _listed_below(fsys: Any, top: str) -> None:
+    """Make a filesystem whose listings cache holds every folder below `top` answer that a path
+    below a folder it does not hold is not there (fsspec asks the store: a HEAD and a LIST)."""
+    if getattr(fsys, "_listed_top", None) is not None:
+        fsys._listed_top = top
+        return
+    cached = fsys._ls_from_cache
+
+    def ls_from_cache(path: str) -> Any:
+        found = cached(path)
+        top = fsys._listed_top
+        if found is not None or not path.startswith(top + "/"):
+            return found
+        parent = fsys._parent(path)
+        while len(parent) > len(top):  # the nearest listed folder above it lacks its folder
+            parent = fsys._parent(parent)
+            if parent in fsys.dircache:
+                raise FileNotFoundError(path)
+        return None  # nothing above it listed (a write since dropped the listings): ask the store
+
+    fsys._ls_from_cache, fsys._listed_top = ls_from_cache, top
