@@ -55,6 +55,8 @@ def summary(reqs: list[dict[str, Any]]) -> dict[str, Any]:
         "bytes_received": sum(r["out"] for r in reqs),
         "model_downloads": len(model),
         "model_bytes": sum(r["out"] for r in model),
+        # the most requests the server was answering at once when an upload arrived (1: one at a time)
+        "max_puts_in_flight": max((r.get("inflight", 1) for r in reqs if r["method"] == "PUT"), default=0),
     }
 
 
@@ -151,7 +153,11 @@ def rows(results: Path, label: str, m: dict[str, Any]) -> None:
                    str(ph[what]["requests"]))  # fmt: skip
     model = sum(sum(p["model_bytes"] for p in v) for v in stage.values()) / n
     append_row(results, "store model downloads", work,
-               "bytes of policy downloads per node and iteration (stage commands, one cache)", f"{model:,.0f}")  # fmt: skip
+               f"bytes of policy downloads per node and iteration, stage commands (run: "
+               f"{ph['run']['model_bytes'] / n:,.0f})", f"{model:,.0f}")  # fmt: skip
+    puts = max(p["max_puts_in_flight"] for p in stage["train"])
+    append_row(results, "store uploads at once", work,
+               "most requests in flight at an upload of train (its policy folder)", str(puts))  # fmt: skip
 
 
 def main() -> None:
