@@ -88,8 +88,6 @@ def execute(
         _tidy(stage, out)
         return result or manifest(stage.sdir) or {}
     finally:
-        if out is not None:  # a failed stage's part uploads end before the command does
-            out.wait(raise_errors=False)
         _unstage(stage, out)
         stage.close()
 

@@ -6,7 +6,6 @@ The executor (stages/executor.py) drives it; tests and hand-written folders use 
 from __future__ import annotations
 
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,6 @@ from rlhf_batch.store.manifests import (
     write_manifest,
 )
 from rlhf_batch.store.schemas import SCHEMA_VERSION
-
-UPLOADS = 4  # parts of a stage uploaded to an object store at once, while the next ones are computed
 
 
 @dataclass
@@ -72,8 +69,6 @@ class StageOutput:
         self.final = sdir  # where the output ends up (sdir: where it is written)
         self.clock = StageClock()  # execute() gives it the stage's start
         self.written: dict[str, tuple[int, dict]] = {}  # part name -> (rows, counts) written here
-        self.uploads: list[Future] = []  # parts being written to an object store (`wait`)
-        self.pool: ThreadPoolExecutor | None = None
 
     def done(self) -> dict[str, Any] | None:
         """The manifest when the folder is complete with this identity; None when not complete;
@@ -163,39 +158,10 @@ class StageOutput:
         """Part `n` of this rank, written atomically; `counts` are summed into the manifest."""
         path = self.sdir / layout.part_name(self.rank, n)
         who = self.located if dist.fanned_out() else ""  # fanned out: checked by whoever commits
-
-        def write() -> None:
-            write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}", identity=who)
-
-        if fs.store_of(path).local:
-            write()
-        else:
-            self._upload(write)
+        write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}", identity=who)
         self.written[path.name] = (table.num_rows, dict(counts or {}))
-        fault_point(f"{self.folder}:part-{n}:done")  # on a store: handed to its upload
+        fault_point(f"{self.folder}:part-{n}:done")
         return path
-
-    def _upload(self, write: Any) -> None:
-        """On an object store: the part is written and uploaded in the background, UPLOADS at
-        once (each a PUT that waits on the network), while the stage computes the next ones; at
-        most UPLOADS parts wait in memory. `finish` waits for them before it lists the parts."""
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(UPLOADS, thread_name_prefix="part-upload")
-        while len(self.uploads) >= UPLOADS:
-            self.uploads.pop(0).result()
-        self.uploads.append(self.pool.submit(write))
-
-    def wait(self, raise_errors: bool = True) -> None:
-        """Every part this process handed to an upload is on the store, or failed: the first
-        failure is raised (a lost run lock, a store that stopped answering), after the others
-        ended (`raise_errors=False`: only waited for, when the stage failed already)."""
-        uploads, self.uploads = self.uploads, []
-        errors = [e for f in uploads if (e := f.exception()) is not None]
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None
-        if errors and raise_errors:
-            raise errors[0]
 
     def finish(self, n_parts: int, extra: Any = None) -> dict[str, Any] | None:
         """After every rank is done: rank 0 checks the parts and writes the manifest. `extra` is
@@ -203,7 +169,6 @@ class StageOutput:
         Fanned out (no process group), the process that finds every part there commits: the
         manifest is created only if it does not exist, so of two finishing together one commits
         and the other returns the manifest it wrote; one that finds parts missing returns None."""
-        self.wait()  # this process's parts are on the store
         dist.barrier()
         tokens = dist.all_sum(self.clock.tokens)
         result = None
