@@ -125,3 +125,50 @@ def test_a_store_without_fencing_refuses_to_lock_a_run_in_one_line() -> None:
         "or a local run_dir"
     )
     assert not (run / ".run.lock").exists()  # nothing written
+
+
+def test_a_folder_uploaded_from_this_machine_is_read_back_from_its_cache(
+    s3_server, s3_run: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder written to the store (a policy, as train writes it: write_dir_atomic) arrives whole
+    (its 9 files uploaded several at once) and becomes this machine's cached copy: reading it back
+    (`local_dir`, as the next iteration's stages do) is one LIST and no download. A folder another
+    machine wrote is downloaded once (one GET per object), then read from the cache."""
+    import shutil
+
+    from rlhf_batch.store.atomic import write_dir_atomic
+
+    monkeypatch.setenv("RLHF_BATCH_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "policy"
+    for i in range(8):
+        (src / f"shard-{i}").mkdir(parents=True)
+        (src / f"shard-{i}" / "weights.bin").write_bytes(bytes([i]) * (1000 + i))
+    (src / "config.json").write_text('{"n": 8}')
+    files = {p.relative_to(src).as_posix(): p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    root = fs.run_path(s3_run)
+    write_dir_atomic(root / "policy", lambda tmp: shutil.copytree(src, tmp, dirs_exist_ok=True))
+    stored = root / "policy"
+    assert {
+        p.relative_to(stored).as_posix(): p.read_bytes() for p in stored.rglob("*") if p.is_file()
+    } == files
+
+    def reads(path: Path) -> tuple[Path, list[str]]:
+        before = len(s3_server.requests())
+        local = fs.local_dir(path)
+        return local, [
+            r["method"] + ("-LIST" if "list-type" in r["query"] else "")
+            for r in s3_server.requests()[before:]
+        ]
+
+    local, kinds = reads(stored)
+    assert kinds == ["GET-LIST"] and local.is_relative_to(tmp_path / "cache")
+    assert {
+        p.relative_to(local).as_posix(): p.read_bytes()
+        for p in local.rglob("*")
+        if p.is_file() and p.name != ".complete"
+    } == files
+    other = root / "other"  # written by another machine: through s3fs, not this cache
+    fs.filesystem(other).put(f"{src}/", fs.key(other) + "/", recursive=True)
+    local, kinds = reads(other)
+    assert sorted(kinds) == ["GET"] * 9 + ["GET-LIST"]
+    assert reads(other) == (local, ["GET-LIST"])  # once per machine
