@@ -146,11 +146,12 @@ def make_config(tmp_path: Path, tiny_model: Path, demo_prompts: Path):
 
 
 @pytest.fixture(scope="session")
-def s3_server():
-    """A real S3-protocol server on 127.0.0.1 (tests/s3server.py) for the whole session."""
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """A real S3-protocol server on 127.0.0.1 (tests/s3server.py) for the whole session; every
+    request it answers is logged (`s3_server.requests()`), for the tests that count them."""
     from tests.s3server import S3Server
 
-    server = S3Server()
+    server = S3Server(log=tmp_path_factory.mktemp("s3") / "requests.jsonl")
     server.start()
     yield server
     server.stop()

@@ -45,8 +45,9 @@ class S3Server:
     lost on stop: moto keeps objects in memory). Its port is held from the start (hold_port), so
     a server of another worker cannot take it while this one starts."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, log: Path | None = None) -> None:
         self.extra_env = env or {}  # the server's own settings (e.g. INITIAL_NO_AUTH_ACTION_COUNT)
+        self.log = log  # every request answered, one JSON line each (tests/s3log.py; `requests`)
         if not SERVER.exists():
             raise RuntimeError(f"{SERVER}: no moto server; run `make s3` (make test does)")
         self.held: socket.socket | None = hold_port()  # from now until stop()
@@ -60,8 +61,12 @@ class S3Server:
     def start(self) -> None:
         if self.held is None:  # started again
             self.held = hold_port(self.port)
+        cmd = [str(SERVER), "-H", "127.0.0.1", "-p", str(self.port)]
+        if self.log is not None:  # the same server and app, behind a counting WSGI layer
+            cmd = [str(SERVER.parent / "python"), str(ROOT / "tests" / "s3log.py"), *cmd[1:]]
+            cmd += ["--log", str(self.log)]
         self.proc = subprocess.Popen(
-            [str(SERVER), "-H", "127.0.0.1", "-p", str(self.port)],
+            cmd,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -88,6 +93,15 @@ class S3Server:
         )
         with contextlib.suppress(Exception):  # a server refusing the credentials has loaded it too
             fs.ls("")
+
+    def requests(self) -> list[dict]:
+        """The requests answered so far, in order (a server started with `log`)."""
+        import json
+
+        assert self.log is not None, "a server started without log=... keeps no record"
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

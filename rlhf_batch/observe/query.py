@@ -53,7 +53,7 @@ from rlhf_batch.errors import ConfigError, UserError
 from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_view
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
 from rlhf_batch.store import layout
-from rlhf_batch.store.fs import register, run_path
+from rlhf_batch.store.fs import register, run_path, snapshot
 
 VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schemas)
     "rollouts": (f"{layout.ITER_GLOB}/{layout.ROLLOUTS}/{layout.PART_GLOB}", "ROLLOUTS"),
@@ -130,8 +130,10 @@ def one_line(e: BaseException) -> str:
 
 def existing_run(run_dir: str | Path, where: str = "") -> Path:
     """The run directory `run_dir` (resolved; a UPath resolves to itself), which must exist and
-    be readable by DuckDB's globs; `where`: how it was named, for the error."""
-    root = run_path(run_dir).expanduser().resolve()
+    be readable by DuckDB's globs; `where`: how it was named, for the error. On an object store
+    it is read through one listing of the run (`snapshot`): the read commands' looks cost no
+    request each."""
+    root = snapshot(run_path(run_dir).expanduser().resolve())
     if not root.is_dir():
         raise UserError(f"{root}: run directory not found{where}")
     if any(c in str(root) for c in "*?[]{}"):

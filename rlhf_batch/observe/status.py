@@ -88,8 +88,8 @@ def _stage_status(
         files = [f for f in [src / layout.METRICS_FILE] if f.exists()]
         started = sdir.exists() or layout.policy_dir(root, it).exists()
     else:
-        files = [src / p["file"] for p in m["parts"]] if m else layout.list_parts(sdir)
         started = sdir.exists()
+        files = [src / p["file"] for p in m["parts"]] if m else layout.list_parts(sdir) if started else []
     state = "complete" if m else "partial" if started else "missing"
     details = []
     if files:

@@ -251,10 +251,22 @@ def get_bytes(path: Path) -> bytes:
     return retry(path, lambda: fs.cat_file(key(path)))
 
 
+UPLOADERS = 8  # files of a folder uploaded at once (a large one: a multipart upload, 10 parts at once)
+
+
 def put_dir(local: Path, path: Path) -> None:
-    """Upload every file below the local directory `local` to the prefix `path`."""
-    for f in sorted(p for p in local.rglob("*") if p.is_file()):
-        put_file(f, path / f.relative_to(local).as_posix())
+    """Upload every file below the local directory `local` to the prefix `path`, UPLOADERS at
+    once: a policy's weight shards, tokenizer and config are requests that wait on the network,
+    not on each other (the manifest written after the folder is what makes it count)."""
+    files = sorted(p for p in local.rglob("*") if p.is_file())
+    if len(files) < 2:
+        for f in files:
+            put_file(f, path / f.relative_to(local).as_posix())
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(UPLOADERS, len(files))) as pool:
+        list(pool.map(lambda f: put_file(f, path / f.relative_to(local).as_posix()), files))
 
 
 def mirror(src: Path, dst: Path, last: str | None = None) -> None:
@@ -553,6 +565,7 @@ class FsspecStore(Store):
         if tmp.is_dir():
             self.remove(path)
             put_dir(tmp, path)
+            _keep(tmp, path)
         else:
             put_file(tmp, path)
 
@@ -662,6 +675,33 @@ def register(con: Any, paths: Any) -> None:
         store_of(p).register(con, p)
 
 
+def _signature(listing: dict[str, Any]) -> str:
+    """The cache key of a folder on the store: its objects' names, sizes and ETags."""
+    sig = sorted(
+        (name, info.get("size"), str(info.get("ETag") or info.get("etag") or ""))
+        for name, info in listing.items()
+    )
+    return hashlib.sha256(repr(sig).encode()).hexdigest()[:24]
+
+
+def _keep(local: Path, path: Path) -> None:
+    """After the local folder `local` was uploaded as `path`: move it into the model cache as
+    `path`'s copy (one LIST for the objects' ETags), so this machine's next read of it (the next
+    iteration's stages reading the policy train wrote here) downloads nothing."""
+    fs = filesystem(path)
+    out = cache_root() / _signature(retry(path, lambda: fs.find(key(path), detail=True)))
+    if (out / ".complete").exists():
+        return
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # layout.tmp_name's rule
+    try:  # the upload is done: a cache that cannot take the copy only costs a download later
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(local), str(tmp))  # a rename where the cache is on the same disk
+        (tmp / ".complete").write_text(str(path))
+        os.replace(tmp, out)
+    except OSError:  # a full disk, or another process of this machine cached it first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _cached(path: Path) -> Path:
     """A model directory on the store copied into the local cache once per machine, keyed by its
     objects' names, sizes and ETags (another policy, another key)."""
@@ -669,12 +709,7 @@ def _cached(path: Path) -> Path:
     listing = retry(path, lambda: fs.find(key(path), detail=True))
     if not listing:
         return path  # not there: the caller's checks name it
-    sig = sorted(
-        (name, info.get("size"), str(info.get("ETag") or info.get("etag") or ""))
-        for name, info in listing.items()
-    )
-    digest = hashlib.sha256(repr(sig).encode()).hexdigest()[:24]
-    out = cache_root() / digest
+    out = cache_root() / _signature(listing)
     if (out / ".complete").exists():
         return out
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")  # layout.tmp_name's rule (layout imports fs)
@@ -689,3 +724,48 @@ def _cached(path: Path) -> Path:
     except OSError:  # another process of this machine cached it first
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def snapshot(root: Path) -> Path:
+    """`root` read through one listing of the run, for commands that only read it (`status`,
+    `sql`, `report`): one recursive listing (a LIST request per 1000 objects) answers every later
+    look at what exists, its size and ETag, below `root`, so reading a file is one GET; without it
+    each existence check, glob and open is a HEAD or a LIST of its own. The answers are those of
+    the moment of the listing (a writer's later parts are not seen: read commands show a run as
+    it was when they started). Local paths are returned as they are."""
+    if store_of(root).local or getattr(root, "storage_options", {}).get("use_listings_cache"):
+        return root  # local, or a snapshot already
+    from upath import UPath
+
+    opts = {**root.storage_options, "use_listings_cache": True}  # type: ignore[attr-defined]
+    snap = cast(Path, UPath(str(root), **opts))
+    fsys = filesystem(snap)
+    if hasattr(fsys, "_call_s3"):  # s3fs: the store deadline on each request, as run_path's
+        _bound(fsys)
+    fsys.invalidate_cache()  # the instance may be an earlier snapshot's (fsspec caches instances)
+    retry(snap, lambda: fsys.find(key(snap)))  # fills the listings cache of every folder below
+    _listed_below(fsys, key(snap).rstrip("/"))
+    return snap
+
+
+def _listed_below(fsys: Any, top: str) -> None:
+    """Make a filesystem whose listings cache holds every folder below `top` answer that a path
+    below a folder it does not hold is not there (fsspec asks the store: a HEAD and a LIST)."""
+    if getattr(fsys, "_listed_top", None) is not None:
+        fsys._listed_top = top
+        return
+    cached = fsys._ls_from_cache
+
+    def ls_from_cache(path: str) -> Any:
+        found = cached(path)
+        top = fsys._listed_top
+        if found is not None or not path.startswith(top + "/"):
+            return found
+        parent = fsys._parent(path)
+        while len(parent) > len(top):  # the nearest listed folder above it lacks its folder
+            parent = fsys._parent(parent)
+            if parent in fsys.dircache:
+                raise FileNotFoundError(path)
+        return None  # nothing above it listed (a write since dropped the listings): ask the store
+
+    fsys._ls_from_cache, fsys._listed_top = ls_from_cache, top

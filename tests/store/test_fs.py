@@ -57,7 +57,7 @@ def test_create_is_exclusive_on_local_disk_and_on_the_store(tmp_path: Path, s3_r
         assert target.read_bytes() == b"first"
 
 
-def test_read_commands_take_a_run_on_the_store(s3_run: str, make_config) -> None:
+def test_read_commands_take_a_run_on_the_store(s3_server, s3_run: str, make_config) -> None:
 
     path, cfg = make_config(run_dir=s3_run)
     run_stage("generate", cfg, 0, quiet=True)
@@ -66,9 +66,21 @@ def test_read_commands_take_a_run_on_the_store(s3_run: str, make_config) -> None
     def cli(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "rlhf_batch", *args], capture_output=True, text=True)
 
+    before = len(s3_server.requests())
     status = cli("status", s3_run)
     assert status.returncode == 0, status.stderr
     assert f"run: {s3_run}" in status.stdout and "rollouts    complete" in status.stdout
+    # What status needs, read through one listing of the run (fs.snapshot): 1 LIST (the run has
+    # < 1000 objects), then GETs only, no HEAD: each of the 2 manifests at most 4 times (the view's
+    # file list, DuckDB's `stages` view, the stage's state, scores' check of its input), each of
+    # the 4 Parquet parts (12 prompts / 5 per part = 3 of rollouts, 1 of scores) at most 8 times
+    # (once per DuckDB statement that binds a view over it: the views, prompt_stats, source_stats,
+    # turns, status's own query; DuckDB keeps no footer of an fsspec file between statements):
+    # 1 + 2 x 4 + 4 x 8 = 41. Before, every look was a HEAD or a LIST of its own (~280 an iteration).
+    reqs = s3_server.requests()[before:]
+    kinds = [(r["method"], "list-type" in r["query"]) for r in reqs]
+    assert kinds.count(("GET", True)) == 1 and {m for m, _ in kinds} == {"GET"}, kinds
+    assert len(reqs) <= 41, [(r["method"], r["path"]) for r in reqs]
     sql = cli("sql", "--run-dir", s3_run, "--format", "csv", "SELECT count(*) AS n FROM scores")
     assert sql.returncode == 0 and sql.stdout.split() == ["n", "48"], sql.stderr
     report = cli("report", str(path))
@@ -113,3 +125,50 @@ def test_a_store_without_fencing_refuses_to_lock_a_run_in_one_line() -> None:
         "or a local run_dir"
     )
     assert not (run / ".run.lock").exists()  # nothing written
+
+
+def test_a_folder_uploaded_from_this_machine_is_read_back_from_its_cache(
+    s3_server, s3_run: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder written to the store (a policy, as train writes it: write_dir_atomic) arrives whole
+    (its 9 files uploaded several at once) and becomes this machine's cached copy: reading it back
+    (`local_dir`, as the next iteration's stages do) is one LIST and no download. A folder another
+    machine wrote is downloaded once (one GET per object), then read from the cache."""
+    import shutil
+
+    from rlhf_batch.store.atomic import write_dir_atomic
+
+    monkeypatch.setenv("RLHF_BATCH_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "policy"
+    for i in range(8):
+        (src / f"shard-{i}").mkdir(parents=True)
+        (src / f"shard-{i}" / "weights.bin").write_bytes(bytes([i]) * (1000 + i))
+    (src / "config.json").write_text('{"n": 8}')
+    files = {p.relative_to(src).as_posix(): p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    root = fs.run_path(s3_run)
+    write_dir_atomic(root / "policy", lambda tmp: shutil.copytree(src, tmp, dirs_exist_ok=True))
+    stored = root / "policy"
+    assert {
+        p.relative_to(stored).as_posix(): p.read_bytes() for p in stored.rglob("*") if p.is_file()
+    } == files
+
+    def reads(path: Path) -> tuple[Path, list[str]]:
+        before = len(s3_server.requests())
+        local = fs.local_dir(path)
+        return local, [
+            r["method"] + ("-LIST" if "list-type" in r["query"] else "")
+            for r in s3_server.requests()[before:]
+        ]
+
+    local, kinds = reads(stored)
+    assert kinds == ["GET-LIST"] and local.is_relative_to(tmp_path / "cache")
+    assert {
+        p.relative_to(local).as_posix(): p.read_bytes()
+        for p in local.rglob("*")
+        if p.is_file() and p.name != ".complete"
+    } == files
+    other = root / "other"  # written by another machine: through s3fs, not this cache
+    fs.filesystem(other).put(f"{src}/", fs.key(other) + "/", recursive=True)
+    local, kinds = reads(other)
+    assert sorted(kinds) == ["GET"] * 9 + ["GET-LIST"]
+    assert reads(other) == (local, ["GET-LIST"])  # once per machine
