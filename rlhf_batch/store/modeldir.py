@@ -4,6 +4,8 @@ stage records for a model it reads."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from rlhf_batch.store.layout import BASE_WEIGHTS, WEIGHTS_DIGEST
 
 
 def check_model_dir(path: str, what: str) -> Path:
-    p = run_path(path) if path else Path(path)
+    p = run_path(path, what) if path else Path(path)
     if not path:
         raise ModelError(f"{what}: no model directory configured")
     if not p.is_dir():
@@ -26,6 +28,22 @@ def check_model_dir(path: str, what: str) -> Path:
     if not any(p.glob("*.safetensors")):
         raise ModelError(f"{what}: {p} has no *.safetensors weights (only safetensors are loaded)")
     return p
+
+
+@contextlib.contextmanager
+def config_dir(p: Path) -> Iterator[Path]:
+    """A local folder holding the config of the model dir `p` (for transformers' AutoConfig):
+    `p` itself where local; on a store, its config.json (and any remote code's .py files)
+    copied to a temporary folder, the weights left where they are."""
+    if store_of(p).local:
+        yield p
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rlhf-batch-") as d:
+        for q in [p / "config.json", *p.glob("*.py")]:
+            (Path(d) / q.name).write_bytes(q.read_bytes())
+        yield Path(d)
 
 
 def same_dir(a: str | Path | None, b: str | Path | None) -> bool:
