@@ -230,7 +230,7 @@ def check_base_weights(run_dir: str | Path, path: str, what: str) -> None:
         seen = was.get(q.name)
         same = seen is not None and (seen["bytes"], seen["mtime_ns"]) == (st.st_size, st.st_mtime_ns)
         now[q.name] = (
-            seen if same else {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(q)}
+            seen if same else {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _file_sha256(q)}
         )
     if was and {k: v["sha256"] for k, v in was.items()} != {k: v["sha256"] for k, v in now.items()}:
         changed = sorted(
