@@ -79,3 +79,25 @@ def test_validate_checks_models_and_prompts_on_the_store(bucket: str, make_confi
             "folders, not a store URI; install them as a package or give every machine a local copy",
         ]
     ), res.output  # type: ignore[attr-defined]
+
+
+def test_ranks_with_the_model_on_the_store_and_a_local_copy_agree(
+    bucket: str, make_config, tiny_model: Path
+) -> None:
+    """Rank 0 reads the base model from the store, rank 1 its local copy (the same bytes:
+    init-model's defaults are the tiny_model fixture's); a run on local disk."""
+    from rlhf_batch.stages.executor import is_done
+    from rlhf_batch.stages.registry import get
+    from tests.stages.cli_helpers import manifest
+
+    ok("init-model", f"{bucket}/m")
+    assert (
+        run_path(f"{bucket}/m/model.safetensors").read_bytes()
+        == (tiny_model / "model.safetensors").read_bytes()
+    )
+    a, cfg = make_config(name="a.toml", policy_model=f"{bucket}/m")
+    b, cfg_b = make_config(name="b.toml")  # policy_model: tiny_model
+    ok("generate", a, "--quiet", "--rank", 0, "--world-size", 2)
+    ok("generate", b, "--quiet", "--rank", 1, "--world-size", 2)  # later: commits
+    assert manifest(cfg.run_dir, "rollouts")["rows"] == 48
+    assert is_done(get("generate")(cfg, 0)) and is_done(get("generate")(cfg_b, 0))
