@@ -1,7 +1,7 @@
 """`validate`: what a run needs, checked before it starts, every problem reported in one run.
 
-Checked: the config's keys, types and values (config.check_config); the model directories (or
-cached hub ids) with a config transformers can load; the prompt files of `generate.prompts` and
+Checked: the config's keys, types and values (config.check_config); the model directories, local
+or on a store (or cached hub ids), with a config transformers can load; the prompt files of `generate.prompts` and
 `eval.prompts` (readable, not empty, a prompt column, the id column and its ids: prompt_ids.py);
 the reward functions (imports, column names that do not clash, each function's arguments
 against the columns of the prompts it scores: rewards.conventions.argument_problem); LoRA's
@@ -86,10 +86,11 @@ def _check_devices(cfg: Any) -> str | None:
 
 
 def _exists(path: str, what: str) -> bool:
-    """Whether a local path or store URI exists (a missing store package: one line naming `what`)."""
+    """Whether a local path or store URI exists (a missing store package: one line naming `what`);
+    an empty one counts as there, for its check to say it is not configured."""
     from rlhf_batch.store.fs import run_path
 
-    return bool(path) and run_path(path, what).exists()
+    return not path or run_path(path, what).exists()
 
 
 def _check_model(path: str, what: str) -> str:
