@@ -719,7 +719,14 @@ def load_config(
     _check_run_dir(cfg.run_dir, where)
     if resolve_models:
         _resolve_hub_ids(cfg)
-    cfg.score.reward_paths = [str(base / Path(d).expanduser()) for d in cfg.score.reward_paths]
+    for d in [d for d in cfg.score.reward_paths if "://" in d]:
+        _fail(
+            f"{where}: 'score.reward_paths' {d}: reward modules are imported from local folders, not a "
+            "store URI; install them as a package or give every machine a local copy"
+        )
+    cfg.score.reward_paths = [
+        str(base / Path(d).expanduser()) for d in cfg.score.reward_paths if "://" not in d
+    ]
     cfg.__dict__["source_dir"] = str(base)  # not a field: where the file is changes no result
     found = _PROBLEMS.get()
     start = len(found) if found is not None else 0

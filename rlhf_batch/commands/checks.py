@@ -1,7 +1,7 @@
 """`validate`: what a run needs, checked before it starts, every problem reported in one run.
 
-Checked: the config's keys, types and values (config.check_config); the model directories (or
-cached hub ids) with a config transformers can load; the prompt files of `generate.prompts` and
+Checked: the config's keys, types and values (config.check_config); the model directories, local
+or on a store (or cached hub ids), with a config transformers can load; the prompt files of `generate.prompts` and
 `eval.prompts` (readable, not empty, a prompt column, the id column and its ids: prompt_ids.py);
 the reward functions (imports, column names that do not clash, each function's arguments
 against the columns of the prompts it scores: rewards.conventions.argument_problem); LoRA's
@@ -24,22 +24,28 @@ def validate(cfg: Any) -> tuple[list[str], list[str]]:
     ok: list[str] = []
     problems: list[str] = []
 
-    def check(fn: Callable[[], str | list[str] | None]) -> None:
+    def check(fn: Callable[[], Any]) -> Any:
         try:
             done = fn()
         except UserError as e:
             problems.extend(getattr(e, "problems", [str(e)]))
-            return
+            return None
+        if isinstance(done, bool):  # a question, not a check
+            return done
         ok.extend([done] if isinstance(done, str) else done or [])
+        return done
 
-    for what in ("policy_model", "ref_model", "reward_model"):
-        path = getattr(cfg, what)
-        if what == "policy_model" and cfg.demo and not Path(path).exists():
+    for what in ("policy_model", "ref_model", "reward_model", "score.teacher_model"):
+        path = cfg.score.teacher_model if what == "score.teacher_model" else getattr(cfg, what)
+        if what == "policy_model" and cfg.demo and not check(functools.partial(_exists, path, what)):
             continue  # the demo builds it
         if what == "policy_model" or path:
             check(functools.partial(_check_model, path, what))
     columns: dict[str, list[str] | None] = {"generate": None, "eval": None}
-    if not (cfg.demo and isinstance(cfg.generate.prompts, str) and not Path(cfg.generate.prompts).exists()):
+    prompts = cfg.generate.prompts
+    if not (
+        cfg.demo and isinstance(prompts, str) and not check(lambda: _exists(prompts, "generate.prompts"))
+    ):
         check(lambda: _check_prompts(cfg.generate, "generate.prompts", columns, "generate"))
     if cfg.eval.prompts:
         check(lambda: _check_prompts(_eval_sampling(cfg), "eval.prompts", columns, "eval"))
@@ -79,14 +85,23 @@ def _check_devices(cfg: Any) -> str | None:
     return ", ".join(f"{k} {v}" for k, v in wanted.items())
 
 
-def _check_model(path: str, what: str) -> str:
-    from rlhf_batch.store.modeldir import check_model_dir
+def _exists(path: str, what: str) -> bool:
+    """Whether a local path or store URI exists (a missing store package: one line naming `what`);
+    an empty one counts as there, for its check to say it is not configured."""
+    from rlhf_batch.store.fs import run_path
 
-    p = check_model_dir(path, what)
+    return not path or run_path(path, what).exists()
+
+
+def _check_model(path: str, what: str) -> str:
     from transformers import AutoConfig
 
+    from rlhf_batch.store.modeldir import check_model_dir, config_dir
+
+    p = check_model_dir(path, what)
     try:
-        AutoConfig.from_pretrained(p, local_files_only=True)
+        with config_dir(p) as local:
+            AutoConfig.from_pretrained(local, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"{what}: {p}/config.json does not load ({str(e).splitlines()[0]})") from None
     return f"{what} {path}"
@@ -177,7 +192,11 @@ def _check_lora(cfg: Any) -> str:
             f"lora.init_adapter: {lc.init_adapter} has no {ADAPTER_WEIGHTS} (a peft LoRA adapter dir)"
         )
     if lc.target_modules != ["all-linear"]:
-        names = _module_names(cfg.policy_model, cfg.trust_remote_code)
+        from rlhf_batch.store.fs import run_path
+        from rlhf_batch.store.modeldir import config_dir
+
+        with config_dir(run_path(cfg.policy_model, "policy_model")) as local:
+            names = _module_names(str(local), cfg.trust_remote_code)
         if unknown := [t for t in lc.target_modules if t not in names]:
             raise ConfigError(
                 f"lora.target_modules: {', '.join(map(repr, unknown))} not in {cfg.policy_model} "

@@ -407,7 +407,9 @@ def report(
 
 @app.command("init-model")
 def init_model(
-    out_dir: Annotated[Path, typer.Argument(help="Where to save the model and tokenizer.")],
+    out_dir: Annotated[
+        str, typer.Argument(help="Where to save the model and tokenizer: a folder or a store URI (s3://...).")
+    ],
     arch: Annotated[str, typer.Option(help="qwen2 | llama")] = "qwen2",
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 64,
     layers: Annotated[int, typer.Option(help="Decoder layers.")] = 2,
@@ -455,7 +457,9 @@ def init_model(
 
 @app.command("init-prompts")
 def init_prompts(
-    out: Annotated[Path, typer.Argument(help="JSONL file to write the demo task's prompts to.")],
+    out: Annotated[
+        str, typer.Argument(help="JSONL file to write the demo task's prompts to: a path or a store URI.")
+    ],
     n: Annotated[int, typer.Option(help="Number of prompts.")] = 256,
     seed: Annotated[int, typer.Option(help="Seed of the prompt set.")] = 0,
 ) -> None:

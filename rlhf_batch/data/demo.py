@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf_batch.store.atomic import write_file_atomic
+from rlhf_batch.store.fs import makedirs, run_path
 
 if TYPE_CHECKING:
     from rlhf_batch.config import Config
@@ -24,11 +25,12 @@ ASK_ENV = "rlhf_batch.envs.demo:ask_letter"  # the multi-turn demo task's enviro
 
 
 def write_prompts(path: str | Path, n: int, seed: int = 0, hidden: bool = False) -> Path:
-    """Write `n` demo prompts as JSONL: id, prompt, letter, count. `hidden`: the multi-turn
-    task's prompts, "?*3=" (the environment reveals the letter; envs/demo.py)."""
+    """Write `n` demo prompts as JSONL: id, prompt, letter, count, at a local path or a store URI
+    (one PUT). `hidden`: the multi-turn task's prompts, "?*3=" (the environment reveals the
+    letter; envs/demo.py)."""
     combos = [(c, k) for c in LETTERS for k in range(1, MAX_COUNT + 1)]
     rng = random.Random(seed)
-    p = Path(path)
+    p = run_path(path)
     rows = []
     for i in range(n):
         c, k = rng.choice(combos)
@@ -38,17 +40,18 @@ def write_prompts(path: str | Path, n: int, seed: int = 0, hidden: bool = False)
             )
             + "\n"
         )
-    p.parent.mkdir(parents=True, exist_ok=True)
+    makedirs(p.parent)
     write_file_atomic(p, lambda tmp: tmp.write_text("".join(rows)))
     return p
 
 
 def ensure_demo_assets(cfg: Config) -> None:
-    """Build the tiny demo model and the demo prompts where the config expects them, if missing."""
+    """Build the tiny demo model and the demo prompts where the config expects them (local paths
+    or store URIs), if missing."""
     from rlhf_batch.models.tiny import init_model
 
-    if cfg.policy_model and not Path(cfg.policy_model, "config.json").exists():
+    if cfg.policy_model and not (run_path(cfg.policy_model) / "config.json").exists():
         init_model(cfg.policy_model, seed=cfg.seed)
     prompts = cfg.generate.prompts
-    if prompts and isinstance(prompts, str) and not Path(prompts).exists():
+    if prompts and isinstance(prompts, str) and not run_path(prompts).exists():
         write_prompts(prompts, 256, seed=cfg.seed, hidden=cfg.generate.environment == ASK_ENV)

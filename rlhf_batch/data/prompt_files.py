@@ -6,6 +6,9 @@ A prompt set is one of, or a list of (read in order and concatenated, as verl's 
 * a Hugging Face `datasets` directory (`save_to_disk`; a DatasetDict's `train` split);
 * a directory of shards: every .parquet / .jsonl / .json file below it, in name order;
 * a glob (`data/train-*.parquet`), its matches in name order;
+* any of these on an object store (`s3://bucket/prompts.jsonl`, a prefix of shards, a glob;
+  a datasets directory through the local cache of store folders), read with the store's
+  credentials from the environment as the run directory is;
 * a hub dataset id, `org/name[@revision][:split]` (split default `train`), read from the local
   Hugging Face cache only (HF_HUB_CACHE / HF_HOME): the snapshot's files of that split (in a
   folder named after it, or named `<split>-*` / `<split>.*`). A dataset not in the cache is an
@@ -26,6 +29,7 @@ import pyarrow as pa
 
 from rlhf_batch.errors import StageError
 from rlhf_batch.runtime.hub import is_hub_dataset
+from rlhf_batch.store.fs import filesystem, get_bytes, key, local_dir, retry, run_path, scheme, store_of
 
 SUFFIXES = (".parquet", ".jsonl", ".json")
 
@@ -49,6 +53,8 @@ def sources(spec: Any, key: str = "generate.prompts") -> list[Path]:
 
 
 def _expand(item: str) -> list[Path]:
+    if scheme(item):  # a store URI: its object, or the objects below its prefix
+        return _expand_remote(item)
     p = Path(item).expanduser()
     if p.is_dir() and not _is_datasets_dir(p):
         shards = sorted(
@@ -67,6 +73,31 @@ def _expand(item: str) -> list[Path]:
     if not p.is_absolute() and is_hub_dataset(item):
         return hub_dataset_files(item)
     raise StageError(f"{p}: prompt file not found")
+
+
+def _expand_remote(item: str) -> list[Path]:
+    """The sources of a prompt set on a store (s3://...): one object, the shards below a prefix
+    (a datasets dir is read through the local cache), or the objects a glob matches."""
+    p = run_path(item, "prompts")
+    fsys = filesystem(p)
+    if any(c in item for c in "*?["):
+        matches = retry(p, lambda: fsys.glob(key(p)))
+        found = [
+            run_path(fsys.unstrip_protocol(k), "prompts") for k in sorted(matches) if k.endswith(SUFFIXES)
+        ]
+        if not found:
+            raise StageError(f"{item}: the pattern matches no prompt file")
+        return found
+    if retry(p, lambda: fsys.isfile(key(p))):
+        return [p]
+    if not retry(p, lambda: fsys.isdir(key(p))):
+        raise StageError(f"{item}: prompt file not found")
+    if _is_datasets_dir(p):
+        return [p]
+    shards = sorted(q for q in p.rglob("*") if q.suffix in SUFFIXES and q.name[0] not in "._")
+    if not shards:
+        raise StageError(f"{item}: a directory without .parquet, .jsonl or .json files (nor a datasets dir)")
+    return shards
 
 
 def _is_datasets_dir(p: Path) -> bool:
@@ -145,6 +176,8 @@ def fingerprint(spec: Any) -> str:
 
 def read_file(p: Path) -> pa.Table:
     """One prompt file (or datasets dir) as an Arrow table; errors name the file."""
+    if not store_of(p).local:  # an object on a store: read whole (one GET), named by its URI
+        return _read_remote(p)
     try:
         if p.is_dir():
             return _read_datasets_dir(p)
@@ -159,6 +192,27 @@ def read_file(p: Path) -> pa.Table:
 
             return pq.read_table(p)
     except (pa.ArrowInvalid, OSError) as e:
+        raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
+    raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl, .json or .parquet)")
+
+
+def _read_remote(p: Path) -> pa.Table:
+    """A prompt file on a store: its bytes read at once (a datasets dir: its local cached copy)."""
+    if p.is_dir():
+        return _read_datasets_dir(local_dir(p))
+    data = get_bytes(p)
+    try:
+        if p.suffix == ".json" and data.lstrip().startswith(b"["):
+            return _json_rows(p, data)
+        if p.suffix in (".jsonl", ".json"):
+            import pyarrow.json as pj
+
+            return _utf8(p, pj.read_json(pa.BufferReader(data))) if data else pa.table({})
+        if p.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_table(pa.BufferReader(data))
+    except pa.ArrowInvalid as e:
         raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
     raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl, .json or .parquet)")
 
@@ -179,10 +233,14 @@ def _starts_with(p: Path, token: bytes) -> bool:
 
 def _read_json_array(p: Path) -> pa.Table:
     """A .json file holding one JSON array of objects."""
+    return _json_rows(p, p.read_bytes())
+
+
+def _json_rows(p: Path, data: bytes) -> pa.Table:
     import json
 
     try:
-        rows = json.loads(p.read_text())
+        rows = json.loads(data.decode())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise StageError(f"{p}: not valid JSON ({e})") from None
     bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)

@@ -87,14 +87,22 @@ def check_adapter(cfg: Config, adapter: Path) -> None:
 def check_targets(cfg: Config) -> None:
     """Each name in lora.target_modules matches a module of the base model, checked on an empty
     (meta-device) model built from its config.json: a misspelt name fails before any stage runs."""
+    from rlhf_batch.store.fs import run_path
+    from rlhf_batch.store.modeldir import config_dir
+
     lc = cfg.lora
-    base = Path(cfg.policy_model)
-    if not lc.enabled or lc.target_modules == ["all-linear"] or not (base / "config.json").is_file():
+    if not lc.enabled or lc.target_modules == ["all-linear"]:
+        return
+    base = run_path(cfg.policy_model, "policy_model")
+    if not (base / "config.json").is_file():
         return
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    conf = AutoConfig.from_pretrained(base, trust_remote_code=cfg.trust_remote_code, local_files_only=True)
+    with config_dir(base) as local:  # a model on a store: its config.json, not its weights
+        conf = AutoConfig.from_pretrained(
+            local, trust_remote_code=cfg.trust_remote_code, local_files_only=True
+        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(conf, trust_remote_code=cfg.trust_remote_code)
     names = [n for n, _ in model.named_modules()]

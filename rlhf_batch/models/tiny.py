@@ -130,18 +130,24 @@ def init_model(
     model = cls.from_config(cfg, dtype=torch.float32)
     if dtype != "float32":
         model = model.to(getattr(torch, dtype))
-    out = Path(out_dir)
-    if out.exists():  # the user's own directory: write into it
-        model.save_pretrained(out, safe_serialization=True)
-        tok.save_pretrained(out)
-        return out
     from rlhf_batch.store.atomic import write_dir_atomic
+    from rlhf_batch.store.fs import put_dir, run_path, store_of
 
-    def write(tmp: Path) -> None:  # a new directory appears whole or not at all
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
 
-    write_dir_atomic(out, write)
+    out = run_path(out_dir, "init-model")
+    if not out.exists():  # a new directory appears whole or not at all (on a store: file by file)
+        write_dir_atomic(out, write)
+    elif store_of(out).local:  # the user's own directory: write into it
+        write(out)
+    else:  # a prefix with objects already: the model's files are uploaded over theirs, others kept
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="rlhf-batch-") as d:
+            write(Path(d))
+            put_dir(Path(d), out)
     return out
 
 

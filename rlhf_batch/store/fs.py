@@ -51,10 +51,11 @@ def scheme(run_dir: str | Path) -> str:
     return "" if s in ("file", "local") else s
 
 
-def run_path(run_dir: str | Path) -> Path:
-    """The run directory (or a path below it) as a path object: `pathlib.Path` when local, a
-    `UPath` on an object store (typed as Path: it has the same methods). A scheme whose
-    filesystem package is missing is a one-line error, never a local folder named `s3:`."""
+def run_path(run_dir: str | Path, what: str = "run_dir") -> Path:
+    """The run directory (or any path of a config: a model, a prompt file) as a path object:
+    `pathlib.Path` when local, a `UPath` on an object store (typed as Path: it has the same
+    methods). A scheme whose filesystem package is missing is a one-line error naming `what`
+    (the config key), never a local folder named `s3:`."""
     if not isinstance(run_dir, str | Path):  # a UPath already
         return cast(Path, run_dir)
     text = str(run_dir)
@@ -63,12 +64,12 @@ def run_path(run_dir: str | Path) -> Path:
         return Path(text[len("file://") :] if text.startswith("file://") else text)
     if s not in PACKAGES:
         raise ConfigError(
-            f"run_dir {text}: unknown scheme '{s}://'; use a local path, file://, s3:// or gs://"
+            f"{what} {text}: unknown scheme '{s}://'; use a local path, file://, s3:// or gs://"
         )
     pkg = PACKAGES[s]
     if importlib.util.find_spec(pkg) is None:
         raise ConfigError(
-            f"run_dir {text}: the {s}:// store needs the {pkg} package: pip install 'rlhf-batch[{EXTRAS[pkg]}]'"
+            f"{what} {text}: the {s}:// store needs the {pkg} package: pip install 'rlhf-batch[{EXTRAS[pkg]}]'"
         )
     from upath import UPath
 

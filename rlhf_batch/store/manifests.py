@@ -144,24 +144,54 @@ def file_fingerprint(path: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-# Where an input is, not what it is: a prompt set's paths (its content hash is in the inputs).
-# Two processes that read the same prompts from different paths (fan-out ranks on machines of
-# their own) agree. Models keep their paths: a base model is not hashed (many GB), so its path is
-# part of what identifies it (give every machine the same one: a store URI).
-LOCATIONS = (("generate", "prompts"), ("eval", "prompts"))
+# Where an input is, not what it is: the paths of prompt sets and models (their content hashes
+# are in the inputs). Two processes that read the same prompts and models from different paths
+# (fan-out ranks on machines of their own, a store URI and a local copy) agree.
+LOCATIONS = (
+    ("generate", "prompts"),
+    ("eval", "prompts"),
+    ("", "policy_model"),
+    ("", "ref_model"),
+    ("", "reward_model"),
+    ("score", "teacher_model"),
+)
+HASHES = ("content", "sha256")  # a model fingerprint's content hash (store/modeldir.py)
 
 
 def _located(identity: dict[str, Any]) -> Any:
-    """The identity without where its prompt sets are (LOCATIONS in the config)."""
+    """The identity without where its prompt sets and models are (LOCATIONS in the config; the
+    path of each model fingerprint of the inputs that holds a content hash)."""
     config = json.loads(json.dumps(identity.get("config") or {}, default=str))
     for table, key in LOCATIONS:
-        if isinstance(config.get(table), dict):
-            config[table].pop(key, None)
+        node = config.get(table) if table else config
+        if isinstance(node, dict):
+            node.pop(key, None)
     return {
         "config": config,
-        "inputs": identity.get("inputs"),
+        "inputs": _walk(identity.get("inputs"), _unplaced),
         "schema_version": identity.get("schema_version"),
     }
+
+
+def _walk(obj: Any, fix: Any) -> Any:
+    """`obj` with `fix` applied to every dict in it, innermost first."""
+    if isinstance(obj, dict):
+        return fix({k: _walk(v, fix) for k, v in obj.items()})
+    if isinstance(obj, list):
+        return [_walk(v, fix) for v in obj]
+    return obj
+
+
+def _unplaced(d: dict[str, Any]) -> dict[str, Any]:
+    """A model fingerprint with a content hash, without its path (and hub revision)."""
+    if "weights" in d and any(h in d for h in HASHES):
+        return {k: v for k, v in d.items() if k not in ("path", "hub")}
+    return d
+
+
+def _unhashed(d: dict[str, Any]) -> dict[str, Any]:
+    """A model fingerprint as versions before base-model hashes recorded it (no `sha256`)."""
+    return {k: v for k, v in d.items() if k != "sha256"} if "weights" in d else d
 
 
 def located_key(identity: dict[str, Any]) -> str:
@@ -170,9 +200,12 @@ def located_key(identity: dict[str, Any]) -> str:
 
 
 def same_identity(recorded: dict[str, Any], key: str, identity: dict[str, Any]) -> bool:
-    """Whether a manifest or `_started.json` (`recorded`) has this identity: the same key, or the
-    same identity but for where the inputs are (`_located`)."""
+    """Whether a manifest or `_started.json` (`recorded`) has this identity: the same key (or the
+    key this identity had before base models were hashed), or the same identity but for where
+    the inputs are (`_located`)."""
     if recorded.get("key") == key:
+        return True
+    if recorded.get("key") == fingerprint(_walk(identity, _unhashed)):  # written before base-model hashes
         return True
     return located_key(recorded) == located_key(identity)
 

@@ -4,18 +4,21 @@ stage records for a model it reads."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import ModelError
 from rlhf_batch.runtime.hub import hub_revision
 from rlhf_batch.store import layout
-from rlhf_batch.store.fs import makedirs, run_path, store_of
+from rlhf_batch.store.fs import cache_root, local_dir, makedirs, run_path, store_of
 from rlhf_batch.store.layout import BASE_WEIGHTS, WEIGHTS_DIGEST
 
 
 def check_model_dir(path: str, what: str) -> Path:
-    p = run_path(path) if path else Path(path)
+    p = run_path(path, what) if path else Path(path)
     if not path:
         raise ModelError(f"{what}: no model directory configured")
     if not p.is_dir():
@@ -26,6 +29,22 @@ def check_model_dir(path: str, what: str) -> Path:
     if not any(p.glob("*.safetensors")):
         raise ModelError(f"{what}: {p} has no *.safetensors weights (only safetensors are loaded)")
     return p
+
+
+@contextlib.contextmanager
+def config_dir(p: Path) -> Iterator[Path]:
+    """A local folder holding the config of the model dir `p` (for transformers' AutoConfig):
+    `p` itself where local; on a store, its config.json (and any remote code's .py files)
+    copied to a temporary folder, the weights left where they are."""
+    if store_of(p).local:
+        yield p
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rlhf-batch-") as d:
+        for q in [p / "config.json", *p.glob("*.py")]:
+            (Path(d) / q.name).write_bytes(q.read_bytes())
+        yield Path(d)
 
 
 def same_dir(a: str | Path | None, b: str | Path | None) -> bool:
@@ -43,10 +62,12 @@ def refuse_removed(p: Path, what: str) -> None:
 
 
 def model_fingerprint(path: str, what: str) -> dict[str, Any]:
-    """What identifies a model for the stage manifests, cheaply: its path, config.json, the names
-    and sizes of its weight files and, for a policy this package wrote, the content hash of its
-    weights stored beside them when written (WEIGHTS_DIGEST; other models are not hashed: they
-    can be many GB). A policy that keep_policies removed keeps the fingerprint recorded before
+    """What identifies a model for the stage manifests: its path, config.json, the names and
+    sizes of its weight files and the content hash of its weights: for a policy this package
+    wrote, the one stored beside them when written (`content`, WEIGHTS_DIGEST); for any other
+    model (`sha256`, base_digest), hashed once per machine. Fan-out ranks whose copies of a model
+    lie at different paths (or one on the store, one local) agree by that hash (store/manifests
+    `same_identity`). A policy that keep_policies removed keeps the fingerprint recorded before
     its removal."""
     if (gone := removed_record(path)) is not None:
         return dict(gone["fingerprint"])
@@ -55,8 +76,52 @@ def model_fingerprint(path: str, what: str) -> dict[str, Any]:
     out = {"path": str(p), "config": (p / "config.json").read_text(), "weights": weights}
     if (content := weights_digest(p)) is not None:
         out["content"] = content
+    else:
+        out["sha256"] = base_digest(p)
     hub = hub_revision(p) if store_of(p).local else None
     return {**out, "hub": hub} if hub else out
+
+
+def base_digest(p: Path) -> str:
+    """The content hash of the weights of the model dir `p` (a model the run did not write), by
+    the formula of `weights_digest`: each weight file's sha256, read once per machine and file
+    (kept in the local cache by the file's path, size and mtime); a model on a store is hashed
+    in its local cached copy (fs.local_dir: downloaded once per machine, as loading it does)."""
+    import hashlib
+    import json
+
+    local = local_dir(p)
+    digest = {
+        q.name: {"bytes": q.stat().st_size, "sha256": _file_sha256(q)}
+        for q in sorted(local.glob("*.safetensors"))
+    }
+    return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _file_sha256(q: Path) -> str:
+    """The sha256 of the local file `q`, from the machine's record when its size and mtime are
+    those recorded (cache_root()/../sha256, one small file per path)."""
+    import hashlib
+    import json
+
+    st = q.stat()
+    record = (
+        cache_root().parent
+        / "sha256"
+        / (hashlib.sha256(str(q.resolve()).encode()).hexdigest()[:32] + ".json")
+    )
+    try:
+        seen = json.loads(record.read_text())
+        if (seen["bytes"], seen["mtime_ns"]) == (st.st_size, st.st_mtime_ns):
+            return str(seen["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    value = _sha256(q)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": value}))
+    os.replace(tmp, record)
+    return value
 
 
 def write_weights_digest(p: Path) -> None:
@@ -94,7 +159,9 @@ def weights_digest(p: Path) -> str | None:
 
 
 def without_path(fingerprint: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in fingerprint.items() if k != "path"}
+    """A model's fingerprint but for where it is (and the base-model hash, which records of
+    policies carried forward did not hold before it existed)."""
+    return {k: v for k, v in fingerprint.items() if k not in ("path", "sha256")}
 
 
 def carried_record(src: str | Path, dst: Path) -> dict[str, Any]:
@@ -163,7 +230,7 @@ def check_base_weights(run_dir: str | Path, path: str, what: str) -> None:
         seen = was.get(q.name)
         same = seen is not None and (seen["bytes"], seen["mtime_ns"]) == (st.st_size, st.st_mtime_ns)
         now[q.name] = (
-            seen if same else {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(q)}
+            seen if same else {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _file_sha256(q)}
         )
     if was and {k: v["sha256"] for k, v in was.items()} != {k: v["sha256"] for k, v in now.items()}:
         changed = sorted(

@@ -47,19 +47,24 @@ def weights(run_dir: str, it: int) -> dict:
 
 @pytest.mark.slow
 def test_a_run_on_s3_equals_the_same_run_on_local_disk(make_config, s3_run: str, tmp_path: Path) -> None:
-    settings = {
+    settings = {  # as pipelines/demo.toml: the demo builds its model and prompts in the run dir
         "iterations": 2,
         "threads": 1,
         "in_process": True,
+        "demo": True,
+        "policy_model": "{run_dir}/models/policy",
+        "generate": {"prompts": "{run_dir}/data/prompts.jsonl", "prompts_per_iteration": 12},
         "train": {"lr": 1e-3, "tokens_per_step": 256},
     }
     local, local_cfg = make_config(name="local.toml", **settings)
     remote, remote_cfg = make_config(name="s3.toml", run_dir=s3_run, **settings)
-    assert remote_cfg.run_dir == s3_run  # a URI stays a URI
+    assert remote_cfg.run_dir == s3_run and remote_cfg.policy_model == f"{s3_run}/models/policy"  # URIs
     assert run("run", str(local), "--quiet").returncode == 0
     done = run("run", str(remote), "--quiet")
     assert done.returncode == 0, done.stderr
     assert not Path("s3:").exists() and not (tmp_path / "s3:").exists()  # never a local folder named s3:
+    for built in ("models/policy/model.safetensors", "data/prompts.jsonl"):  # on the store, as locally
+        assert (run_path(s3_run) / built).read_bytes() == (Path(local_cfg.run_dir) / built).read_bytes()
     for stage in ("rollouts", "scores", "advantages"):
         assert rows(s3_run, stage) == rows(local_cfg.run_dir, stage), stage
     for it in (0, 1):
