@@ -21,7 +21,6 @@ import contextlib
 import importlib
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,12 +45,8 @@ class Outcome:
     reward_parts: dict[str, float] = field(default_factory=dict)
 
 
-def load_factory(ref: str, search: Sequence[str] = ()) -> Any:
-    """The callable `module:factory` names, its module looked up with `search` dirs at the end of
-    sys.path (as reward modules are); UserError (one line) naming generate.environment."""
-    from rlhf_batch.rewards import add_search_path
-
-    add_search_path(search)
+def load_factory(ref: str) -> Any:
+    """The callable `module:factory` names; UserError (one line) naming generate.environment."""
     mod_name, _, attr = ref.partition(":")
     try:
         obj: Any = importlib.import_module(mod_name)
@@ -102,8 +97,8 @@ def _answer(factory: Any, envs: dict[str, Any], call: Call) -> tuple[Any, ...]:
     return ("ok", step.observation, step.role, bool(step.done), parts)
 
 
-def _worker(ref: str, search: Sequence[str], conn: Any) -> None:
-    factory = load_factory(ref, search)
+def _worker(ref: str, conn: Any) -> None:
+    factory = load_factory(ref)
     envs: dict[str, Any] = {}
     conn.send("ready")  # the time limit of a call starts when the worker can take it
     while True:
@@ -116,11 +111,11 @@ def _worker(ref: str, search: Sequence[str], conn: Any) -> None:
 
 
 class EnvPool:
-    def __init__(self, ref: str, workers: int, timeout: float, search: Sequence[str] = ()):
+    def __init__(self, ref: str, workers: int, timeout: float):
         import multiprocessing as mp
 
-        load_factory(ref, search)  # a bad name fails here, in one line, before any worker starts
-        self.ref, self.search, self.timeout, self.ctx = ref, tuple(search), timeout, mp.get_context("spawn")
+        load_factory(ref)  # a bad name fails here, in one line, before any worker starts
+        self.ref, self.timeout, self.ctx = ref, timeout, mp.get_context("spawn")
         self.procs: list[Any] = [None] * workers
         self.conns: list[Any] = [None] * workers
         for w in range(workers):
@@ -128,7 +123,7 @@ class EnvPool:
 
     def _start(self, w: int) -> None:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker, args=(self.ref, self.search, child), daemon=True)
+        proc = self.ctx.Process(target=_worker, args=(self.ref, child), daemon=True)
         proc.start()
         child.close()
         self.procs[w], self.conns[w] = proc, parent

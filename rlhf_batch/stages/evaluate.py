@@ -160,8 +160,10 @@ class Eval(Stage):
         g = self.sampling
         if g.environment:  # multi-turn: the turn loop of generate, with eval's sampling settings
             from rlhf_batch.envs.pool import EnvPool
+            from rlhf_batch.rewards import add_search_path
 
-            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s, reward_search_path(self.cfg))
+            add_search_path(reward_search_path(self.cfg))  # where generate looks the factory up
+            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s)
 
     def close(self) -> None:
         if self.pool is not None:

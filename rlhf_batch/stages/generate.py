@@ -107,10 +107,12 @@ class Generate(Stage):
         check_targets(self.cfg)
         if self.cfg.generate.environment:
             from rlhf_batch.envs.pool import load_factory
+            from rlhf_batch.rewards import add_search_path
 
-            load_factory(
-                self.cfg.generate.environment, reward_search_path(self.cfg)
-            )  # a bad name: one line, before anything is written
+            # the factory's module is looked up where reward modules are (spawned environment
+            # workers inherit sys.path); a bad name: one line, before anything is written
+            add_search_path(reward_search_path(self.cfg))
+            load_factory(self.cfg.generate.environment)
         nxt = layout.folder(self.cfg.run_dir, self.iteration + 1, layout.ROLLOUTS)
         if self.topup and self.cfg.generate.prompts_per_iteration and nxt.exists():
             raise StageError(
@@ -142,7 +144,7 @@ class Generate(Stage):
         if g.environment:
             from rlhf_batch.envs.pool import EnvPool
 
-            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s, reward_search_path(self.cfg))
+            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s)
 
     def close(self) -> None:
         pool = getattr(self, "pool", None)

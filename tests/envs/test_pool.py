@@ -2,6 +2,7 @@
 trajectory (an Outcome with `error`), never the caller."""
 
 import os
+import sys
 import time
 
 import pytest
@@ -67,16 +68,21 @@ def test_a_bad_factory_name_is_one_line() -> None:
         load_factory("tests.envs.test_pool:nope")
 
 
-def test_a_factory_beside_the_config_is_found_in_the_spawned_workers(tmp_path) -> None:
-    # run's stage processes start python with -P: a module beside the config is not on sys.path
-    # unless the search dirs (the config's directory, as for reward modules) are added, in the
-    # sampling process and in each spawned worker
+def test_a_factory_beside_the_config_is_found_in_the_spawned_workers(tmp_path, monkeypatch) -> None:
+    # run's stage processes start python with -P: a module beside the config is on sys.path only
+    # once the stage adds the search dirs (as for reward modules); the spawned workers inherit it
+    from rlhf_batch.rewards import add_search_path
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
     (tmp_path / "beside_config_env.py").write_text(
         "from rlhf_batch.envs.base import Step\n\n"
         "class E:\n    def step(self, text):\n        return Step('seen ' + text, done=True)\n\n"
         "def make(row):\n    return E()\n"
     )
-    pool = EnvPool("beside_config_env:make", 1, timeout=30.0, search=[str(tmp_path)])
+    with pytest.raises(UserError, match="cannot load 'beside_config_env:make'"):
+        EnvPool("beside_config_env:make", 1, timeout=30.0)
+    add_search_path([str(tmp_path)])
+    pool = EnvPool("beside_config_env:make", 1, timeout=30.0)
     try:
         out = pool.step([Call("r0", {}, ("hi",))], [0])
         assert out[0].error is None and out[0].step.observation == "seen hi"
