@@ -11,12 +11,15 @@ S3_VENV := .venv-s3
 DEPLOY_VENV := .venv-deploy
 # The venvs are filled by uv (pinned, in a small venv of its own): the versions the constraints
 # files pin, as pip would install them, but downloaded in parallel and without compiling every
-# module first (a clean clone's venvs in ~3 min where pip took ~15). uv does not read pip's
-# configuration: a folder of local wheels that pip is given (PIP_FIND_LINKS) is passed on.
+# module first. uv does not read pip's configuration: the folders of local wheels that pip is
+# given (PIP_FIND_LINKS, or find-links in pip's configuration: a machine's CPU torch) are passed on.
 UV_VERSION := 0.13.8
 UV_VENV := .venv-uv
 UV := $(UV_VENV)/bin/uv
-INSTALL = $(UV) pip install --quiet $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) --python
+ifndef PIP_FIND_LINKS
+PIP_FIND_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+endif
+INSTALL = $(UV) pip install --quiet $(foreach f,$(PIP_FIND_LINKS),--find-links $(f)) --python
 VARIANT ?= cpu
 IMAGE ?= rlhf-batch:$(VARIANT)
 RUN_DIR ?= runs/demo
@@ -29,7 +32,7 @@ GPU_PYTHON_VERSION ?= 3.11
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-.PHONY: setup airflow trackio vllm trl s3 deploy image test test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check gpu-bench clean
+.PHONY: setup airflow trackio vllm trl s3 deploy image test short-soak test-venvs test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check gpu-bench clean
 
 setup: $(VENV)/.installed
 
@@ -107,13 +110,20 @@ $(DEPLOY_VENV)/.installed: constraints-deploy.txt | $(UV)
 image:
 	docker build --build-arg VARIANT=$(VARIANT) -t $(IMAGE) .
 
-# pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure; a skip whose
-# reason is not on the allow-list (ALLOWED_SKIPS in tests/conftest.py) is (RLHF_BATCH_STRICT_SKIPS).
-# The short random-kill soak (6 kills; `make soak` runs 24) is one of the files, the first a worker
-# takes, so that the other worker's tests run beside it
-test: setup airflow trackio vllm s3 deploy
-	RLHF_BATCH_STRICT_SKIPS=1 RLHF_BATCH_SOAK_KILLS=6 $(PY) -m pytest -q -ra --durations=60 -m "soak or not soak" \
-		$(XDIST) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+# First a short random-kill soak (SOAK_KILLS kills; `make soak` runs 24), which needs .venv only,
+# while the other venvs are made beside it (one at a time: they mostly wait on downloads and
+# disk); then the suite. pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a
+# failure; a skip whose reason is not on the allow-list (ALLOWED_SKIPS in tests/conftest.py) is
+# (RLHF_BATCH_STRICT_SKIPS).
+SOAK_KILLS ?= 6
+test: setup
+	$(MAKE) --no-print-directory -j2 short-soak test-venvs
+	RLHF_BATCH_STRICT_SKIPS=1 $(PY) -m pytest -q -ra --durations=60 $(XDIST) $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+short-soak: setup
+	RLHF_BATCH_SOAK_KILLS=$(SOAK_KILLS) $(PY) -m pytest -q -m soak tests/reliability/test_soak.py
+
+test-venvs: airflow trackio vllm s3 deploy
 
 test-fast: setup s3 deploy
 	$(PY) -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS) || [ $$? -eq 5 ]

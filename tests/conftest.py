@@ -169,8 +169,8 @@ def s3_run(s3_server, monkeypatch: pytest.MonkeyPatch) -> str:
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The long files first: the soak's, then those with the most slow tests, then the others by
-    their number of tests (pytest-xdist's own order), each file's tests in their order. `make test`
+    """The long files first: those with the most slow tests, then the others by their number of
+    tests (pytest-xdist's own order), each file's tests in their order. `make test`
     hands whole files to its workers in this order (--dist loadfile --no-loadscope-reorder): the
     long files start at once and the short ones fill the end, so that neither worker is left
     running a long file alone (xdist's order put the long files of few tests last)."""
@@ -178,8 +178,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tests: dict[str, int] = {}
     for item in items:
         file = item.nodeid.partition("::")[0]
-        weight = 1000 if item.get_closest_marker("soak") else int(item.get_closest_marker("slow") is not None)
-        slow[file] = slow.get(file, 0) + weight
+        slow[file] = slow.get(file, 0) + int(item.get_closest_marker("slow") is not None)
         tests[file] = tests.get(file, 0) + 1
 
     def order(item: pytest.Item) -> tuple[int, int]:
