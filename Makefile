@@ -12,8 +12,9 @@ DEPLOY_VENV := .venv-deploy
 # The venvs are filled by uv (pinned, in a small venv of its own): the versions the constraints
 # files pin, as pip would install them, but downloaded in parallel and without compiling every
 # module first (a clean clone's six venvs, measured on 2 busy cores: 84 s of CPU with uv, uv's own
-# install included, against 387 s with pip). uv does not read pip's configuration: the folders of local wheels that pip is
-# given (PIP_FIND_LINKS, or find-links in pip's configuration: a machine's CPU torch) are passed on.
+# install included, against 387 s with pip). uv does not read pip's configuration: the folders of
+# local wheels that pip is given (PIP_FIND_LINKS, or find-links in pip's configuration: a
+# machine's CPU torch) are passed on.
 UV_VERSION := 0.13.8
 UV_VENV := .venv-uv
 UV := $(UV_VENV)/bin/uv
