@@ -166,3 +166,24 @@ def s3_run(s3_server, monkeypatch: pytest.MonkeyPatch) -> str:
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
     return f"s3://{new_bucket(s3_server)}/run"
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long files first: those with the most slow tests, then the others by their number of
+    tests (pytest-xdist's own order), each file's tests in their order. `make test`
+    hands whole files to its workers in this order (--dist loadfile --no-loadscope-reorder): the
+    long files start at once and the short ones fill the end, so that neither worker is left
+    running a long file alone (xdist's order put the long files of few tests last)."""
+    slow: dict[str, int] = {}
+    tests: dict[str, int] = {}
+    for item in items:
+        file = item.nodeid.partition("::")[0]
+        slow[file] = slow.get(file, 0) + int(item.get_closest_marker("slow") is not None)
+        tests[file] = tests.get(file, 0) + 1
+
+    def order(item: pytest.Item) -> tuple[int, int]:
+        file = item.nodeid.partition("::")[0]
+        return -slow[file], -tests[file]
+
+    items.sort(key=order)  # stable: each file's tests stay together, in their order

@@ -124,20 +124,21 @@ def test_forced_train_killed_before_and_during_its_swap(make_config, tmp_path: P
         assert res.returncode == -signal.SIGKILL, f"{point}: not reached\n{res.stderr[-2000:]}"
         KILLS["named"] += 1
         assert snapshot(it0 / "train", it0 / "policy") == old, point  # untouched
-    for point in IN_SWAP:
-        res = rb(*force, fault=point)
+    # each kill in the swap is of a forced train to the lr not in place: the new, the old, the new
+    lr = {"new": ("--set", "train.lr=0.02"), "old": ()}
+    weights = {"new": new_weights, "old": old_policy(old)}
+    for point, target in zip(IN_SWAP, ("new", "old", "new"), strict=True):
+        res = rb("train", path, "--iter", 0, "--force", "--quiet", *lr[target], fault=point)
         assert res.returncode == -signal.SIGKILL, f"{point}: not reached\n{res.stderr[-2000:]}"
         KILLS["named"] += 1
-        # the next command that writes the run finishes the swap: here train with the new lr, which
+        # the next command that writes the run finishes the swap: here train with that lr, which
         # then finds its stage complete
-        ok("train", path, "--iter", 0, "--quiet", "--set", "train.lr=0.02")
-        assert snapshot(it0 / "policy") == new_weights, point
+        ok("train", path, "--iter", 0, "--quiet", *lr[target])
+        assert snapshot(it0 / "policy") == weights[target], point
         assert leftovers(run_dir) == [], point
-        ok("train", path, "--iter", 0, "--force", "--quiet")  # back to the old lr for the next kill
-        assert snapshot(it0 / "policy") == old_policy(old), point
-    ok(*force)
-    assert snapshot(it0 / "policy") == new_weights
     assert _key(it0) == _key(ref_it0)
+    ok("train", path, "--iter", 0, "--force", "--quiet")  # uninterrupted, back to the old lr
+    assert snapshot(it0 / "policy") == old_policy(old)
 
 
 def old_policy(snap: dict[str, str]) -> dict[str, str]:
