@@ -34,7 +34,7 @@ GPU_PYTHON_VERSION ?= 3.11
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-.PHONY: setup airflow trackio vllm trl s3 deploy image test short-soak test-venvs test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check gpu-bench clean
+.PHONY: setup airflow trackio vllm trl s3 deploy image test test-venvs test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check gpu-bench clean
 
 setup: $(VENV)/.installed
 
@@ -112,18 +112,15 @@ $(DEPLOY_VENV)/.installed: constraints-deploy.txt | $(UV)
 image:
 	docker build --build-arg VARIANT=$(VARIANT) -t $(IMAGE) .
 
-# First a short random-kill soak (SOAK_KILLS kills; `make soak` runs 24), which needs .venv only,
-# while the other venvs are made beside it (one at a time: they mostly wait on downloads and
-# disk); then the suite. pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a
-# failure; a skip whose reason is not on the allow-list (ALLOWED_SKIPS in tests/conftest.py) is
+# First a short random-kill soak (SOAK_KILLS kills; `make soak` runs 24), alone (its kills come
+# at random times and its stages must finish between them: nothing else runs beside it), then the
+# suite. pytest's exit 5 ("no tests collected", e.g. under a -k filter) is not a failure; a skip
+# whose reason is not on the allow-list (ALLOWED_SKIPS in tests/conftest.py) is
 # (RLHF_BATCH_STRICT_SKIPS).
 SOAK_KILLS ?= 6
-test: setup
-	$(MAKE) --no-print-directory -j2 short-soak test-venvs
-	RLHF_BATCH_STRICT_SKIPS=1 $(PY) -m pytest -q -ra --durations=60 $(XDIST) $(PYTEST_ARGS) || [ $$? -eq 5 ]
-
-short-soak: setup
+test: setup test-venvs
 	RLHF_BATCH_SOAK_KILLS=$(SOAK_KILLS) $(PY) -m pytest -q -m soak tests/reliability/test_soak.py
+	RLHF_BATCH_STRICT_SKIPS=1 $(PY) -m pytest -q -ra --durations=60 $(XDIST) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-venvs: airflow trackio vllm s3 deploy
 
