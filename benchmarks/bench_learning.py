@@ -19,7 +19,7 @@ benchmarks/learning.png.
 (rlhf_batch/envs/demo.py: the prompt hides the letter, the model asks, the environment reveals
 it, the model answers; score = 0.2 x asking with "?" + 0.8 x the answer's letter_count score;
 generate.max_turns 2), ours only (TRL's side would need an environment of its own), rows marked
-"(multi-turn)"; `--iterations` defaults to the config's (100).
+"(multi-turn)"; `--iterations` defaults to the config's (60).
 
 TRL runs in its own venv, `.venv-trl` (`make trl`, pinned by constraints-trl.txt with the same
 torch); without it (as in the smoke test) only rlhf-batch runs and the TRL cells read '-'.
@@ -45,7 +45,7 @@ import common  # noqa: E402
 TRL_PYTHON = common.ROOT / ".venv-trl" / "bin" / "python"
 DEMO = common.ROOT / "pipelines" / "demo.toml"
 ASK = common.ROOT / "pipelines" / "ask.toml"  # the multi-turn task's config
-ASK_ITERATIONS = 100  # pipelines/ask.toml's
+ASK_ITERATIONS = 60  # pipelines/ask.toml's
 # The settings both sides share: pipelines/demo.toml's (tests/benchmarks/test_smoke.py checks them).
 SHARED = {
     "num_generations": 8,
@@ -385,7 +385,7 @@ def mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main() -> None:
     p = common.parser(__doc__ or "")
-    p.add_argument("--iterations", type=int, help="default: the config's (demo 40, ask 100)")
+    p.add_argument("--iterations", type=int, help="default: the config's (demo 40, ask 60)")
     p.add_argument("--png", type=Path, help="default: learning.png beside --results")
     p.add_argument("--no-trl", action="store_true", help="run rlhf-batch only")
     p.add_argument(
