@@ -15,10 +15,11 @@ alone (ours: every stage of every iteration, in-process as `run` does it with
 `in_process = true`; TRL: `trainer.train()`). Rows go to benchmarks/results.md, the curves to
 benchmarks/learning.png.
 
-`--task ask` runs the multi-turn demo task instead (rlhf_batch/envs/demo.py: the prompt hides the
-letter, the model asks, the environment reveals it, the model answers; score = the answer's
-letter_count score + 0.2 for asking with "?"; generate.max_turns 2), ours only (TRL's side would
-need an environment of its own), rows marked "(multi-turn)".
+`--task ask` runs the multi-turn demo task instead, with its config pipelines/ask.toml
+(rlhf_batch/envs/demo.py: the prompt hides the letter, the model asks, the environment reveals
+it, the model answers; score = 0.2 x asking with "?" + 0.8 x the answer's letter_count score;
+generate.max_turns 2), ours only (TRL's side would need an environment of its own), rows marked
+"(multi-turn)"; `--iterations` defaults to the config's (60).
 
 TRL runs in its own venv, `.venv-trl` (`make trl`, pinned by constraints-trl.txt with the same
 torch); without it (as in the smoke test) only rlhf-batch runs and the TRL cells read '-'.
@@ -41,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-ASK_ENV = "rlhf_batch.envs.demo:ask_letter"  # the multi-turn task's environment (data/demo.ASK_ENV)
-
 TRL_PYTHON = common.ROOT / ".venv-trl" / "bin" / "python"
 DEMO = common.ROOT / "pipelines" / "demo.toml"
+ASK = common.ROOT / "pipelines" / "ask.toml"  # the multi-turn task's config
+ASK_ITERATIONS = 60  # pipelines/ask.toml's
 # The settings both sides share: pipelines/demo.toml's (tests/benchmarks/test_smoke.py checks them).
 SHARED = {
     "num_generations": 8,
@@ -81,14 +82,25 @@ def mapping(b: int) -> str:
     )
 
 
+def ask_settings() -> str:
+    """pipelines/ask.toml's settings, for the rows of the multi-turn task."""
+    from rlhf_batch.config import load_config
+
+    c = load_config(ASK, [])
+    g, t = c.generate, c.train
+    return (
+        f"pipelines/ask.toml: max_turns {g.max_turns}, max_new_tokens {g.max_new_tokens} per turn, "
+        f"temperature {g.temperature}, lr {t.lr:g} {t.lr_schedule} over {t.total_steps} steps, "
+        f"sequences_per_step {t.sequences_per_step}, ppo_epochs {t.ppo_epochs}, clip {t.eps_low}, "
+        f"entropy_coef {t.entropy_coef}, no KL; score 0.2 x env_asked + 0.8 x env_answer"
+    )
+
+
 def overrides(spec: dict[str, Any]) -> list[str]:
     """The demo config's overrides for ours: the seed's model and prompts, the workload, `set`."""
     out = [f"run_dir={spec['run_dir']}", f"iterations={spec['iterations']}"]
     out += [f"generate.prompts_per_iteration={spec['prompts_per_iteration']}"]
     out += [f"generate.prompts={spec['prompts']}", f"policy_model={spec['model']}", "demo=false"]
-    if spec.get("task") == "ask":  # the multi-turn demo task (module docstring)
-        out += [f'generate.environment="{ASK_ENV}"', "generate.max_turns=2"]
-        out += ['score.reward_functions=["rlhf_batch.rewards.demo:ask_letter"]']
     return out + [f"seed={spec['seed']}", f"threads={spec['threads']}", *spec.get("set", [])]
 
 
@@ -111,7 +123,7 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from rlhf_batch.stages.executor import execute
     from rlhf_batch.stages.registry import pipeline
 
-    cfg = load_config(DEMO, overrides(spec))
+    cfg = load_config(ASK if spec.get("task") == "ask" else DEMO, overrides(spec))
     setup_process(cfg.threads)
     pipeline()  # imports (torch, duckdb) before the clock, as TRL's before its loop
     known: list[float] = []
@@ -125,7 +137,22 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     for it in range(cfg.iterations):  # as `run` with in_process = true (top-up rounds included)
         run_iteration(cfg, it, run_stage, settle_heap=True)
     loop = time.perf_counter() - t0
-    return {"loop_s": loop, "known_s": known, "scores": [r["score"] for r in reward_by_iteration(cfg)]}
+    out = {"loop_s": loop, "known_s": known, "scores": [r["score"] for r in reward_by_iteration(cfg)]}
+    return {**out, **(turn_figures(cfg.run_dir) if spec.get("task") == "ask" else {})}
+
+
+def turn_figures(run_dir: str) -> dict[str, list[float]]:
+    """The multi-turn task by iteration: mean env_answer (the answer's letter_count score; a
+    policy ignoring the environment's answer gets at most 0.2) and the share of answers whose
+    first character is the revealed letter (at most 0.2 blind: one letter in five)."""
+    from rlhf_batch.observe.query import connect
+
+    con = connect(run_dir)
+    q = """SELECT iter, avg(env_answer),
+        avg((regexp_extract(response, '<\|im_start\|>assistant\n(.)', 1) = letter)::int)
+        FROM rollouts WHERE topup = 0 GROUP BY iter ORDER BY iter"""
+    rows = con.execute(q).fetchall()
+    return {"answer": [r[1] for r in rows], "first_ok": [r[2] for r in rows]}
 
 
 def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
@@ -282,6 +309,21 @@ def record(results: Path, what: str, workload: str, note: str, ours: dict, trl: 
     fmt = " ".join(f"{s:.3f}" for s in ours["scores"])
     tfmt = " ".join(f"{s:.3f}" for s in trl["scores"]) if trl else "- (no .venv-trl: make trl)"
     common.append_row(results, f"learning: mean score by iteration{what}", workload, "mean score", fmt, tfmt)
+    if "answer" in ours:  # the multi-turn task: turn 2 against a blind policy's 0.2
+        for key, what_ in (
+            ("answer", "answer score (env_answer)"),
+            ("first_ok", "answers starting with the letter"),
+        ):
+            cells = " ".join(f"{s:.3f}" for s in ours[key])
+            common.append_row(
+                results,
+                f"learning: {what_} by iteration{what}",
+                "as above",
+                "share",
+                cells,
+                target="> 0.2 (blind: at most 0.2)",
+                met=max(ours[key]) > 0.2,
+            )
     ob, oi = best(ours["scores"])
     target, met, reach = "-", None, None
     cells = {"baseline": "-", "ratio": "-"}
@@ -336,13 +378,14 @@ def mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "scores": avg("scores"),
         "known_s": avg("known_s") if "known_s" in runs[0] else [],
+        **{k: avg(k) for k in ("answer", "first_ok") if k in runs[0]},
         **{k: sum(r[k] for r in runs) / len(runs) for k in ("process_s", "process_cpu_s", "loop_s")},
     }
 
 
 def main() -> None:
     p = common.parser(__doc__ or "")
-    p.add_argument("--iterations", type=int, default=SHARED["iterations"])
+    p.add_argument("--iterations", type=int, help="default: the config's (demo 40, ask 60)")
     p.add_argument("--png", type=Path, help="default: learning.png beside --results")
     p.add_argument("--no-trl", action="store_true", help="run rlhf-batch only")
     p.add_argument(
@@ -369,7 +412,11 @@ def main() -> None:
         common.emit(worker_ours(spec) if args.worker == "ours" else worker_trl(spec))
         return
     seeds = [int(x) for x in args.seeds.split(",")]
-    iterations = 2 if args.tiny else args.iterations
+    iterations = (
+        2
+        if args.tiny
+        else args.iterations or (ASK_ITERATIONS if args.task == "ask" else SHARED["iterations"])
+    )
     b = 16 if args.tiny else SHARED["prompts_per_iteration"]
     use_trl = not args.no_trl and TRL_PYTHON.exists() and args.task == "demo"
     what = " (multi-turn)" if args.task == "ask" else ""
@@ -377,9 +424,10 @@ def main() -> None:
 
     def workload(seed_text: str) -> str:
         return (
-            ("multi-turn ask-letter task (max_turns 2), " if args.task == "ask" else "")
+            ("multi-turn ask-letter task, " if args.task == "ask" else "")
             + f"demo task, 256 prompts, {b} per iteration x G 8, {iterations} iterations, tiny Qwen2 "
-            f"(2 layers, {seed_text}), {args.threads} torch thread(s) each; {mapping(b)}"
+            f"(2 layers, {seed_text}), {args.threads} torch thread(s) each; "
+            + (ask_settings() if args.task == "ask" else mapping(b))
             + (f"; ours with {', '.join(args.set)}" if args.set else "")
         )
 

@@ -154,11 +154,25 @@ def _check_rewards(cfg: Any, stage: str, columns: list[str] | None) -> list[str]
     if not problems:
         load_reward_functions(table.reward_functions, table.reward_weights, (), reward_search_path(cfg))
     for rf in fns:
-        if columns is not None and (problem := argument_problem(rf, columns)):
+        cols = columns if columns is None or stage == "eval" else [*columns, *_env_parts(cfg, rf)]
+        if cols is not None and (problem := argument_problem(rf, cols)):
             problems.append(f"{stage}.reward_functions: {problem}")
     if problems:
         raise _Many(problems)
     return [f"{stage} reward function {rf.path}" for rf in fns]
+
+
+def _env_parts(cfg: Any, rf: Any) -> list[str]:
+    """The function's arguments named env_<name>: with generate.environment, the environment's
+    reward parts, columns of the rollouts that only generate makes (docs/multi-turn.md)."""
+    import inspect
+
+    if not cfg.generate.environment:
+        return []
+    try:
+        return [n for n in inspect.signature(rf.fn).parameters if n.startswith("env_")]
+    except (TypeError, ValueError):
+        return []
 
 
 def _check_audits(cfg: Any, columns: list[str] | None) -> list[str]:

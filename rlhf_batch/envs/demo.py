@@ -1,10 +1,16 @@
 """The multi-turn demo task: the prompt ``?*3=`` hides the letter; the environment reveals it.
 
-Turn 1: the model asks (ideally just ``?``); the environment answers with the letter as a tool
-message. Turn 2: the model writes that letter `count` times and stops; the environment scores it
-and ends the trajectory. The letter is only in the environment's answer, so turn 2 depends on it.
+Turn 1: the model asks (ideally just ``?``); the environment answers with the letter as a user
+message (`<|im_start|>user\\nc<|im_end|>`: in the tiny model's character-level ChatML, 13 tokens
+before the answer, where a tool message's `<tool_response>` markup puts 30). Turn 2: the model
+writes that letter `count` times and stops; the environment scores it and ends the trajectory.
+The letter is only in the environment's answer, so turn 2 depends on it: a policy that ignores
+the observation answers at chance (docs/multi-turn.md, "The demo task").
+
 Reward parts (columns env_asked, env_answer of the rollouts; rlhf_batch.rewards.demo:ask_letter
-weighs them): asked = 1.0 when turn 1 is exactly "?", answer = letter_count's score of turn 2.
+weighs them), both letter_count's score of a turn:
+asked = that of turn 1 against "?" once (1.0 for exactly "?", 1/n for "?" and n - 1 more
+characters, 0.0 when it does not start with "?"), answer = that of turn 2 against the letter.
 
     generate.environment = "rlhf_batch.envs.demo:ask_letter"
 """
@@ -16,6 +22,11 @@ from typing import Any
 from rlhf_batch.envs.base import Step
 
 
+def share(text: str, letter: str, count: int) -> float:
+    """letter_count's score: the share of `letter` x `count` that `text` got right."""
+    return sum(ch == letter for ch in text[:count]) / max(count, len(text))
+
+
 class AskLetter:
     def __init__(self, row: dict[str, Any]):
         self.letter, self.count, self.turn = str(row["letter"]), int(row["count"]), 0
@@ -23,10 +34,9 @@ class AskLetter:
     def step(self, assistant_text: str) -> Step:
         self.turn += 1
         if self.turn == 1:
-            asked = float(assistant_text.strip() == "?")
-            return Step(self.letter, role="tool", reward_parts={"asked": asked, "answer": 0.0})
-        n, text = self.count, assistant_text
-        answer = sum(ch == self.letter for ch in text[:n]) / max(n, len(text))
+            asked = share(assistant_text, "?", 1)
+            return Step(self.letter, role="user", reward_parts={"asked": asked, "answer": 0.0})
+        answer = share(assistant_text, self.letter, self.count)
         return Step(done=True, reward_parts={"asked": 0.0, "answer": answer})
 
 

@@ -82,8 +82,8 @@ class ToolEnvironment:
 
     def step(self, assistant_text: str) -> Step:
         _, calls = parse_tool_calls(assistant_text, self.fmt)
-        if not calls:
-            return Step(observation=None)
+        if not calls:  # the parts still, so a part whose trajectories call no tool has their columns
+            return Step(observation=None, reward_parts={"tool_calls": 0.0, "tool_errors": 0.0})
         results = [
             self._run(c) if i < self.max_calls else _too_many(self.max_calls) for i, c in enumerate(calls)
         ]

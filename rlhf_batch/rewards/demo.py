@@ -32,14 +32,16 @@ def letter_count(
     return out
 
 
-ASKED_WEIGHT = 0.2  # the multi-turn demo: asking first is worth a little, the answer most
+ASKED_WEIGHT = 0.2  # the multi-turn demo: asking first is worth a little, the answer the rest
 
 
 def ask_letter(*, env_answer: list[float], env_asked: list[float], **_: Any) -> list[float | None]:
-    """Reward function of the multi-turn demo task (rlhf_batch.envs.demo): the answer's score plus
-    0.2 for asking with exactly "?" first, from the environment's reward parts.
+    """Reward function of the multi-turn demo task (rlhf_batch.envs.demo), from the environment's
+    reward parts: 0.2 x asked (1.0 for asking with exactly "?", partial credit for "?" and more)
+    + 0.8 x the answer's letter_count score, so 1.0 at best.
 
     >>> ask_letter(env_answer=[1.0, 0.5], env_asked=[1.0, 0.0])
-    [1.2, 0.5]
+    [1.0, 0.4]
     """
-    return [a + ASKED_WEIGHT * q for a, q in zip(env_answer, env_asked, strict=True)]
+    w = ASKED_WEIGHT
+    return [w * q + (1 - w) * a for a, q in zip(env_answer, env_asked, strict=True)]

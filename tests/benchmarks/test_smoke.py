@@ -92,17 +92,39 @@ def test_benchmark_runs_on_the_tiny_workload(script: str, peaks: Path, tmp_path:
 
 
 def test_learning_benchmark_with_two_seeds_and_an_override(tmp_path: Path) -> None:
-    """--seeds: rows per seed, then rows of their mean; --set reaches ours and is named."""
+    """--seeds: rows per seed, then rows of their mean; --set reaches ours and is named; the
+    multi-turn task (--task ask, pipelines/ask.toml) adds its turn-2 rows."""
     results, cache = tmp_path / "results.md", tmp_path / "bench-cache"
-    args = ["--tiny", "--no-trl", "--seeds", "0,1", "--set", "advantage.drop_zero_variance=false"]
+    args = [
+        "--tiny",
+        "--no-trl",
+        "--task",
+        "ask",
+        "--seeds",
+        "0,1",
+        "--set",
+        "advantage.drop_zero_variance=false",
+    ]
     proc = bench("bench_learning.py", args, results, cache)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [r for r in results.read_text().splitlines() if r.startswith("| 20")]
     benches = [r.split(" | ")[2] for r in rows]
-    per_seed = ["learning: mean score by iteration", "learning: best score", "learning: wall time"]
+    per_seed = [
+        f"learning: {b} (multi-turn)"
+        for b in (
+            "mean score by iteration",
+            "answer score (env_answer) by iteration",
+            "answers starting with the letter by iteration",
+            "best score",
+            "wall time",
+        )
+    ]
     assert benches == per_seed * 2 + [f"{b}, mean over seeds" for b in per_seed]
-    assert "seed 0)" in rows[0] and "seed 1)" in rows[3] and "seeds 0,1)" in rows[6]
-    assert all("ours with advantage.drop_zero_variance=false" in rows[i] for i in (0, 3, 6))
+    assert "seed 0)" in rows[0] and "seed 1)" in rows[5] and "seeds 0,1)" in rows[10]
+    assert all("pipelines/ask.toml: max_turns 2" in rows[i] for i in (0, 5, 10))
+    assert all("ours with advantage.drop_zero_variance=false" in rows[i] for i in (0, 5, 10))
+    answers = [float(x) for x in rows[1].split(" | ")[5].split()]
+    assert len(answers) == 2 and all(0.0 <= a <= 1.0 for a in answers)
     # a bad override is ours' config error, not a silent default
     bad = bench(
         "bench_learning.py", ["--tiny", "--no-trl", "--set", "advantage.nope=1"], tmp_path / "bad.md", cache

@@ -208,7 +208,7 @@ def test_the_format_is_read_from_the_chat_template(tiny_model: Path):
 def test_environment_steps():
     env = tool_environment({"prompt": "x", "tools": ["calculator"]})
     done = env.step("The answer is 4.")
-    assert done == Step(observation=None) and done.ends
+    assert done == Step(observation=None, reward_parts={"tool_calls": 0.0, "tool_errors": 0.0}) and done.ends
     step = env.step(
         '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
         '<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>'

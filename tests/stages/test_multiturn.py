@@ -1,6 +1,7 @@
 """Multi-turn generation with an environment: the trajectory columns, the seed contract, failures
 of the environment, a kill between turns, and the loss mask through score, advantage and train."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 from rlhf_batch.data.demo import write_prompts
 from rlhf_batch.envs.base import Step
+from rlhf_batch.envs.demo import AskLetter
 from rlhf_batch.errors import ConfigError, UserError
 from rlhf_batch.models.load import load_tokenizer
 from rlhf_batch.observe.query import connect
@@ -21,14 +23,15 @@ from rlhf_batch.runtime import dist, faults
 from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import ADVANTAGES, EVAL, ROLLOUTS, SCORES
+from tests.stages.cli_helpers import cli
 
 
-def ask(prompts: Path, more: str = "") -> str:
+def ask(prompts: Path, more: str = "", env: str = "rlhf_batch.envs.demo:ask_letter") -> str:
     """The multi-turn demo task's config (6 hidden prompts x 2 in parts of 3 prompts)."""
     return f"""
 [generate]
 prompts = "{prompts}"
-environment = "rlhf_batch.envs.demo:ask_letter"
+environment = "{env}"
 max_turns = 2
 num_generations = 2
 prompts_per_part = 3
@@ -47,9 +50,20 @@ def hidden(tmp_path: Path) -> Path:
     return write_prompts(tmp_path / "hidden.jsonl", 6, seed=0, hidden=True)
 
 
+class AskAsTool(AskLetter):
+    """The demo task with its letter revealed as a tool message instead of a user message."""
+
+    def step(self, assistant_text: str) -> Step:
+        return dataclasses.replace(super().step(assistant_text), role="tool")
+
+
+def ask_as_tool(row: dict) -> AskAsTool:
+    return AskAsTool(row)
+
+
 @pytest.mark.slow
 def test_trajectories_interleave_sampled_and_environment_tokens(make_config, hidden, tiny_model) -> None:
-    _, cfg = make_config(ask(hidden))
+    _, cfg = make_config(ask(hidden, env="tests.stages.test_multiturn:ask_as_tool"))
     m = run_stage("generate", cfg, 0, quiet=True)
     t = rollouts(cfg)
     tok = load_tokenizer(str(tiny_model))
@@ -66,7 +80,7 @@ def test_trajectories_interleave_sampled_and_environment_tokens(make_config, hid
         want = f"<|im_start|>user\n<tool_response>\n{r['letter']}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         assert want in tok.decode(tool)
         assert r["prompt"] == f"?*{r['count']}="  # the letter is not in the prompt
-        assert r["env_asked"] in (0.0, 1.0) and 0.0 <= r["env_answer"] <= 1.0
+        assert 0.0 <= r["env_asked"] <= 1.0 and 0.0 <= r["env_answer"] <= 1.0
     # the seed contract: turn 1 is what single-turn generate samples for the same rollout id
     _, single = make_config(run_dir=str(Path(cfg.run_dir).parent / "single"), name="single.toml")
     single.generate.prompts, single.generate.num_generations, single.generate.prompts_per_part = (
@@ -138,7 +152,7 @@ def test_token_budget_cuts_the_trajectory(make_config, hidden) -> None:
     _, cfg = make_config(ask(hidden, "max_trajectory_tokens = 9\nmax_new_tokens = 6"))
     run_stage("generate", cfg, 0, quiet=True)
     for r in rollouts(cfg).to_pylist():
-        # turn 1 (<= 6 tokens) fits; the tool message (>= 20 tokens of template) does not
+        # turn 1 (<= 6 tokens) fits; the user message (>= 13 tokens of template) does not
         assert len(r["response_ids"]) <= 6 and r["turns"] == 1 and r["finish_reason"] == "length"
         assert r["turn_roles"] == ["assistant"] and r["env_error"] is None
 
@@ -187,6 +201,18 @@ def test_bad_environment_keys_are_one_line_errors(make_config) -> None:
     assert not layout.folder(cfg.run_dir, 0, "rollouts").exists() or not layout.list_parts(
         layout.folder(cfg.run_dir, 0, "rollouts")
     )
+
+
+def test_validate_takes_the_environments_reward_parts_as_columns(make_config, hidden) -> None:
+    """env_answer and env_asked are columns only generate makes: validate accepts a reward that
+    reads them with an environment, and names them without one."""
+    path, _ = make_config(ask(hidden))
+    res = cli("validate", path)
+    assert res.exit_code == 0, res.output
+    rewards = '[score]\nreward_functions = ["rlhf_batch.rewards.demo:ask_letter"]\n'
+    path, _ = make_config(f'[generate]\nprompts = "{hidden}"\n' + rewards, name="plain.toml")
+    res = cli("validate", path)
+    assert res.exit_code == 1 and "needs argument 'env_answer', 'env_asked'" in res.output
 
 
 class Once:
