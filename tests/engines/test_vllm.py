@@ -183,7 +183,7 @@ def test_vllm_runs_the_turn_loop_and_resumes_a_killed_run(vllm_runs, model64) ->
     diffs = []
     for r in got.to_pylist():
         ids, mask, starts = r["response_ids"], r["loss_mask"], r["turn_starts"]
-        assert r["turn_roles"] == ["assistant", "tool", "assistant"] and r["turns"] == 2
+        assert r["turn_roles"] == ["assistant", "user", "assistant"] and r["turns"] == 2
         assert len(mask) == len(ids) == len(r["behavior_logprobs"])
         assert set(mask[starts[1] : starts[2]]) == {0} and set(mask[: starts[1]] + mask[starts[2] :]) == {1}
         assert all(lp == 0.0 for lp, k in zip(r["behavior_logprobs"], mask, strict=True) if not k)

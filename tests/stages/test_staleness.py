@@ -144,10 +144,10 @@ def test_a_stale_run_records_and_shows_its_staleness(make_config, tmp_path: Path
     run_pipeline(path, [], quiet=True)
     by_iter = {it: manifests.manifest(layout.folder(cfg.run_dir, it, "rollouts")) for it in range(3)}
     assert [(m["policy_iteration"], m["staleness"]) for m in by_iter.values()] == [(-1, 0), (-1, 1), (0, 1)]
-    for it, m in by_iter.items():  # trajectories of two turns, the tool's answer between them
+    for it, m in by_iter.items():  # trajectories of two turns, the letter revealed between them
         assert m["counts"]["turns"] > m["rows"] and m["counts"]["env_errors"] == 0
         t = pq.read_table(layout.folder(cfg.run_dir, it, "rollouts"), columns=["loss_mask", "turn_roles"])
-        assert ["assistant", "tool", "assistant"] in t.column("turn_roles").to_pylist()
+        assert ["assistant", "user", "assistant"] in t.column("turn_roles").to_pylist()
         # the decoupled objective (recompute_old, tis_cap) trains the sampled tokens only (1 epoch)
         adv = pq.read_table(layout.folder(cfg.run_dir, it, "advantages"), columns=["loss_mask"])
         sampled = sum(map(sum, adv.column("loss_mask").to_pylist()))
