@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TESTS = """
@@ -31,6 +33,7 @@ def pytest_in(tmp_path: Path, extra: str, strict: bool, *args: str) -> subproces
     return subprocess.run([*cmd, *args, str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_an_allowed_skip_passes_and_any_other_fails_the_strict_session(tmp_path: Path) -> None:
     assert pytest_in(tmp_path, "", strict=True).returncode == 0
     wrong = """
@@ -47,6 +50,7 @@ def test_needs_a_venv():
     assert res.returncode == 1 and "whole module" in res.stdout, res.stdout
 
 
+@pytest.mark.slow
 def test_the_strict_session_sees_the_skips_of_xdist_workers(tmp_path: Path) -> None:
     """Under `-n 2` (pytest-xdist) tests and collection run in worker processes; their skips reach
     the controller's hooks, so the allow-list still fails the session."""

@@ -79,6 +79,7 @@ def bench(script: str, args: list[str], results: Path, cache: Path) -> subproces
 
 
 @pytest.mark.parametrize("script", list(ROWS))
+@pytest.mark.slow
 def test_benchmark_runs_on_the_tiny_workload(script: str, peaks: Path, tmp_path: Path) -> None:
     results = tmp_path / "results.md"
     proc = bench(script, ["--tiny", "--peaks", str(peaks)], results, tmp_path.parent / "bench-cache")
@@ -91,6 +92,7 @@ def test_benchmark_runs_on_the_tiny_workload(script: str, peaks: Path, tmp_path:
         assert len(row.split(" | ")) == 11, row  # every column filled (with '-' where it has no value)
 
 
+@pytest.mark.slow
 def test_learning_benchmark_with_two_seeds_and_an_override(tmp_path: Path) -> None:
     """--seeds: rows per seed, then rows of their mean; --set reaches ours and is named; the
     multi-turn task (--task ask, pipelines/ask.toml) adds its turn-2 rows."""

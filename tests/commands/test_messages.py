@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from rlhf_batch.stages.registry import run_stage
 
 
@@ -62,6 +64,7 @@ def test_a_mistyped_local_model_path_is_not_sent_to_the_hub(tmp_path: Path, tiny
     assert "hf download" not in res.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_one_line_and_a_resume_says_it_resumed(make_config) -> None:
     import os
     import signal

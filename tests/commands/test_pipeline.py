@@ -203,6 +203,7 @@ print("heap", gc.get_freeze_count(), gc.get_threshold() == before)
 """
 
 
+@pytest.mark.slow
 def test_an_in_process_run_settles_its_heap_after_the_first_iteration_and_exits_clean(make_config) -> None:
     # the `run` command (settle_heap) in one process: after iteration 0 the objects the process
     # holds are frozen (left out of later full collections) and the collector's thresholds are

@@ -155,6 +155,7 @@ def test_a_topup_round_is_tracked_at_its_iteration_under_its_own_keys() -> None:
     assert tracking._where(layout.folder("r", 3, "rollouts"), "rollouts") == (3, "rollouts")
 
 
+@pytest.mark.slow
 def test_the_topup_command_runs_the_rounds_that_run_would(make_config, tmp_path: Path) -> None:
     # stage by stage, as a scheduler's tasks run them: generate, score, topup, advantage
     from tests.stages.cli_helpers import ok, stage

@@ -1070,6 +1070,7 @@ def test_the_catalogue_covers_at_least_30_cases() -> None:
     assert len(CASES) >= 30
 
 
+@pytest.mark.slow
 def test_real_cli_process_one_line_then_traceback_with_debug(ctx: Ctx) -> None:
     args, named = token_id_outside_the_vocabulary(ctx)
     cmd = [sys.executable, "-m", "rlhf_batch"]

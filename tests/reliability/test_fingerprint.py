@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from rlhf_batch.config import load_config
 from rlhf_batch.stages.executor import is_done
 from rlhf_batch.stages.registry import get
@@ -23,6 +25,7 @@ def rb(*args: object) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=environment(), capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_retraining_with_other_weights_makes_the_next_iteration_out_of_date(make_config) -> None:
     path, cfg = make_config(iterations=2, in_process=True, threads=1)
     assert rb("run", path, "--quiet").returncode == 0

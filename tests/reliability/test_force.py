@@ -172,6 +172,7 @@ def test_forced_generate_killed_in_its_swap_is_finished_by_run(make_config) -> N
     assert _manifest(rollouts)["rows"] == 12 * 4
 
 
+@pytest.mark.slow
 def test_score_force_with_the_same_config_keeps_the_folder_so_run_goes_on(make_config) -> None:
     """Advantage fingerprints the scores manifest's bytes: a forced re-score that wrote the same
     parts keeps the old folder (manifest included), and `run` goes on without refusing."""

@@ -25,6 +25,7 @@ def temporaries(run_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob(".*") if layout.is_tmp(p.name))
 
 
+@pytest.mark.slow
 def test_a_kill_during_the_optimizer_state_write_leaves_no_temporary_for_good(make_config) -> None:
     path, cfg = make_config(iterations=2, in_process=True, threads=1)
     run_dir = Path(cfg.run_dir)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import rlhf_batch
 from rlhf_batch.config import Config
 
@@ -107,6 +109,7 @@ def test_remote_code_is_off_unless_the_config_turns_it_on() -> None:
     assert Config().trust_remote_code is False
 
 
+@pytest.mark.slow
 def test_stage_processes_run_no_code_from_the_current_directory(make_config, tmp_path: Path) -> None:
     """`run` starts each stage as `python -P -m rlhf_batch ...`: a module file in the directory
     `run` is started from (here a `tqdm.py`, which every stage imports) is never executed."""

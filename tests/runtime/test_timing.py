@@ -79,6 +79,7 @@ def timing(root: Path, folder: str, it: int = 0) -> dict:
     return m["timing"]
 
 
+@pytest.mark.slow
 def test_every_stage_records_startup_and_work_within_its_wall_time(run) -> None:
     root, walls = run
     for stage in STAGES:

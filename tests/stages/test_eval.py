@@ -173,6 +173,7 @@ def test_a_training_prompt_does_not_get_generates_samples_again(make_config, dem
     assert same < len(gen) // 2  # other draws (a 6-token sample of the random model rarely repeats)
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_gives_the_rows_and_metrics_of_an_uninterrupted_run(
     make_config, tmp_path: Path
 ) -> None:
@@ -376,6 +377,7 @@ def eval_as_the_cli_does(config: str | Path) -> dict:
     return run_eval(cfg)
 
 
+@pytest.mark.slow
 def test_two_ranks_write_the_rows_and_metrics_of_one(make_config, tmp_path: Path) -> None:
     """torchrun with 2 CPU processes (gloo): rank r writes parts r, r + 2, ...; rank 0 the
     manifest, whose metrics are those of one process."""

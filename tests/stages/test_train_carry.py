@@ -81,6 +81,7 @@ def run_train(config: Path, iteration: int, fault: str | None = None) -> subproc
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_two_iterations_in_separate_processes_equal_one_optimizer_that_never_stopped(
     make_config, tiny_model: Path
 ) -> None:

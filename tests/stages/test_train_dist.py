@@ -79,6 +79,7 @@ def assert_same_training(two, one, n_steps: int, tiny_model: Path, world: int = 
     assert max_diff(w_two, w_one) < 1e-5 < 1e-4 < max_diff(w_one, weights(tiny_model))
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank(make_config, tiny_model: Path, tmp_path: Path) -> None:
     path, two, one, n_steps = two_and_one_rank(make_config, tiny_model, tmp_path)
     done = torchrun_train(path)
@@ -87,6 +88,7 @@ def test_two_ranks_match_one_rank(make_config, tiny_model: Path, tmp_path: Path)
     assert_same_training(two, one, n_steps, tiny_model)
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank_when_rows_of_advantage_zero_do_not_run(
     make_config, tiny_model: Path, tmp_path: Path
 ) -> None:
