@@ -28,9 +28,9 @@ RUN_DIR ?= runs/demo
 WHEELS ?= wheels
 GPU_PYTHON_VERSION ?= 3.11
 # test files run in this many processes at once (pytest-xdist, one file per process at a time, the
-# long files first: tests/conftest.py orders them); 1: one pytest process. The whole suite: 33.5 min
-# with 2 on a 2-core AMD EPYC (2026-11-27, 1156 tests), 53.7 min serial for 1051 tests (the CI run
-# before it)
+# long files first: tests/conftest.py orders them); 1: one pytest process. The whole suite: 32.6 min
+# with 2 on a 2-core AMD EPYC (2026-11-27, 1173 tests, after a 6-kill soak of 6.0 min), 53.7 min
+# serial for 1051 tests (an earlier CI run)
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
