@@ -175,46 +175,27 @@ def fingerprint(spec: Any) -> str:
 
 
 def read_file(p: Path) -> pa.Table:
-    """One prompt file (or datasets dir) as an Arrow table; errors name the file."""
-    if not store_of(p).local:  # an object on a store: read whole (one GET), named by its URI
-        return _read_remote(p)
+    """One prompt file (or datasets dir) as an Arrow table, local or on a store (an object read
+    whole: one GET; a datasets dir: its local cached copy); errors name the file."""
     try:
         if p.is_dir():
-            return _read_datasets_dir(p)
-        if p.suffix == ".json" and _starts_with(p, b"["):
-            return _read_json_array(p)
-        if p.suffix in (".jsonl", ".json"):
+            return _read_datasets_dir(local_dir(p))
+        if p.suffix not in SUFFIXES:
+            raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl, .json or .parquet)")
+        with pa.OSFile(str(p)) if store_of(p).local else pa.BufferReader(get_bytes(p)) as src:
+            if p.suffix == ".json" and src.read(4096).lstrip().startswith(b"["):
+                src.seek(0)
+                return _json_rows(p, src.read())
+            src.seek(0)
+            if p.suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                return pq.read_table(src)
             import pyarrow.json as pj
 
-            return _utf8(p, pj.read_json(p)) if p.stat().st_size else pa.table({})
-        if p.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return pq.read_table(p)
+            return _utf8(p, pj.read_json(src)) if src.size() else pa.table({})
     except (pa.ArrowInvalid, OSError) as e:
         raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
-    raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl, .json or .parquet)")
-
-
-def _read_remote(p: Path) -> pa.Table:
-    """A prompt file on a store: its bytes read at once (a datasets dir: its local cached copy)."""
-    if p.is_dir():
-        return _read_datasets_dir(local_dir(p))
-    data = get_bytes(p)
-    try:
-        if p.suffix == ".json" and data.lstrip().startswith(b"["):
-            return _json_rows(p, data)
-        if p.suffix in (".jsonl", ".json"):
-            import pyarrow.json as pj
-
-            return _utf8(p, pj.read_json(pa.BufferReader(data))) if data else pa.table({})
-        if p.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            return pq.read_table(pa.BufferReader(data))
-    except pa.ArrowInvalid as e:
-        raise StageError(f"{p}: cannot read prompts ({str(e).splitlines()[0]})") from None
-    raise StageError(f"{p}: unknown prompt file type (use a datasets dir, .jsonl, .json or .parquet)")
 
 
 def _utf8(p: Path, t: pa.Table) -> pa.Table:
@@ -226,17 +207,8 @@ def _utf8(p: Path, t: pa.Table) -> pa.Table:
     return t
 
 
-def _starts_with(p: Path, token: bytes) -> bool:
-    with open(p, "rb") as f:
-        return f.read(4096).lstrip().startswith(token)
-
-
-def _read_json_array(p: Path) -> pa.Table:
-    """A .json file holding one JSON array of objects."""
-    return _json_rows(p, p.read_bytes())
-
-
 def _json_rows(p: Path, data: bytes) -> pa.Table:
+    """A .json file holding one JSON array of objects."""
     import json
 
     try:
