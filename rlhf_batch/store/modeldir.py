@@ -87,14 +87,19 @@ def base_digest(p: Path) -> str:
     the formula of `weights_digest`: each weight file's sha256, read once per machine and file
     (kept in the local cache by the file's path, size and mtime); a model on a store is hashed
     in its local cached copy (fs.local_dir: downloaded once per machine, as loading it does)."""
+    return _digest_key(_weight_hashes(local_dir(p), _file_sha256))
+
+
+def _weight_hashes(p: Path, sha256: Any) -> dict[str, dict[str, Any]]:
+    """Each weight file of the local model dir `p`: its size and `sha256(file)`."""
+    return {q.name: {"bytes": q.stat().st_size, "sha256": sha256(q)} for q in sorted(p.glob("*.safetensors"))}
+
+
+def _digest_key(digest: dict[str, Any]) -> str:
+    """The content hash of a model from its weight files' hashes (WEIGHTS_DIGEST's content)."""
     import hashlib
     import json
 
-    local = local_dir(p)
-    digest = {
-        q.name: {"bytes": q.stat().st_size, "sha256": _file_sha256(q)}
-        for q in sorted(local.glob("*.safetensors"))
-    }
     return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -126,23 +131,14 @@ def _file_sha256(q: Path) -> str:
 
 def write_weights_digest(p: Path) -> None:
     """Hash the weight files of the (local) model dir `p`, once, as it is written, into WEIGHTS_DIGEST."""
-    import hashlib
     import json
 
-    digest = {}
-    for q in sorted(p.glob("*.safetensors")):
-        h = hashlib.sha256()
-        with open(q, "rb") as f:
-            for block in iter(lambda: f.read(1 << 24), b""):
-                h.update(block)
-        digest[q.name] = {"bytes": q.stat().st_size, "sha256": h.hexdigest()}
-    (p / WEIGHTS_DIGEST).write_text(json.dumps(digest, indent=1, sort_keys=True))
+    (p / WEIGHTS_DIGEST).write_text(json.dumps(_weight_hashes(p, _sha256), indent=1, sort_keys=True))
 
 
 def weights_digest(p: Path) -> str | None:
     """The content hash of the weights of `p` recorded in WEIGHTS_DIGEST; None when there is none
     or it does not describe the weight files there (names or sizes differ)."""
-    import hashlib
     import json
 
     path = p / WEIGHTS_DIGEST
@@ -155,7 +151,7 @@ def weights_digest(p: Path) -> str | None:
     files = {q.name: q.stat().st_size for q in p.glob("*.safetensors")}
     if not isinstance(digest, dict) or {k: v.get("bytes") for k, v in digest.items()} != files:
         return None
-    return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
+    return _digest_key(digest)
 
 
 def without_path(fingerprint: dict[str, Any]) -> dict[str, Any]:
