@@ -159,11 +159,9 @@ class Eval(Stage):
         self.calls = RewardCalls.from_config(self.cfg)  # the reward cache, async calls
         g = self.sampling
         if g.environment:  # multi-turn: the turn loop of generate, with eval's sampling settings
-            from rlhf_batch.envs.pool import EnvPool
-            from rlhf_batch.rewards import add_search_path
+            from rlhf_batch.stages.multiturn import open_pool
 
-            add_search_path(reward_search_path(self.cfg))  # where generate looks the factory up
-            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s)
+            self.pool = open_pool(self.cfg, g)
 
     def close(self) -> None:
         if self.pool is not None:

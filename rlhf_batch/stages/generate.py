@@ -37,7 +37,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from rlhf_batch.config import Config, reward_search_path
+from rlhf_batch.config import Config
 from rlhf_batch.data import curriculum, topup
 from rlhf_batch.data.mixtures import identity as mixture_identity
 from rlhf_batch.data.mixtures import is_mixture
@@ -106,13 +106,9 @@ class Generate(Stage):
         check_model_dir(self.policy, "policy")
         check_targets(self.cfg)
         if self.cfg.generate.environment:
-            from rlhf_batch.envs.pool import load_factory
-            from rlhf_batch.rewards import add_search_path
+            from rlhf_batch.stages.multiturn import environment_factory
 
-            # the factory's module is looked up where reward modules are (spawned environment
-            # workers inherit sys.path); a bad name: one line, before anything is written
-            add_search_path(reward_search_path(self.cfg))
-            load_factory(self.cfg.generate.environment)
+            environment_factory(self.cfg, self.cfg.generate.environment)  # a bad name: before any write
         nxt = layout.folder(self.cfg.run_dir, self.iteration + 1, layout.ROLLOUTS)
         if self.topup and self.cfg.generate.prompts_per_iteration and nxt.exists():
             raise StageError(
@@ -142,9 +138,9 @@ class Generate(Stage):
         self.engine = make_engine(self.cfg, self.policy, self.tok, self.prompts)
         g = self.cfg.generate
         if g.environment:
-            from rlhf_batch.envs.pool import EnvPool
+            from rlhf_batch.stages.multiturn import open_pool
 
-            self.pool = EnvPool(g.environment, g.env_workers, g.env_timeout_s)
+            self.pool = open_pool(self.cfg, g)
 
     def close(self) -> None:
         pool = getattr(self, "pool", None)

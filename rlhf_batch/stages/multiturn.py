@@ -89,6 +89,24 @@ def _save(path: Path, rids: list[str], turn: int, trajs: list[Trajectory]) -> No
     write_json_atomic(path, state)
 
 
+def environment_factory(cfg: Config, ref: str) -> Any:
+    """The environment factory `ref` names (a bad name: one line), its module looked up where
+    reward modules are (`reward_search_path`: beside the config, which `run`'s `python -P` stage
+    processes do not otherwise see; spawned environment workers inherit sys.path)."""
+    from rlhf_batch.config import reward_search_path
+    from rlhf_batch.envs.pool import load_factory
+    from rlhf_batch.rewards import add_search_path
+
+    add_search_path(reward_search_path(cfg))
+    return load_factory(ref)
+
+
+def open_pool(cfg: Config, g: Any) -> EnvPool:
+    """The environments' worker processes for the sampling settings `g` (generate's or eval's)."""
+    environment_factory(cfg, g.environment)
+    return EnvPool(g.environment, g.env_workers, g.env_timeout_s)
+
+
 def write_turn_parts(stage: Any, todo: list[int], out: Any, bar: Any) -> None:
     """The parts of a stage that samples trajectories (generate, eval), one by one; a part's turn
     checkpoint is removed once the part is written."""
