@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.harness import KILLS, Assets, run_to_completion
+from tests.reliability.harness import KILLS, WALL, Assets, run_to_completion
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +26,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
 def reference(assets: Assets, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shortened demo (2 iterations), run once without interruption."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    run_to_completion(assets, run_dir)
+    WALL["reference"] = run_to_completion(assets, run_dir)
     return run_dir
 
 

@@ -25,6 +25,7 @@ DEMO = ROOT / "pipelines" / "demo.toml"
 ITERATIONS = 2
 STAGE_DIRS = (("rollouts", ROLLOUTS), ("scores", SCORES), ("advantages", ADVANTAGES))
 KILLS: dict[str, int] = {"named": 0, "timed": 0}  # SIGKILLs survived in this session, printed at the end
+WALL: dict[str, float] = {}  # seconds the uninterrupted reference run took on this machine, now
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,12 @@ def run_killed_at(
     KILLS["named"] += 1
 
 
-def run_to_completion(assets: Assets, run_dir: Path, *extra: str, iterations: int = ITERATIONS) -> None:
+def run_to_completion(assets: Assets, run_dir: Path, *extra: str, iterations: int = ITERATIONS) -> float:
+    """An uninterrupted run; the seconds it took."""
+    start = time.monotonic()
     res = run(assets, run_dir, *extra, iterations=iterations)
     assert res.returncode == 0, res.stderr[-3000:]
+    return time.monotonic() - start
 
 
 def kill_after(cmd: list[str], seconds: float) -> int:

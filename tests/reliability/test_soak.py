@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.harness import Assets, assert_same_as_reference, command, kill_after
+from tests.reliability.harness import WALL, Assets, assert_same_as_reference, command, kill_after
 
 SEED = 20261122
 MIN_KILLS = int(os.environ.get("RLHF_BATCH_SOAK_KILLS", "24"))  # `make test` runs a short soak of 6
@@ -26,12 +26,18 @@ def test_random_kills_never_change_the_result(assets: Assets, reference: Path, t
         run_dir = tmp_path / f"run{dirs}"
         extra = ["--set", "in_process=false"] if dirs % 3 == 2 else []
         dirs += 1
-        # ~3 s of imports, then ~10 s of work (~30 s in the subprocess mode): the kills land in every stage, and during start-up
-        # a stage process must get far enough between kills: the subprocess mode starts one per
-        # stage (imports each time), so its kills come up to 24 s apart
-        kills += kill_until_complete(command(assets, run_dir, *extra), rng, 24.0 if extra else 12.0)
+        # ~3 s of imports, then a few s of work (twice that in the subprocess mode, which starts a
+        # process per stage, imports each time): the kills land in every stage and during start-up
+        latest = window(WALL["reference"], 12.0)
+        kills += kill_until_complete(command(assets, run_dir, *extra), rng, 2 * latest if extra else latest)
         assert_same_as_reference(run_dir, reference)
     print(f"soak: {kills} SIGKILLs at random moments over {dirs} run directories, all equal to the reference")
+
+
+def window(uninterrupted: float, least: float) -> float:
+    """Kills land up to 1.5x an uninterrupted run's time, at least `least` s after the start: on a
+    slow or busy machine a fixed window would let no run get far enough between kills."""
+    return max(least, 1.5 * uninterrupted)
 
 
 def kill_until_complete(cmd: list[str], rng: random.Random, latest: float) -> int:
@@ -90,13 +96,13 @@ def test_random_kills_with_topup_lora_retention_and_eval_on(assets: Assets, tmp_
 
     rng = random.Random(SEED + 1)
     ref = tmp_path / "reference"
-    run_to_completion(assets, ref, *_features(assets))
+    latest = window(run_to_completion(assets, ref, *_features(assets)), 20.0)
     kills, dirs = 0, 0
     while kills < MIN_KILLS:
         run_dir = tmp_path / f"run{dirs}"
         extra = [*_features(assets), *(["--set", "in_process=false"] if dirs % 3 == 2 else [])]
         dirs += 1
-        kills += kill_until_complete(command(assets, run_dir, *extra), rng, 20.0)
+        kills += kill_until_complete(command(assets, run_dir, *extra), rng, latest)
         assert_same_as_reference(run_dir, ref)
         _same_extras(run_dir, ref)
     print(
