@@ -11,7 +11,10 @@ policy on the store, as on several machines), the prompts in a local file, and o
 - `stages`: the stage commands one process each, as a scheduler runs them (`generate`, `score`,
   `advantage`, `train` per iteration, each counted alone).
 
-Then over the `run` pass's finished run: `status`, and `sql` with one query over scores. For each:
+Then over the `run` pass's finished run: `status`, `sql` with one query over scores, and iteration
+0's advantage redone (`--force`) in parts of 2 rows, twice with its parts uploaded one at a time
+(RLHF_BATCH_UPLOADS=0) and twice in the background (the default), alternating, with every
+request answered LATENCY_MS late (a store across a network, not on this machine). For each:
 requests (by method; listings are GETs with `list-type`), bytes sent and received, and the bytes
 of model downloads (GETs of objects in a policy folder: the initial policy, iter=K/policy).
 Counts, not times: they do not depend on the machine's load. Rows go to benchmarks/results.md,
@@ -36,6 +39,8 @@ import common  # noqa: E402
 from common import append_row  # noqa: E402
 
 ITERATIONS = 2
+UPLOADERS = 8  # store/fs.py's default
+LATENCY_MS = 20  # each request's wait in the part-upload comparison: a store in the same region
 STAGES = ("generate", "score", "advantage", "train")
 OUT = common.HERE / "results" / "store_traffic.json"
 DEMO = common.ROOT / "pipelines" / "demo.toml"
@@ -57,6 +62,8 @@ def summary(reqs: list[dict[str, Any]]) -> dict[str, Any]:
         "model_bytes": sum(r["out"] for r in model),
         # the most requests the server was answering at once when an upload arrived (1: one at a time)
         "max_puts_in_flight": max((r.get("inflight", 1) for r in reqs if r["method"] == "PUT"), default=0),
+        "part_puts": len(parts := [r for r in reqs if r["method"] == "PUT" and "/part-" in r["path"]]),
+        "max_part_puts_in_flight": max((r.get("inflight", 1) for r in parts), default=0),
     }
 
 
@@ -126,6 +133,17 @@ def measure(tiny: bool) -> dict[str, Any]:
             count.run("status", [*cli, "status", run_dir], env)
             query = "SELECT iter, count(*) AS n, avg(score) AS mean FROM scores GROUP BY iter ORDER BY iter"
             count.run("sql", [*cli, "sql", "--run-dir", run_dir, "--format", "csv", query], env)
+            # parts uploaded one at a time (RLHF_BATCH_UPLOADS=0) or in the background, side by
+            # side, alternating, each request answered LATENCY_MS late (a store across a network):
+            # iteration 0's advantage redone in parts of 2 rows
+            server.set_latency(LATENCY_MS)
+            forced = [*cli, "advantage", str(DEMO), "--iter", "0", *sets, "--force", "--quiet"]
+            forced += ["--set", "advantage.rows_per_part=2"]
+            count.run("parts/first", forced, env)  # the parts' size changes: not compared
+            for rep in range(2):
+                for depth in ("0", str(UPLOADERS)):
+                    count.run(f"parts/uploads={depth}/{rep}", forced, {**env, "RLHF_BATCH_UPLOADS": depth})
+            server.set_latency(0)
             _, sets, env = setup(server, tmp, "stages")
             for it in range(ITERATIONS):
                 for stage in STAGES:
@@ -155,6 +173,13 @@ def rows(results: Path, label: str, m: dict[str, Any]) -> None:
     append_row(results, "store model downloads", work,
                f"bytes of policy downloads per node and iteration, stage commands (run: "
                f"{ph['run']['model_bytes'] / n:,.0f})", f"{model:,.0f}")  # fmt: skip
+    for depth in ("0", str(UPLOADERS)):
+        runs = [ph[k] for k in ph if k.startswith(f"parts/uploads={depth}/")]
+        append_row(results, f"store part uploads: RLHF_BATCH_UPLOADS={depth}", work,
+                   f"advantage --force, {runs[0]['part_puts']} part uploads of 2 rows, each request "
+                   f"{LATENCY_MS} ms late: seconds (best of "
+                   f"{len(runs)}), most part uploads at once {max(r['max_part_puts_in_flight'] for r in runs)}",
+                   f"{min(r['seconds'] for r in runs)}")  # fmt: skip
     puts = max(p["max_puts_in_flight"] for p in stage["train"])
     append_row(results, "store uploads at once", work,
                "most requests in flight at an upload of train (its policy folder)", str(puts))  # fmt: skip

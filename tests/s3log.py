@@ -1,7 +1,9 @@
 """moto's S3 server with a request log: every request it answers is one JSON line in LOG (method,
 path, query, status, bytes received and sent, requests in flight when it arrived), written before the answer leaves, so a client
 that has its answer finds the line there. Counted on the server, so requests of child processes
-(stage commands) count as well as the caller's. Run by .venv-s3's Python (tests/s3server.py
+(stage commands) count as well as the caller's. With `--latency-file`, each request waits the
+milliseconds that file holds (while it exists) before it is answered: a store across a network,
+for benchmarks (`S3Server.set_latency`). Run by .venv-s3's Python (tests/s3server.py
 starts it with `S3Server(log=...)`): `python tests/s3log.py -p PORT --log LOG`."""
 
 from __future__ import annotations
@@ -9,11 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 
-def counting(app: Any, log_path: str) -> Any:
-    """`app` (a WSGI application) with every request appended to `log_path` as one JSON line."""
+def counting(app: Any, log_path: str, latency_file: str | None = None) -> Any:
+    """`app` (a WSGI application) with every request appended to `log_path` as one JSON line,
+    each answered after the milliseconds in `latency_file` when it exists."""
     lock = threading.Lock()
     out = open(log_path, "a", buffering=1)  # noqa: SIM115 - open for the server's life
     busy = [0]  # requests being answered now
@@ -29,6 +34,8 @@ def counting(app: Any, log_path: str) -> Any:
             return start_response(s, headers, exc_info)
 
         try:
+            if latency_file and (wait := Path(latency_file)).exists():
+                time.sleep(float(wait.read_text() or 0) / 1000)
             body = list(app(environ, start))  # whole: the line is written before the answer is sent
         finally:
             with lock:
@@ -62,8 +69,9 @@ def main() -> None:
     p.add_argument("-H", "--host", default="127.0.0.1")
     p.add_argument("-p", "--port", type=int, required=True)
     p.add_argument("--log", required=True)
+    p.add_argument("--latency-file")
     args = p.parse_args()
-    app = counting(DomainDispatcherApplication(create_backend_app), args.log)
+    app = counting(DomainDispatcherApplication(create_backend_app), args.log, args.latency_file)
     run_simple(args.host, args.port, app, threaded=True, request_handler=MotoRequestHandler)
 
 

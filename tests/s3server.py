@@ -64,7 +64,7 @@ class S3Server:
         cmd = [str(SERVER), "-H", "127.0.0.1", "-p", str(self.port)]
         if self.log is not None:  # the same server and app, behind a counting WSGI layer
             cmd = [str(SERVER.parent / "python"), str(ROOT / "tests" / "s3log.py"), *cmd[1:]]
-            cmd += ["--log", str(self.log)]
+            cmd += ["--log", str(self.log), "--latency-file", str(self.log) + ".latency_ms"]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.DEVNULL,
@@ -93,6 +93,12 @@ class S3Server:
         )
         with contextlib.suppress(Exception):  # a server refusing the credentials has loaded it too
             fs.ls("")
+
+    def set_latency(self, ms: float) -> None:
+        """From now on each request waits `ms` milliseconds before it is answered (a server
+        started with `log`): a store across a network rather than on this machine."""
+        assert self.log is not None, "a server started without log=... has no latency setting"
+        Path(str(self.log) + ".latency_ms").write_text(str(ms))
 
     def requests(self) -> list[dict]:
         """The requests answered so far, in order (a server started with `log`)."""

@@ -9,6 +9,7 @@ import os
 from rlhf_batch.errors import UserError
 
 SECONDS = ("RLHF_BATCH_LOCK_STALE_S",)  # read as seconds > 0 (store/lock.py)
+COUNTS = ("RLHF_BATCH_UPLOADS",)  # read as whole numbers >= 0 (store/fs.py)
 
 
 def seconds(name: str, default: float) -> float:
@@ -25,7 +26,19 @@ def seconds(name: str, default: float) -> float:
     return value
 
 
+def count(name: str, default: int) -> int:
+    """The environment variable `name` as a whole number >= 0 (`default` when unset)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise UserError(f"{name}: must be a whole number >= 0, got {raw!r}")
+    return int(raw)
+
+
 def check() -> None:
     """Every numeric variable that is set holds a number."""
     for name in SECONDS:
         seconds(name, 1.0)
+    for name in COUNTS:
+        count(name, 0)

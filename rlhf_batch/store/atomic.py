@@ -66,15 +66,22 @@ def write_parquet_atomic(
     fault: str = "",
     identity: str = "",
 ) -> None:
-    """Write `table` cast to `schema` (zstd) under a temporary name, fsync, rename; `identity`:
-    the stage run's, recorded in the part's metadata (a fan-out's commit checks the others')."""
+    """Write `table` cast to `schema` (zstd) under a temporary name, fsync, rename (`part_table`)."""
+    table = part_table(table, schema, counts, identity)
+    write_file_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"), fault)
+
+
+def part_table(
+    table: pa.Table, schema: pa.Schema, counts: dict | None = None, identity: str = ""
+) -> pa.Table:
+    """`table` cast to `schema`, with the schema version, `counts` and `identity` (the stage
+    run's, which a commit checks in parts it did not write) in its metadata."""
     meta = {**(schema.metadata or {}), VERSION_KEY: str(SCHEMA_VERSION).encode()}
     if counts:
         meta[COUNTS_KEY] = json.dumps(counts).encode()
     if identity:
         meta[IDENTITY_KEY] = identity.encode()
-    table = table.select(schema.names).cast(schema).replace_schema_metadata(meta)
-    write_file_atomic(path, lambda tmp: pq.write_table(table, tmp, compression="zstd"), fault)
+    return table.select(schema.names).cast(schema).replace_schema_metadata(meta)
 
 
 def write_dir_atomic(final: Path, write: Callable[[Path], T], *, replace: bool = True, fault: str = "") -> T:

@@ -270,6 +270,69 @@ def put_dir(local: Path, path: Path) -> None:
         list(pool.map(lambda f: put_file(f, path / f.relative_to(local).as_posix()), files))
 
 
+def put_new(local: Path, path: Path) -> bool:
+    """Upload a finished local file as the object `path` only if there is none (If-None-Match: *):
+    False when one is there. A late upload (a command paused past the run lock's stale limit
+    that had it in flight) then never replaces what the command that took over wrote."""
+    guard(path)
+    fs = filesystem(path)
+    try:
+        retry(path, lambda: fs.put_file(str(local), key(path), mode="create"))
+    except FileExistsError:
+        return False
+    return True
+
+
+class Uploads:
+    """A stage's parts uploaded in the background, at most `depth` at once (RLHF_BATCH_UPLOADS,
+    default UPLOADERS; 0: each part before the next is computed): part n+1 is computed while part
+    n travels. Each is a local file written into `scratch()`, removed once uploaded. `wait`
+    returns when every upload is done and raises the first failure (a lost lock included:
+    every request is fenced as it starts)."""
+
+    def __init__(self) -> None:
+        import tempfile
+        from concurrent.futures import ThreadPoolExecutor
+
+        from rlhf_batch.runtime.env import count
+
+        self.depth = count("RLHF_BATCH_UPLOADS", UPLOADERS)
+        self.pool = ThreadPoolExecutor(max(1, self.depth), thread_name_prefix="part-upload")
+        self.dir = Path(tempfile.mkdtemp(prefix="rlhf-batch-parts-"))
+        self.pending: list[Any] = []
+        self.n = 0
+
+    def scratch(self, name: str) -> Path:
+        self.n += 1
+        return self.dir / f"{self.n}-{name}"
+
+    def submit(self, local: Path, upload: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                upload()
+            finally:
+                local.unlink(missing_ok=True)
+
+        self.pending.append(self.pool.submit(run))
+        while len([f for f in self.pending if not f.done()]) > self.depth:
+            next(f for f in self.pending if not f.done()).result()  # back-pressure: the oldest first
+        if self.depth == 0:
+            self.wait()
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        errors = [f.exception() for f in pending]  # every one finished before any error is raised
+        if first := next((e for e in errors if e is not None), None):
+            raise first
+
+    def close(self) -> None:
+        """Wait for the uploads in flight (their errors dropped: the stage failed already)."""
+        with contextlib.suppress(Exception):
+            self.wait()
+        self.pool.shutdown(wait=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 def mirror(src: Path, dst: Path, last: str | None = None) -> None:
     """Make the prefix `dst` hold exactly the objects of the prefix `src` (server-side copies;
     objects of `dst` that `src` lacks are deleted first). The object named `last` is copied last."""

@@ -235,7 +235,12 @@ def differences(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str
 
 
 class StaleParts(StageError):
-    """A fan-out's commit found a part that another identity wrote (its rank is still to redo it)."""
+    """A commit found a part `path` that another identity wrote (a fan-out: its rank is still to
+    redo it; on a store: a late upload of a command that lost the run lock)."""
+
+    def __init__(self, path: Path, line: str):
+        super().__init__(line)
+        self.path = path
 
 
 def write_manifest(
@@ -267,8 +272,9 @@ def write_manifest(
     for path, (_, _, theirs) in read.items():
         if located and theirs and theirs != located:
             raise StaleParts(
+                path,
                 f"{path}: written with another config or inputs (by a rank of an earlier run): "
-                "run its rank with --force"
+                "run its rank with --force",
             )
     for path in paths:
         rows, part = known[path.name] if path.name in known else read[path][:2]

@@ -11,17 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from rlhf_batch.errors import StageError
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.runtime.timing import StageClock
 from rlhf_batch.store import fs, layout, staging
-from rlhf_batch.store.atomic import write_json_atomic, write_parquet_atomic
+from rlhf_batch.store.atomic import part_table, write_json_atomic, write_parquet_atomic
 from rlhf_batch.store.manifests import (
     StaleParts,
     differences,
     fingerprint,
+    footer_identity,
     located_key,
     manifest,
     read_json,
@@ -64,7 +66,12 @@ class StageOutput:
             "schema_version": SCHEMA_VERSION,
         }
         self.key = fingerprint(self.identity)
-        self.located = located_key(self.identity)  # fanned out: in each part, checked at the commit
+        self.located = located_key(
+            self.identity
+        )  # fanned out or on a store: in each part, checked at the commit
+        self.remote = not fs.store_of(sdir).local  # parts uploaded in the background (`uploads`)
+        self.marked = dist.fanned_out() or self.remote  # parts carry `located`
+        self.uploads: fs.Uploads | None = None
         self.complete = False
         self.final = sdir  # where the output ends up (sdir: where it is written)
         self.clock = StageClock()  # execute() gives it the stage's start
@@ -155,13 +162,52 @@ class StageOutput:
         return path
 
     def write_table(self, n: int, table: pa.Table, schema: pa.Schema, counts: dict | None = None) -> Path:
-        """Part `n` of this rank, written atomically; `counts` are summed into the manifest."""
+        """Part `n` of this rank, written atomically (on a store: uploaded in the background, done
+        by `finish`); `counts` are summed into the manifest."""
         path = self.sdir / layout.part_name(self.rank, n)
-        who = self.located if dist.fanned_out() else ""  # fanned out: checked by whoever commits
-        write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}", identity=who)
+        who = self.located if self.marked else ""  # checked by whoever commits
+        if self.remote:
+            self._upload(path, part_table(table, schema, counts, who), f"{self.folder}:part-{n}")
+        else:
+            write_parquet_atomic(path, table, schema, counts, fault=f"{self.folder}:part-{n}", identity=who)
         self.written[path.name] = (table.num_rows, dict(counts or {}))
         fault_point(f"{self.folder}:part-{n}:done")
         return path
+
+    def _upload(self, path: Path, table: pa.Table, fault: str) -> None:
+        """Write the part locally now, upload it in the background (`_put_part`)."""
+        if self.uploads is None:
+            self.uploads = fs.Uploads()
+        tmp = self.uploads.scratch(path.name)
+        try:
+            pq.write_table(table, tmp, compression="zstd")
+        except OSError as e:
+            raise fs.write_error(path, e, tmp) from e
+        fault_point(f"{fault}:tmp")
+        self.uploads.submit(tmp, lambda: self._put_part(tmp, path))
+
+    def _put_part(self, tmp: Path, path: Path) -> None:
+        """Upload a part only if there is none (a late upload of a command that lost the run
+        lock then never replaces it); one already there is kept when this stage run wrote it
+        (the same rows), else replaced."""
+        if fs.put_new(tmp, path) or footer_identity(path)[2] == self.located:
+            return
+        fs.remove(path)
+        if not fs.put_new(tmp, path):
+            raise StageError(
+                f"{path}: another command writes this part at the same time; stop it, then run again"
+            )
+
+    def flush(self) -> None:
+        """Every part written so far is on the store (the background uploads are done)."""
+        if self.uploads is not None:
+            self.uploads.wait()
+
+    def close(self) -> None:
+        """The uploads still in flight waited for (a stage that failed)."""
+        if self.uploads is not None:
+            self.uploads.close()
+            self.uploads = None
 
     def finish(self, n_parts: int, extra: Any = None) -> dict[str, Any] | None:
         """After every rank is done: rank 0 checks the parts and writes the manifest. `extra` is
@@ -169,6 +215,8 @@ class StageOutput:
         Fanned out (no process group), the process that finds every part there commits: the
         manifest is created only if it does not exist, so of two finishing together one commits
         and the other returns the manifest it wrote; one that finds parts missing returns None."""
+        self.flush()
+        self.close()
         dist.barrier()
         tokens = dist.all_sum(self.clock.tokens)
         result = None
@@ -195,9 +243,15 @@ class StageOutput:
                     {**record, **(more or {})},
                     exclusive=dist.fanned_out(),
                     known=self.written,
-                    located=self.located if dist.fanned_out() else None,
+                    located=self.located if self.marked else None,
                 )
             except StaleParts as e:  # fanned out: this rank's parts are done; another's are old
+                if not dist.fanned_out():  # a late upload of a command that lost the run lock
+                    fs.remove(e.path)
+                    raise StageError(
+                        f"{e.path}: a part of another config or inputs was here (a late upload of a "
+                        "command that lost the run lock); it was removed: run again to redo it"
+                    ) from None
                 print(f"{e}; this rank's parts are written, the stage is not committed", file=sys.stderr)
                 return None
         dist.barrier()

@@ -123,6 +123,13 @@ def lock_stale_not_a_number(ctx: Ctx):  # noqa: ANN201
 
 
 @case
+def uploads_not_a_count(ctx: Ctx):  # noqa: ANN201
+    assert ctx.monkeypatch is not None
+    ctx.monkeypatch.setenv("RLHF_BATCH_UPLOADS", "-2")
+    return ["generate", ctx.config(), "-q"], ["RLHF_BATCH_UPLOADS: must be a whole number >= 0, got '-2'"]
+
+
+@case
 def topup_negative_iteration(ctx: Ctx):  # noqa: ANN201
     return ["topup", ctx.config(), "--iter", "-3", "-q"], ["--iter must be >= 0, got -3"]
 

@@ -18,6 +18,7 @@ def write_parts(sdir: Path, sizes: list[int]) -> output.StageOutput:
     out = output.claim(sdir, "rollouts", {"k": 1}, {})
     for n, rows in enumerate(sizes):
         out.write_table(n, pa.table({"x": list(range(rows))}), SCHEMA, {"rows_in": rows, "odd": n % 2})
+    out.flush()  # on a store the parts upload in the background
     return out
 
 
