@@ -141,8 +141,12 @@ class Advantage(Stage):
         self.con = _connect(
             fs.local_side(self.cfg.run_dir, layout.DUCKDB_SPILL)
         )  # DuckDB spills to local files
-        fs.register(self.con, layout.iter_dir(self.cfg.run_dir, self.iteration))
-        self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds)
+        # the inputs are committed and nothing else writes the run (its lock): one listing of it
+        # answers every look at them (on a store each footer read and each DuckDB open of a part,
+        # once per statement, was a HEAD of its own)
+        inputs = fs.snapshot(fs.run_path(self.cfg.run_dir))
+        fs.register(self.con, inputs, replace=True)
+        self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds, inputs)
         faults.fault_point("advantages:pool")
         self.counts = _counts(self.con, self.cfg, self.iteration)
         self.replayed = None
@@ -226,7 +230,9 @@ def _where(cfg: Config, iteration: int) -> str:
     return f"iteration {iteration} ({layout.iter_dir(cfg.run_dir, iteration)})"
 
 
-def _parts(run_dir: str, it: int, stage: str, schema: pa.Schema, topup: int = 0) -> list[tuple[str, int]]:
+def _parts(
+    run_dir: str | Path, it: int, stage: str, schema: pa.Schema, topup: int = 0
+) -> list[tuple[str, int]]:
     """(path, rows) of the parts a complete stage's manifest lists, schema-checked (errors name
     file and column); rows from the file's footer."""
     sdir = layout.folder(run_dir, it, stage, topup)
@@ -291,19 +297,26 @@ atexit.register(_close_db)
 
 
 def _prepare(
-    con: Any, cfg: Config, iteration: int, window: list[int], rounds: tuple[int, ...] | list[int] = ()
+    con: Any,
+    cfg: Config,
+    iteration: int,
+    window: list[int],
+    rounds: tuple[int, ...] | list[int] = (),
+    inputs: str | Path | None = None,
 ) -> dict[str, Any]:
     """Build the `pool` and `groups` temp tables; check integrity; return the query parameters.
-    The top-up `rounds` of `iteration` are read after its round 0, as one table."""
+    The top-up `rounds` of `iteration` are read after its round 0, as one table. `inputs`: the
+    run directory to read them through (`fs.snapshot`), by default `cfg.run_dir`."""
     a = cfg.advantage
+    src = cfg.run_dir if inputs is None else inputs
     score_schema = with_extra(SCORES, TEACHER) if a.estimator == "opd" else SCORES  # opd: teacher log-probs
-    rollouts = {it: _parts(cfg.run_dir, it, "rollouts", ROLLOUTS) for it in window}
-    scores = {it: _parts(cfg.run_dir, it, "scores", score_schema) for it in window}
+    rollouts = {it: _parts(src, it, "rollouts", ROLLOUTS) for it in window}
+    scores = {it: _parts(src, it, "scores", score_schema) for it in window}
     for r in rounds:
-        rollouts[iteration] += _parts(cfg.run_dir, iteration, "rollouts", ROLLOUTS, r)
-        scores[iteration] += _parts(cfg.run_dir, iteration, "scores", score_schema, r)
+        rollouts[iteration] += _parts(src, iteration, "rollouts", ROLLOUTS, r)
+        scores[iteration] += _parts(src, iteration, "scores", score_schema, r)
     for stage in ("rollouts", "scores"):
-        if not (manifests.manifest(layout.folder(cfg.run_dir, iteration, stage)) or {}).get("rows"):
+        if not (manifests.manifest(layout.folder(src, iteration, stage)) or {}).get("rows"):
             raise StageError(
                 f"{_where(cfg, iteration)}: {stage} are empty (0 rows); nothing to compute advantages from"
             )
@@ -332,7 +345,7 @@ def _prepare(
         batch_std = float(
             con.execute(sql_text("advantage_batch_std"), {"ddof": a.ddof}).fetchall()[0][0] or 0.0
         )
-    folders = [layout.folder(cfg.run_dir, iteration, "rollouts", r) for r in (0, *rounds)]
+    folders = [layout.folder(src, iteration, "rollouts", r) for r in (0, *rounds)]
     return {
         "rollout_files": [f for f, _ in rollouts[iteration]],
         "score_files": [f for f, _ in scores[iteration]],

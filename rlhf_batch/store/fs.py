@@ -523,7 +523,7 @@ class Store:
         """(path, filesystem) for pyarrow's readers."""
         return str(path), None
 
-    def register(self, con: Any, path: Path) -> None:
+    def register(self, con: Any, path: Path, replace: bool = False) -> None:
         """Let a DuckDB connection read the files of this store."""
 
     def same_bytes(self, a: Path, b: Path) -> bool:
@@ -659,12 +659,14 @@ class FsspecStore(Store):
     def arrow_source(self, path: Path) -> tuple[str, Any]:
         return key(path), filesystem(path)
 
-    def register(self, con: Any, path: Path) -> None:
+    def register(self, con: Any, path: Path, replace: bool = False) -> None:
         fsys = filesystem(path)
-        if not con.filesystem_is_registered(
-            fsys.protocol if isinstance(fsys.protocol, str) else fsys.protocol[0]
-        ):
-            con.register_filesystem(fsys)
+        name = fsys.protocol if isinstance(fsys.protocol, str) else fsys.protocol[0]
+        if con.filesystem_is_registered(name):
+            if not replace:
+                return
+            con.unregister_filesystem(name)
+        con.register_filesystem(fsys)
 
 
 class S3Store(FsspecStore):
@@ -732,11 +734,12 @@ def local_side(run_dir: str | Path, name: str) -> Path:
     return store_of(root).local_side(root, name)
 
 
-def register(con: Any, paths: Any) -> None:
+def register(con: Any, paths: Any, replace: bool = False) -> None:
     """Let a DuckDB connection read the store that `paths` live on (the fsspec filesystem
-    registered with DuckDB: its httpfs extension cannot be installed offline)."""
+    registered with DuckDB: its httpfs extension cannot be installed offline); with `replace`,
+    through the filesystem of `paths` (a `snapshot`'s) even where another one is registered."""
     for p in paths if isinstance(paths, list | tuple) else [paths]:
-        store_of(p).register(con, p)
+        store_of(p).register(con, p, replace)
 
 
 def _signature(listing: dict[str, Any]) -> str:

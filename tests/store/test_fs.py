@@ -12,7 +12,8 @@ import pytest
 
 from rlhf_batch.errors import ConfigError
 from rlhf_batch.stages.registry import run_stage
-from rlhf_batch.store import fs
+from rlhf_batch.store import fs, layout
+from rlhf_batch.store.manifests import manifest
 
 
 def test_local_paths_stay_pathlib_paths(tmp_path: Path) -> None:
@@ -88,6 +89,26 @@ def test_read_commands_take_a_run_on_the_store(s3_server, s3_run: str, make_conf
     assert report.returncode == 0, report.stderr
     assert report.stdout.strip() == f"report: {s3_run}/report/report.html"
     assert (fs.run_path(s3_run) / "report" / "reward.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_advantage_reads_its_inputs_through_one_listing(s3_server, s3_run: str, make_config) -> None:
+    _, cfg = make_config(run_dir=s3_run)
+    run_stage("generate", cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
+    before = len(s3_server.requests())
+    run_stage("advantage", cfg, 0, quiet=True)
+    reqs = s3_server.requests()[before:]
+    # its inputs are committed: every look at a part of rollouts or scores (its footer, DuckDB
+    # opening it once per statement) is answered by one listing of the run, so a part costs GETs
+    # only; before, each look was a HEAD: 28 per rollouts part and 26 per scores part here (3 + 1
+    # parts: 110 HEADs), counted on the server before the change
+    parts = [
+        r for r in reqs if "/part-" in r["path"] and ("/rollouts/" in r["path"] or "/scores/" in r["path"])
+    ]
+    assert parts and {r["method"] for r in parts} == {"GET"}, [
+        (r["method"], r["path"][-40:]) for r in parts if r["method"] != "GET"
+    ]
+    assert manifest(layout.folder(s3_run, 0, "advantages"))["rows"] > 0
 
 
 def test_trackers_of_a_run_on_the_store_write_beside_the_model_cache(
