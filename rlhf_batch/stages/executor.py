@@ -100,9 +100,10 @@ def _stage_beside(stage: Stage, out: StageOutput) -> None:
 
 def _unstage(stage: Stage, out: StageOutput | None) -> None:
     stage.staging = None
-    if out is not None:
-        out.close()
-    if out is not None and out.final != out.sdir and out.rank == 0:
+    if out is None:
+        return
+    out.close()  # uploads still in flight
+    if out.final != out.sdir and out.rank == 0:
         staging.drop_if_empty(out.sdir)  # a forced run that failed before its first part
 
 

@@ -66,9 +66,8 @@ class StageOutput:
             "schema_version": SCHEMA_VERSION,
         }
         self.key = fingerprint(self.identity)
-        self.located = located_key(
-            self.identity
-        )  # fanned out or on a store: in each part, checked at the commit
+        # fanned out or on a store: in each part, checked at the commit
+        self.located = located_key(self.identity)
         self.remote = not fs.store_of(sdir).local  # parts uploaded in the background (`uploads`)
         self.marked = dist.fanned_out() or self.remote  # parts carry `located`
         self.uploads: fs.Uploads | None = None

@@ -145,13 +145,17 @@ def kill_after(cmd: list[str], seconds: float) -> int:
     return proc.returncode
 
 
-def alive(pid: int) -> bool:
-    """Whether process `pid` runs (not gone, not a zombie waiting to be reaped): Linux /proc."""
+def state(pid: int) -> str | None:
+    """Process `pid`'s state letter (R, S, T: stopped, Z: a zombie, ...), None when gone: Linux /proc."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
-        return False
-    return state != "Z"
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (not gone, not a zombie waiting to be reaped)."""
+    return state(pid) not in (None, "Z")
 
 
 def children(pid: int) -> list[int]:

@@ -22,6 +22,7 @@ from rlhf_batch.store import fs, layout
 from rlhf_batch.store.fs import filesystem, key, run_path
 from rlhf_batch.store.lock import LockLost, StoreLock
 from tests.observe.test_tracking import write_config
+from tests.reliability.harness import state
 from tests.store.test_s3_reliability import rlhf
 
 
@@ -78,14 +79,6 @@ def test_a_holder_taken_over_stops_before_its_commit_and_leaves_the_new_lock(
     assert not (root / layout.LOCK).exists()
 
 
-def stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped (SIGSTOP): Linux /proc."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except FileNotFoundError:
-        return False
-
-
 def objects(root: Path) -> dict[str, str]:
     fsys, base = filesystem(root), key(root).rstrip("/")
     return {
@@ -118,10 +111,10 @@ def test_a_paused_run_taken_over_stops_without_writing(
     root = run_path(s3_run)
     rollouts = layout.folder(s3_run, 0, layout.ROLLOUTS)
     deadline = time.monotonic() + 300
-    while not stopped(proc.pid) and time.monotonic() < deadline and proc.poll() is None:
+    while state(proc.pid) != "T" and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.1)
     try:
-        assert stopped(proc.pid), f"the run did not stop at its first part (exit {proc.poll()})"
+        assert state(proc.pid) == "T", f"the run did not stop at its first part (exit {proc.poll()})"
         assert (rollouts / layout.STARTED).exists() and not layout.list_parts(rollouts)
         time.sleep(1.5)  # past RLHF_BATCH_LOCK_STALE_S
         os.environ["RLHF_BATCH_LOCK_STALE_S"] = "1"
