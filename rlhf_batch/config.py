@@ -257,8 +257,34 @@ class ScoreConfig:
     # on-policy distillation: a model (local dir or hub id) whose log-probs of every sampled token
     # score writes as `teacher_logprobs`; it must share the policy's tokenizer. "": none
     teacher_model: str = knob("", "score")
+    # an LLM judge as a reward (stages/score/judge.py): a causal LM (local dir or hub id) whose greedy
+    # verdict is stored as `judge_verdict` and the score parsed from it as `judge_score`, weighed
+    # into reward_raw by judge_weight. "": none. "" template, rubric or pattern: the mode's default
+    judge_model: str = knob("", "score")
+    judge_mode: Literal["pointwise", "group"] = knob("pointwise", "score")  # group: RULER-style
+    judge_template: str = knob("", "score")  # Python format fields: {prompt} {response} {rubric} ...
+    judge_rubric: str = knob("", "score")
+    judge_pattern: str = knob("", "score")  # regex: the score (pointwise); response number, score (group)
+    judge_parser: str = knob("", "score")  # "module:function" from the verdict text to the score(s)
+    judge_weight: float = knob(1.0, "score")
+    judge_max_new_tokens: int = knob(64, "score")
 
     def validate(self) -> None:
+        if self.judge_model:
+            from rlhf_batch.core.verdicts import pattern_problem, template_problem
+
+            _need(self.judge_max_new_tokens >= 1, "score.judge_max_new_tokens", "must be >= 1")
+            _need(math.isfinite(self.judge_weight), "score.judge_weight", "must be a finite number")
+            if self.judge_pattern and (problem := pattern_problem(self.judge_pattern, self.judge_mode)):
+                _fail(problem)
+            _need(
+                not self.judge_parser or _is_ref(self.judge_parser),
+                "score.judge_parser",
+                "must be 'module:function'",
+            )
+            problem = template_problem(self.judge_template, self.judge_mode, ())
+            if problem and "no field" not in problem:  # the prompt file's columns: checked by score
+                _fail(problem)
         _need(self.reward_timeout >= 0, "score.reward_timeout", "must be >= 0 (0: no limit)")
         _need(self.reward_concurrency >= 1, "score.reward_concurrency", "must be >= 1")
         _need(
@@ -678,6 +704,7 @@ PATH_KEYS = (
     "ref_model",
     "reward_model",
     "score.teacher_model",
+    "score.judge_model",
     "generate.prompts",
     "eval.prompts",
     "lora.init_adapter",
@@ -883,7 +910,7 @@ def _coerce(value: Any, typ: Any, where: str, key: str) -> Any:
     return value
 
 
-MODEL_KEYS = ("policy_model", "ref_model", "reward_model", "score.teacher_model")
+MODEL_KEYS = ("policy_model", "ref_model", "reward_model", "score.teacher_model", "score.judge_model")
 
 
 def _key_node(cfg: Config, key: str) -> tuple[Any, str]:

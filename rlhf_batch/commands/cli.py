@@ -95,6 +95,7 @@ def _stage(
     fanout: tuple[int | None, str | None] | None = None,
 ) -> None:
     from rlhf_batch.commands.lanes import use_side
+    from rlhf_batch.commands.pipeline import in_generate_python, samples
     from rlhf_batch.runtime import dist
     from rlhf_batch.runtime.device import setup_process
     from rlhf_batch.runtime.procgroup import watch_group
@@ -103,9 +104,7 @@ def _stage(
     from rlhf_batch.store.lock import stage_lock
 
     cfg = _config(config, overrides)
-    if name in ("generate", "eval"):  # sampling: in generate.python's interpreter (vLLM's venv)
-        from rlhf_batch.commands.pipeline import in_generate_python
-
+    if samples(cfg, name):  # sampling: in generate.python's interpreter (vLLM's venv)
         in_generate_python(
             cfg.generate.python, name, config, iteration, overrides, quiet, topup, force, fanout
         )

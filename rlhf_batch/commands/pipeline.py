@@ -87,7 +87,7 @@ def _stage_runner(
         seen["ran"] += 1
         rnd = f" (top-up round {stage.topup})" if stage.topup else ""
         _say(f"iteration {stage.iteration}: {stage.name}{rnd}", quiet)
-        python = cfg.generate.python if stage.name in SAMPLING else ""  # e.g. vLLM's own venv
+        python = cfg.generate.python if samples(cfg, stage.name) else ""  # e.g. vLLM's own venv
         if cfg.in_process and not python and (not in_process or stage.name in in_process):
             execute(stage, quiet=quiet)
         else:
@@ -240,6 +240,14 @@ def top_up(advantage: Any, run_stage: Callable[[Any], None], quiet: bool) -> Non
 
 
 SAMPLING = ("generate", "eval")  # the stages that sample with generate's engine (generate.python)
+
+
+def samples(cfg: Any, stage: str) -> bool:
+    """Whether `stage` runs generate's engine, so in `generate.python`: generate, eval, and score
+    with an LLM judge (score.judge_model)."""
+    return stage in SAMPLING or (stage == "score" and bool(cfg.score.judge_model))
+
+
 PYTHON_ENV = "RLHF_BATCH_PYTHON"  # the generate.python a stage process was started in
 
 

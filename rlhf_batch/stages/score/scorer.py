@@ -65,6 +65,11 @@ class Scorer:
                 dtype=cfg.dtype,
                 trust_remote_code=cfg.trust_remote_code,
             )
+        self.judge: Any = None  # score.judge_model (stages/score/judge.py), loaded when set
+        if cfg.score.judge_model:
+            from rlhf_batch.stages.score.judge import Judge
+
+            self.judge = Judge(cfg, self.device, self.calls.cache)
         self.rm = None
         if cfg.reward_model:
             from rlhf_batch.rewards.model import RewardModel
@@ -103,9 +108,18 @@ class Scorer:
         if self.rm is not None:
             seqs = self.rm.sequences(t, prompt_ids, response_ids)
             values[RM_COLUMN] = self.rm.scores(seqs, self.cfg.score.max_tokens_per_batch, progress).tolist()
+        judged: dict[str, int] = {}
+        if self.judge is not None:
+            from rlhf_batch.stages.score.judge import SCORE, UNPARSED, VERDICT
+
+            batch = table_batch(t, prompt_ids, response_ids)
+            values[SCORE], verdicts, judged[UNPARSED] = self.judge.score(batch, t["prompt_id"].to_pylist())
+            extra = {**extra, VERDICT: pa.array(verdicts, pa.string())}
         weights = {rf.column: rf.weight for rf in self.fns}
         if self.rm is not None:
             weights[RM_COLUMN] = self.cfg.score.reward_model_weight
+        if self.judge is not None:
+            weights[SCORE] = self.cfg.score.judge_weight
         raw = weighted_sum(values, weights, len(rid))
         score = [clip(x, self.cfg.score.score_clip) for x in raw]
         r_len = np.array([len(r) for r in response_ids], dtype=np.int64)  # [B]
@@ -143,7 +157,7 @@ class Scorer:
         typed = [(c, pa.float64()) for c in values] + [(c, a.type) for c, a in extra.items()]
         schema = with_extra(SCORES, pa.schema(typed))
         table = pa.Table.from_arrays([pa.array(cols[f.name], f.type) for f in schema], schema=schema)
-        counts = {"rows": n, "tokens": int(r_len.sum()), "unscored": sum(s is None for s in score)}
+        counts = {"rows": n, "tokens": int(r_len.sum()), "unscored": sum(s is None for s in score), **judged}
         counts.update({f"unscored_{c}": sum(v is None for v in vals) for c, vals in values.items()})
         return table, counts
 

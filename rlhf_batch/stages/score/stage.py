@@ -89,6 +89,8 @@ class Score(Stage):
         ident = {**super().identity(), "ref_model": self.cfg.ref, "ref_logprobs": kl_used(self.cfg)}
         if not self.cfg.score.teacher_model:  # no teacher: folders written before the key stay complete
             ident["score"].pop("teacher_model", None)
+        if not self.cfg.score.judge_model:  # no judge: likewise for its keys
+            ident["score"] = {k: v for k, v in ident["score"].items() if not k.startswith("judge_")}
         return ident
 
     def prepare(self) -> None:
@@ -121,9 +123,10 @@ class Score(Stage):
         self.fns = load_reward_functions(
             s.reward_functions, s.reward_weights, SCORES.names, reward_search_path(self.cfg)
         )
-        if not self.fns and not self.cfg.reward_model:
+        if not self.fns and not self.cfg.reward_model and not self.cfg.score.judge_model:
             raise ConfigError(
-                "score: set score.reward_functions and/or reward_model; nothing would give a reward"
+                "score: set score.reward_functions, reward_model and/or score.judge_model; "
+                "nothing would give a reward"
             )
 
     def plan(self) -> int:
@@ -133,6 +136,13 @@ class Score(Stage):
         self.rollouts = read_complete(self.rdir, ROLLOUTS)
         carried = [c for c in self.rollouts.column_names if c not in ROLLOUTS.names]
         check_arguments(self.fns, carried, str(self.rdir))  # before any rollout is scored
+        if self.cfg.score.judge_model:
+            from rlhf_batch.core.verdicts import template_problem
+
+            if problem := template_problem(
+                self.cfg.score.judge_template or "", self.cfg.score.judge_mode, carried
+            ):
+                raise ConfigError(f"{self.rdir}: {problem}")
         stored = pc.unique(self.rollouts["policy"].drop_null()).to_pylist()
         policies = [layout.from_run(p, self.cfg.run_dir) for p in stored]  # relative: inside the run
         self.scorer = Scorer(self.cfg, policies, self.fns, self.kl_coef)
@@ -166,9 +176,12 @@ class Score(Stage):
 
 
 def teacher_input(cfg: Config) -> dict[str, Any]:
-    """The teacher's fingerprint among score's inputs (none without a teacher, as before)."""
-    teacher = cfg.score.teacher_model
-    return {"teacher_model": model_fingerprint(teacher, "score.teacher_model")} if teacher else {}
+    """The teacher's and the judge's fingerprints among score's inputs (none without them, as before)."""
+    out = {}
+    for key in ("teacher_model", "judge_model"):
+        if path := getattr(cfg.score, key):
+            out[key] = model_fingerprint(path, f"score.{key}")
+    return out
 
 
 def part_rows(sdir: Path, configured: int, rows: int, force: bool) -> int:
