@@ -46,6 +46,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from rlhf_batch.errors import UserError
 
@@ -141,6 +142,7 @@ def _run(code: str, limits: Limits, boxed: bool) -> Result:
         life_r, life_w = os.pipe()  # the runner ends the call when this process's end closes
         stat_r, stat_w = os.pipe()  # the runner reports how the code ended
         stack.callback(os.close, life_w)
+        status_pipe = stack.enter_context(os.fdopen(stat_r, "rb"))
         args = [str(limits.cpu_s), str(limits.memory_mb << 20), str(limits.output_bytes), str(limits.disk_mb)]
         args += [str(life_r), str(stat_w), str(int(boxed)), str(limits.timeout_s)]
         runner = [sys.executable, "-I", "-S", "-c", RUNNER, *args, sys.executable, "-I", "-c", code]
@@ -161,8 +163,7 @@ def _run(code: str, limits: Limits, boxed: bool) -> Result:
         finally:
             os.close(life_r)
             os.close(stat_w)
-        with os.fdopen(stat_r, "rb") as status_pipe:
-            status = _status(proc, status_pipe, limits.timeout_s + GRACE_S)
+        status = _status(proc, status_pipe, limits.timeout_s + GRACE_S)
         out.seek(0)
         raw = out.read()
     text = raw.decode("utf-8", errors="replace")
@@ -191,15 +192,15 @@ def _remove_stale() -> None:
             pass
 
 
-def _status(proc: subprocess.Popen, pipe: object, wait_s: float) -> str:
+def _status(proc: subprocess.Popen, pipe: IO[bytes], wait_s: float) -> str:
     """The runner's report ("exit N", "timeout"); past `wait_s` the runner's group is killed."""
     import selectors
 
     deadline = time.monotonic() + wait_s
     with selectors.DefaultSelector() as sel:
-        sel.register(pipe, selectors.EVENT_READ)  # type: ignore[arg-type]
+        sel.register(pipe, selectors.EVENT_READ)
         ready = sel.select(timeout=wait_s)
-    status = pipe.read().decode(errors="replace").strip() if ready else "timeout"  # type: ignore[attr-defined]
+    status = pipe.read().decode(errors="replace").strip() if ready else "timeout"
     if not ready:
         _kill_group(proc.pid)
     try:

@@ -24,6 +24,7 @@ from rlhf_batch.envs.base import Step
 from rlhf_batch.envs.pool import load_factory
 from rlhf_batch.envs.python_tool import Limits, run_python, sandbox_problem
 from rlhf_batch.errors import UserError
+from tests.envs.test_tools import listener
 
 pytestmark = [
     pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux /proc"),
@@ -228,33 +229,14 @@ print(os.getppid(), sorted(int(p) for p in os.listdir("/proc") if p.isdigit())[:
     ], r.output
 
 
-def _unix_server(path: str | bytes) -> tuple[socket.socket, list[int]]:
-    srv = socket.socket(socket.AF_UNIX)
-    srv.bind(path)
-    srv.listen()
-    accepted: list[int] = []
-
-    def serve() -> None:
-        srv.settimeout(8)
-        try:
-            conn, _ = srv.accept()
-            accepted.append(1)
-            conn.close()
-        except OSError:
-            pass
-
-    threading.Thread(target=serve, daemon=True).start()
-    return srv, accepted
-
-
 def test_no_server_is_reached_through_a_unix_socket() -> None:
     """A socket file the code can see (outside /tmp, which it does not see) and an abstract one:
     creating a Unix socket is refused (seccomp), so neither server hears from it."""
     folder = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else str(ROOT)))
     path = str(folder / "s")
     abstract = f"\0rlhf-batch-test-{uuid.uuid4().hex}"
-    srv, accepted = _unix_server(path)
-    asrv, aaccepted = _unix_server(abstract)
+    srv, accepted = listener(socket.AF_UNIX, path)
+    asrv, aaccepted = listener(socket.AF_UNIX, abstract)
     code = f"""
 import os, socket
 print(os.path.exists({path!r}))

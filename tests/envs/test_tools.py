@@ -67,9 +67,12 @@ def test_output_flood_is_capped():
     assert r.text().endswith("[output truncated]\n[killed: output size limit]")
 
 
-def _listener() -> tuple[socket.socket, int, list[int]]:
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
+def listener(
+    family: int = socket.AF_INET, address: object = ("127.0.0.1", 0)
+) -> tuple[socket.socket, list[int]]:
+    """A server socket at `address` that accepts one connection (noted in the list) for 8 s."""
+    srv = socket.socket(family)
+    srv.bind(address)
     srv.listen()
     accepted: list[int] = []
 
@@ -83,7 +86,7 @@ def _listener() -> tuple[socket.socket, int, list[int]]:
             pass
 
     threading.Thread(target=serve, daemon=True).start()
-    return srv, srv.getsockname()[1], accepted
+    return srv, accepted
 
 
 CONNECT = "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)\nprint('connected')"
@@ -93,9 +96,9 @@ def test_network_is_refused_in_the_sandbox():
     """Not even this machine's loopback is in reach (the weak mode's network: test_sandbox.py)."""
     if sandbox_problem() is not None:
         pytest.skip(f"no sandbox here: {sandbox_problem()}")
-    srv, port, accepted = _listener()
+    srv, accepted = listener()
     try:
-        r = run_python(CONNECT.format(port=port), FAST)
+        r = run_python(CONNECT.format(port=srv.getsockname()[1]), FAST)
     finally:
         srv.close()
     assert r.network_isolated and r.reason == "error"
