@@ -17,15 +17,16 @@ new PID namespace. When the init ends, the kernel kills every process of the nam
 nothing the code starts (children, double forks, `setsid`, daemons, SIGTERM ignored) outlives
 the call; `unshare` is killed with its caller's process group as a backstop (`--kill-child`).
 Inside: no network (only a loopback interface, down), a /proc of the namespace's own processes
-(the stage's are not there to read), a tmpfs of `disk_mb` MB mounted over /tmp (the working
-directory and $HOME; the host's /tmp is hidden and nothing is left on the host's disk), and a
-seccomp filter that refuses Unix sockets (`socket(AF_UNIX)`: no server reached through a socket
-file), io_uring, and the mount syscalls (the code cannot unmount its /proc or /tmp).
+(the stage's are not there to read), the whole file system read-only (mount_setattr, Linux >=
+5.12) but for a tmpfs of `disk_mb` MB over /tmp (the working directory and $HOME; the host's
+/tmp is hidden and nothing is left on the host's disk) and another over /dev/shm, and a seccomp
+filter that refuses Unix sockets (`socket(AF_UNIX)`: no server reached through a socket file),
+io_uring, and the mount syscalls (the code cannot unmount its /proc or /tmp, nor remount /).
 
-Not isolated (docs/trajectories.md): the rest of the file system (the code runs as the caller's
-user, mapped to root of its user namespace: it reads and writes what that user can), the CPU
-and memory of several processes together (each process has its own limits; their number is not
-limited), the kernel.
+Not isolated (docs/trajectories.md): reading the file system (the code runs as the caller's
+user, mapped to root of its user namespace: it reads what that user can, credential files
+included), the CPU and memory of several processes together (each process has its own limits;
+their number is not limited), the kernel.
 
 Without the sandbox (`unshare` missing or refused: no user namespaces, some containers) the
 Python tool is refused (`require_sandbox`, checked when the environment is loaded) unless the
@@ -215,7 +216,8 @@ def _status(proc: subprocess.Popen, pipe: IO[bytes], wait_s: float) -> str:
 
 
 # The runner: the init of the PID namespace (argv: cpu, memory, file size, tmpfs MB, the lifeline
-# and status fds, boxed, timeout, then the code's argv). It mounts the tmpfs, starts the code with
+# and status fds, boxed, timeout, then the code's argv). Boxed, it makes / read-only and mounts the
+# tmpfs over /tmp and /dev/shm. It starts the code with
 # its limits (and, boxed, the seccomp filter), waits for the first of: the code's end, the deadline,
 # the caller's end of the lifeline closing; kills the code's group (the weak mode; boxed, its own
 # exit kills the namespace), writes the status, exits. Written for `python -I -S`: no imports of
@@ -257,8 +259,12 @@ if boxed:
     if os.uname().machine not in ARCH:
         os.write(2, ("sandbox: no seccomp filter for %s\n" % os.uname().machine).encode())
         os._exit(126)
-    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 2 | 4, b"size=%dm,mode=700" % disk) != 0:  # nosuid, nodev
-        fail("mount /tmp")
+    attr = ctypes.create_string_buffer(struct.pack("QQQQ", 1, 0, 0, 0))  # MOUNT_ATTR_RDONLY
+    if libc.syscall(442, -100, b"/", 0x8000, attr, 32) != 0:  # mount_setattr(AT_FDCWD, AT_RECURSIVE)
+        fail("mount_setattr (Linux >= 5.12) of / read-only")
+    for where in (b"/tmp", b"/dev/shm"):  # nosuid, nodev
+        if os.path.isdir(where) and libc.mount(b"tmpfs", where, b"tmpfs", 2 | 4, b"size=%dm,mode=700" % disk):
+            fail("mount " + where.decode())
     os.chdir("/tmp")
 pid = os.fork()
 if pid == 0:
