@@ -179,14 +179,15 @@ def test_nothing_outlives_a_sigkill_of_a_stage_with_an_environment_pool() -> Non
 
 
 @pytest.mark.slow
-def test_nothing_outlives_a_sigkill_of_run_during_multi_turn_generate(make_config, tmp_path: Path) -> None:
-    """`rlhf-batch run` SIGKILLed while its generate stage's environment runs the tool."""
+@pytest.mark.parametrize("in_process", [False, True], ids=["stage-process", "in-process"])
+def test_nothing_outlives_a_sigkill_of_run_during_multi_turn_generate(make_config, in_process: bool) -> None:
+    """`rlhf-batch run` SIGKILLed while its generate stage's environment runs the tool: the stage
+    in a process of its own, or in `run`'s."""
     from tests.reliability.harness import environment
 
     mark = f"mark-{uuid.uuid4().hex}"
-    path, _ = make_config(
-        iterations=1, threads=1, generate={"environment": "tests.envs.test_sandbox:escaping"}
-    )
+    generate = {"environment": "tests.envs.test_sandbox:escaping"}
+    path, _ = make_config(iterations=1, threads=1, in_process=in_process, generate=generate)
     env = {**environment(), "SANDBOX_TEST_MARK": mark}
     cmd = [sys.executable, "-m", "rlhf_batch", "run", str(path), "--quiet"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
