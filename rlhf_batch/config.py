@@ -181,6 +181,9 @@ class GenerateConfig:
     max_trajectory_tokens: int = knob(0, "generate")  # response tokens (sampled + environment); 0: no limit
     env_timeout_s: float = knob(30.0, "generate")  # one environment call; 0: no limit
     env_workers: int = knob(2)  # processes the environment steps run in
+    # the Python tool (envs/python_tool.py): "required" refuses to run its code where the sandbox
+    # (PID, mount and network namespaces) cannot be made; "weak": a process-group kill only
+    tool_sandbox: str = knob("required")
 
     def validate(self) -> None:
         _need(self.num_generations >= 1, "generate.num_generations", "must be >= 1")
@@ -193,6 +196,11 @@ class GenerateConfig:
         _need(self.max_trajectory_tokens >= 0, "generate.max_trajectory_tokens", "must be >= 0 (0: no limit)")
         _need(self.env_timeout_s >= 0, "generate.env_timeout_s", "must be >= 0 (0: no limit)")
         _need(self.env_workers >= 1, "generate.env_workers", "must be >= 1")
+        _need(
+            self.tool_sandbox in ("required", "weak"),
+            "generate.tool_sandbox",
+            f"must be required or weak, got {self.tool_sandbox!r}",
+        )
         _need(self.prompts_per_iteration >= 0, "generate.prompts_per_iteration", "must be >= 0 (0: all)")
         _need(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         if isinstance(self.prompts, list) and any(isinstance(x, dict) for x in self.prompts):

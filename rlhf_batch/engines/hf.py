@@ -51,7 +51,7 @@ def memory_budget(device: Any) -> int | None:
 
     env = os.environ.get(MEMORY_ENV, "")
     if env:
-        if not env.isdigit() or int(env) < 1:
+        if not (env.isascii() and env.isdigit()) or int(env) < 1:
             raise UserError(f"{MEMORY_ENV}: must be a number of bytes >= 1, got {env!r}")
         return int(env)
     if device.type != "cuda":

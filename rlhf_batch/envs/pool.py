@@ -20,6 +20,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import os
+import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,17 +48,26 @@ class Outcome:
     reward_parts: dict[str, float] = field(default_factory=dict)
 
 
-def load_factory(ref: str) -> Any:
-    """The callable `module:factory` names; UserError (one line) naming generate.environment."""
+def load_factory(ref: str, tool_sandbox: str = "required") -> Any:
+    """The callable `module:factory` names; UserError (one line) naming generate.environment,
+    whatever its module raises at import. The single place environments are loaded: where the
+    module uses the Python tool (envs/python_tool.py imported), its sandbox is checked here too
+    (`tool_sandbox`: generate.tool_sandbox)."""
     mod_name, _, attr = ref.partition(":")
     try:
         obj: Any = importlib.import_module(mod_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"generate.environment: cannot load {ref!r} ({type(e).__name__}: {e})") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a module may raise anything at import
+        why = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise UserError(f"generate.environment: cannot load {ref!r} ({type(e).__name__}: {why})") from None
     if not callable(obj):
         raise UserError(f"generate.environment: {ref!r} is not callable")
+    if "rlhf_batch.envs.python_tool" in sys.modules:
+        from rlhf_batch.envs import python_tool
+
+        python_tool.configure(tool_sandbox)
+        python_tool.require_sandbox()
     return obj
 
 
@@ -97,8 +109,9 @@ def _answer(factory: Any, envs: dict[str, Any], call: Call) -> tuple[Any, ...]:
     return ("ok", step.observation, step.role, bool(step.done), parts)
 
 
-def _worker(ref: str, conn: Any) -> None:
-    factory = load_factory(ref)
+def _worker(ref: str, tool_sandbox: str, conn: Any) -> None:
+    own_group()
+    factory = load_factory(ref, tool_sandbox)
     envs: dict[str, Any] = {}
     conn.send("ready")  # the time limit of a call starts when the worker can take it
     while True:
@@ -110,12 +123,32 @@ def _worker(ref: str, conn: Any) -> None:
         conn.send((*answer, time.perf_counter() - t0))
 
 
+def own_group() -> None:
+    """In a worker: die with the process that started it (Linux PR_SET_PDEATHSIG), and lead a
+    process group of its own whose every process a watchdog kills when the worker ends, however
+    it ends: what an environment starts (a server, a helper) does not outlive the stage."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import multiprocessing as mp
+
+    from rlhf_batch.runtime.procgroup import start_watchdog
+
+    parent = mp.parent_process()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if parent is not None and os.getppid() != parent.pid:  # the stage died before the prctl took effect
+        os._exit(1)
+    os.setpgid(0, 0)
+    start_watchdog()
+
+
 class EnvPool:
-    def __init__(self, ref: str, workers: int, timeout: float):
+    def __init__(self, ref: str, workers: int, timeout: float, tool_sandbox: str = "required"):
         import multiprocessing as mp
 
-        load_factory(ref)  # a bad name fails here, in one line, before any worker starts
+        load_factory(ref, tool_sandbox)  # a bad name fails here, in one line, before any worker starts
         self.ref, self.timeout, self.ctx = ref, timeout, mp.get_context("spawn")
+        self.tool_sandbox = tool_sandbox
         self.procs: list[Any] = [None] * workers
         self.conns: list[Any] = [None] * workers
         for w in range(workers):
@@ -123,7 +156,7 @@ class EnvPool:
 
     def _start(self, w: int) -> None:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker, args=(self.ref, child), daemon=True)
+        proc = self.ctx.Process(target=_worker, args=(self.ref, self.tool_sandbox, child), daemon=True)
         proc.start()
         child.close()
         self.procs[w], self.conns[w] = proc, parent

@@ -8,8 +8,9 @@ call that cannot be read, names an unknown tool or has bad arguments is answered
 "Error: ..." result, and the trajectory goes on. Reward parts: `tool_calls` and `tool_errors`
 (summed over the trajectory, read by score as `env_tool_calls`, `env_tool_errors`).
 
-Tools: `python` (python_tool.py: a child process with CPU, memory, output and time limits,
-no network where the OS allows it; NOT a security sandbox) and `calculator` (calculator.py).
+Tools: `python` (python_tool.py: a child process with CPU, memory, output and time limits, in
+PID, mount and network namespaces that end everything it starts with the call; it still reads
+and writes the caller's files, docs/trajectories.md) and `calculator` (calculator.py).
 Which ones a trajectory has: the prompt row's `tools` column (a list of names, one
 comma-separated string, or the tool schemas as OpenAI function objects or their JSON), else both. Limits other than the defaults: write a factory of your
 own, e.g. `def my_env(row): return ToolEnvironment({"python": PythonTool(Limits(cpu_s=2))})`.

@@ -31,7 +31,7 @@ def count(name: str, default: int) -> int:
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
-    if not raw.isdigit():
+    if not (raw.isascii() and raw.isdigit()):  # "²".isdigit(), but int("²") fails
         raise UserError(f"{name}: must be a whole number >= 0, got {raw!r}")
     return int(raw)
 

@@ -34,6 +34,11 @@ def watch_group() -> subprocess.Popen | None:
     """In a stage process that `run` started in a group of its own: start the watchdog (Linux)."""
     if os.environ.pop(GROUP_ENV, None) != "self" or os.getpgid(0) != os.getpid():
         return None
+    return start_watchdog()
+
+
+def start_watchdog() -> subprocess.Popen:
+    """A watchdog in this process's group that kills the group when this process ends (Linux)."""
     import ctypes
     import signal
 

@@ -98,13 +98,13 @@ def environment_factory(cfg: Config, ref: str) -> Any:
     from rlhf_batch.rewards import add_search_path
 
     add_search_path(reward_search_path(cfg))
-    return load_factory(ref)
+    return load_factory(ref, cfg.generate.tool_sandbox)
 
 
 def open_pool(cfg: Config, g: Any) -> EnvPool:
     """The environments' worker processes for the sampling settings `g` (generate's or eval's)."""
     environment_factory(cfg, g.environment)
-    return EnvPool(g.environment, g.env_workers, g.env_timeout_s)
+    return EnvPool(g.environment, g.env_workers, g.env_timeout_s, cfg.generate.tool_sandbox)
 
 
 def write_turn_parts(stage: Any, todo: list[int], out: Any, bar: Any) -> None:

@@ -15,11 +15,19 @@ import pytest
 from rlhf_batch.envs import python_tool
 from rlhf_batch.envs.base import Step
 from rlhf_batch.envs.calculator import CalculatorError, calculate
-from rlhf_batch.envs.python_tool import Limits, network_namespace_available, run_python
+from rlhf_batch.envs.python_tool import Limits, run_python, sandbox_problem
 from rlhf_batch.envs.tool_calls import HERMES, declared_format, parse_tool_calls
 from rlhf_batch.envs.tools import ToolEnvironment, tool_environment, tool_schemas
 
 FAST = Limits(cpu_s=1, memory_mb=256, output_bytes=64_000, max_output=500, timeout_s=5.0)
+
+
+@pytest.fixture(autouse=True)
+def _weak_where_no_sandbox():  # noqa: ANN202
+    """The limits hold in both modes: where this machine has no sandbox, the weak mode runs them."""
+    python_tool.configure("weak" if sandbox_problem() else "required")
+    yield
+    python_tool.configure("required")
 
 
 def test_code_runs_in_a_fresh_directory_and_prints():
@@ -44,43 +52,6 @@ def test_memory_bomb_fails_its_allocation():
     assert "MemoryError" in r.output and "allocated" not in r.output
 
 
-def test_a_child_that_outlives_the_code_is_killed_with_it(tmp_path: Path):
-    marker = tmp_path / "late"
-    code = (
-        "import os, sys, time\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    time.sleep(1)\n"
-        f"    open({str(marker)!r}, 'w').write('still alive')\n"
-        "    os._exit(0)\n"
-        "print(pid, flush=True)\n"  # the parent exits at once, the child sleeps on
-    )
-    r = run_python(code, FAST)
-    assert r.reason == "ok"
-    child = int(r.output.split()[0])
-    assert _gone_within(child, 2.0)  # SIGKILLed with the group when the call returned
-    time.sleep(1.5)
-    assert not marker.exists()
-
-
-def _gone_within(pid: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def _alive(pid: int) -> bool:
-    """A process that exists and is not a zombie (a killed orphan may wait for init to reap it)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 def test_wall_clock_limit_kills_a_sleeper():
     limits = Limits(cpu_s=1, memory_mb=256, timeout_s=1.0)
     t0 = time.monotonic()
@@ -96,9 +67,12 @@ def test_output_flood_is_capped():
     assert r.text().endswith("[output truncated]\n[killed: output size limit]")
 
 
-def _listener() -> tuple[socket.socket, int, list[int]]:
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
+def listener(
+    family: int = socket.AF_INET, address: object = ("127.0.0.1", 0)
+) -> tuple[socket.socket, list[int]]:
+    """A server socket at `address` that accepts one connection (noted in the list) for 8 s."""
+    srv = socket.socket(family)
+    srv.bind(address)
     srv.listen()
     accepted: list[int] = []
 
@@ -112,40 +86,24 @@ def _listener() -> tuple[socket.socket, int, list[int]]:
             pass
 
     threading.Thread(target=serve, daemon=True).start()
-    return srv, srv.getsockname()[1], accepted
+    return srv, accepted
 
 
 CONNECT = "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=3)\nprint('connected')"
 
 
-def test_network_is_refused_in_a_namespace_or_the_result_says_it_is_not():
-    srv, port, accepted = _listener()
+def test_network_is_refused_in_the_sandbox():
+    """Not even this machine's loopback is in reach (the weak mode's network: test_sandbox.py)."""
+    if sandbox_problem() is not None:
+        pytest.skip(f"no sandbox here: {sandbox_problem()}")
+    srv, accepted = listener()
     try:
-        r = run_python(CONNECT.format(port=port), FAST)
+        r = run_python(CONNECT.format(port=srv.getsockname()[1]), FAST)
     finally:
         srv.close()
-    if network_namespace_available():  # unshare works here: even this machine's loopback is out of reach
-        assert r.network_isolated and r.reason == "error"
-        assert "connected" not in r.output and not accepted
-        assert "Network is unreachable" in r.output or "Connection refused" in r.output
-    else:  # the documented fallback: the host's network, and the result says so
-        assert not r.network_isolated and "connected" in r.output
-
-
-def test_without_a_namespace_the_code_has_the_network(monkeypatch: pytest.MonkeyPatch):
-    """The fallback (no `unshare`, or user namespaces refused) runs the code on the host's network."""
-    monkeypatch.setattr(python_tool, "UNSHARE", ("/nonexistent/unshare",))
-    python_tool.network_namespace_available.cache_clear()
-    try:
-        assert not network_namespace_available()
-        srv, port, accepted = _listener()
-        try:
-            r = run_python(CONNECT.format(port=port), FAST)
-        finally:
-            srv.close()
-    finally:
-        python_tool.network_namespace_available.cache_clear()
-    assert not r.network_isolated and r.reason == "ok" and r.output == "connected\n"
+    assert r.network_isolated and r.reason == "error"
+    assert "connected" not in r.output and not accepted
+    assert "Network is unreachable" in r.output
 
 
 def test_calculator():

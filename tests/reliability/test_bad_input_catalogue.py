@@ -130,6 +130,31 @@ def uploads_not_a_count(ctx: Ctx):  # noqa: ANN201
 
 
 @case
+def uploads_a_digit_that_is_not_ascii(ctx: Ctx):  # noqa: ANN201
+    assert ctx.monkeypatch is not None
+    ctx.monkeypatch.setenv("RLHF_BATCH_UPLOADS", "\u00b2")  # "²".isdigit() is True, int("²") fails
+    return ["generate", ctx.config(), "-q"], ["RLHF_BATCH_UPLOADS: must be a whole number >= 0, got '\u00b2'"]
+
+
+@case
+def generate_memory_a_digit_that_is_not_ascii(ctx: Ctx):  # noqa: ANN201
+    assert ctx.monkeypatch is not None
+    ctx.monkeypatch.setenv("RLHF_BATCH_GENERATE_MEMORY", "1\u00b2")
+    return ["generate", ctx.config(generate={"batch_size": "auto"}), "-q"], [
+        "RLHF_BATCH_GENERATE_MEMORY: must be a number of bytes >= 1, got '1\u00b2'"
+    ]
+
+
+@case
+def environment_module_raises_at_import(ctx: Ctx):  # noqa: ANN201
+    (ctx.tmp / "env_broken_at_import.py").write_text("raise RuntimeError('no tool server\\nsecond line')\n")
+    config = ctx.config(generate={"environment": "env_broken_at_import:make"})
+    return ["generate", config, "-q"], [
+        "generate.environment: cannot load 'env_broken_at_import:make' (RuntimeError: no tool server)"
+    ]
+
+
+@case
 def topup_negative_iteration(ctx: Ctx):  # noqa: ANN201
     return ["topup", ctx.config(), "--iter", "-3", "-q"], ["--iter must be >= 0, got -3"]
 
