@@ -74,9 +74,10 @@ def _row(tok: Any, r: dict[str, Any], s: dict[str, Any], iteration: int, where: 
     if not prompt:
         prompt = [{"role": "user", "content": r["prompt"], "tool_calls": None}]
     if r.get("turn_roles"):
-        text = tok.decode(r["response_ids"], skip_special_tokens=False, clean_up_tokenization_spaces=False)
         roles = [m["role"] for m in prompt]
-        response = chat_turns.response_messages(tok, roles, text, r["turn_roles"], where)
+        response = chat_turns.response_messages(
+            tok, roles, r["response_ids"], r["turn_starts"], r["turn_roles"], where
+        )
     else:
         response = [chat_turns.assistant_message(r["response"], [])]
     keep = ("rollout_id", "prompt_id", "sample_idx", "finish_reason", "tools")

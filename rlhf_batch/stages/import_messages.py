@@ -19,8 +19,8 @@ to the chat template as `apply_chat_template(tools=...)`.
   `token_ids`), they are kept where the mask is 1 (0.0 elsewhere) and `behavior_recomputed` is
   false.
 
-Rollouts gain `prompt_messages`, `loss_mask`, `turn_starts`, `turn_roles` (the multi-turn
-rollout contract) and `behavior_recomputed`; `prompt` is the rendered prompt and `response` the
+Rollouts gain `prompt_messages`, `loss_mask`, `turn_starts`, `turn_roles`, `turn_texts` (the
+multi-turn rollout contract) and `behavior_recomputed`; `prompt` is the rendered prompt and `response` the
 response's text (special tokens dropped). A row without a prompt_id gets the hash of its
 prompt messages (JSON).
 """
@@ -47,7 +47,7 @@ GIVEN = ("token_ids", "loss_mask", "behavior_logprobs")
 MASK, STARTS, ROLES = pa.list_(pa.int8()), pa.list_(pa.int32()), pa.list_(pa.string())
 PROMPT_MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 DROPPED = (MESSAGES, *GIVEN)  # read here, not carried into the rollouts
-ADDED = ("prompt_messages", "turn_starts", "turn_roles", "behavior_recomputed")
+ADDED = ("prompt_messages", "turn_starts", "turn_roles", "turn_texts", "behavior_recomputed")
 
 
 def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
@@ -127,6 +127,7 @@ def tokenize_part(
         "loss_mask": ([x.loss_mask for x in trajs], MASK),
         "turn_starts": ([x.turn_starts for x in trajs], STARTS),
         "turn_roles": ([x.turn_roles for x in trajs], ROLES),
+        "turn_texts": ([chat_turns.segment_texts(tok, x.response_ids, x.turn_starts) for x in trajs], ROLES),
         "behavior_recomputed": ([("behavior_logprobs" not in t.column_names)] * len(trajs), pa.bool_()),
     }
     for name, (values, typ) in columns.items():
