@@ -285,8 +285,8 @@ class AdvantageConfig:
     # behaviour log-prob, plus opd_task_weight x the grpo advantage; needs score.teacher_model)
     estimator: Literal["grpo", "drgrpo", "rloo", "opd"] = knob("grpo", "advantage")
     opd_task_weight: float = knob(0.0, "advantage")  # opd: weight of the task reward's grpo advantage
-    # opd: "mean" subtracts the iteration's mean teacher - behaviour log-prob over all response
-    # tokens (a constant baseline: unbiased, and the signal is then which tokens the teacher
+    # opd: "mean" subtracts the iteration's mean teacher - behaviour log-prob over its sampled
+    # tokens (loss_mask 1 on multi-turn rows; a constant baseline: unbiased, and the signal is then which tokens the teacher
     # prefers, not how far below it the student is everywhere); "none" keeps the raw difference
     opd_baseline: Literal["mean", "none"] = knob("mean", "advantage")
     scale: Literal["group", "batch", "none"] = knob("group", "advantage")  # grpo's std: group, batch, none
