@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import ConfigError, UserError
-from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_view
+from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_view, sequence_iterations
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
 from rlhf_batch.store import layout
 from rlhf_batch.store.fs import register, run_path, snapshot
@@ -208,7 +208,8 @@ def _views(con: Any, root: Path) -> None:
             con.unregister("_empty")
     _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
     _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
-    create_view(con)  # health, over metrics
+    trained = {int(p.parent.name.split("=")[1]) for p in root.glob(f"{layout.ITER_GLOB}/{layout.TRAIN}")}
+    create_view(con, sequence_iterations(root, sorted(trained)))  # health, over metrics
     _prompt_stats_view(con)
     columns = {r[0] for r in con.execute("DESCRIBE rollouts").fetchall()}
     con.execute("CREATE VIEW turns AS " + turns_view(columns))
