@@ -282,5 +282,5 @@ def test_every_trl_and_verl_name_is_in_the_docs_table() -> None:
 
     doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
     table = doc[doc.index("## Names from TRL and verl") :]
-    for key, (source, ours, _) in FOREIGN.items():
+    for key, (source, _, _) in FOREIGN.items():
         assert f"| {source} | `{key}`" in table, key
