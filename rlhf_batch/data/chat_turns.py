@@ -61,6 +61,15 @@ def normalize(messages: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def drop_null_keys(v: Any) -> Any:
+    """A JSON value without the null keys Arrow's struct inference adds (other rows' keys)."""
+    if isinstance(v, dict):
+        return {k: drop_null_keys(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [drop_null_keys(x) for x in v]
+    return v
+
+
 def _call(c: Any, at: str) -> dict[str, Any]:
     f = c.get("function", c) if isinstance(c, dict) else None
     if not isinstance(f, dict) or not isinstance(f.get("name"), str):

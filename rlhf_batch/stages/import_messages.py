@@ -3,8 +3,8 @@
 Each row's `messages` (roles system, user, assistant, tool; assistant `tool_calls` with
 `function.name` and `function.arguments`, an object or a JSON string) is one trajectory: the
 messages before the first assistant message are the prompt, the rest the response, which ends
-with an assistant message. An optional `tools` column (a JSON string: the tool schemas) goes
-to the chat template as `apply_chat_template(tools=...)`.
+with an assistant message. An optional `tools` column (tool schemas or built-in tool names,
+`tool_list`) goes to the chat template as `apply_chat_template(tools=...)`.
 
 * Messages only: tokenised with the policy's chat template (data/chat_turns.py): each assistant
   message is a segment of loss mask 1 (its end-of-turn token included), every other message,
@@ -80,19 +80,44 @@ def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
 
 
 def _tools(t: pa.Table, path: Path, offset: int) -> list[Any]:
+    """Each row's tools for the chat template: schemas as given, names of built-in tools as
+    their schemas (`tool_list`)."""
     if "tools" not in t.column_names:
         return [None] * t.num_rows
-    out = []
-    for i, v in enumerate(t["tools"].to_pylist()):
+    return [
+        tool_list(v, f"{path}: row {offset + i + 1}, column 'tools'")
+        for i, v in enumerate(t["tools"].to_pylist())
+    ]
+
+
+def tool_list(value: Any, where: str) -> list[dict[str, Any]] | None:
+    """A `tools` value as tool schemas: a list of OpenAI function schemas or of built-in tool
+    names (envs/tools.py), either as JSON, one comma-separated string of names, or one schema."""
+    from rlhf_batch.envs.tools import BUILTIN, tool_schemas
+
+    if value is None:
+        return None
+    if isinstance(value, str):
         try:
-            tools = json.loads(v) if isinstance(v, str) else v
+            value = json.loads(value)
         except json.JSONDecodeError:
-            tools = "bad"
-        if tools is not None and not isinstance(tools, list):
+            value = [n.strip() for n in value.split(",") if n.strip()]
+    if isinstance(value, str | dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise SchemaError(f"{where}: expected a list of tool schemas or tool names")
+    out = []
+    for k, tool in enumerate(value):
+        if isinstance(tool, str) and tool in BUILTIN:
+            out.extend(tool_schemas([tool]))
+        elif isinstance(tool, str):
             raise SchemaError(
-                f"{path}: row {offset + i + 1}, column 'tools': expected a JSON list of tool schemas"
+                f"{where}: unknown tool {tool!r} (built-in: {', '.join(BUILTIN)}; else give its schema)"
             )
-        out.append(tools)
+        elif isinstance(tool, dict):
+            out.append(chat_turns.drop_null_keys(tool))
+        else:
+            raise SchemaError(f"{where}: tool {k + 1} is neither a schema (an object) nor a name")
     return out
 
 
