@@ -349,7 +349,7 @@ def _prepare(
             con.execute(sql_text("advantage_batch_std"), {"ddof": a.ddof}).fetchall()[0][0] or 0.0
         )
     folders = [layout.folder(src, iteration, "rollouts", r) for r in (0, *rounds)]
-    params = {
+    params: dict[str, Any] = {
         "rollout_files": [f for f, _ in rollouts[iteration]],
         "score_files": [f for f, _ in scores[iteration]],
         "batch_std": batch_std,
