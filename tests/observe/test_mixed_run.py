@@ -17,17 +17,22 @@ from rlhf_batch.observe.query import VIEWS, connect, run_sql
 from rlhf_batch.observe.report import write_report
 from rlhf_batch.observe.status import print_status
 from rlhf_batch.store import layout, manifests
-from tests.fixtures.mixed_run import KINDS
+from tests.fixtures.mixed_run import KINDS, ROUNDS
 
 ALL_VIEWS = [*VIEWS, "stages", "eval_metrics", "health", REWARD_VIEW, "prompt_stats", "source_stats", "turns"]
 ROWS = {0: 8, 1: 8, 2: 4, 3: 4}  # rollouts per iteration: 4 prompts x 2, 4 messages, 4 pairs
 
 
-def rows(folder: Path) -> dict[str, dict]:
-    """rollout_id -> row, straight from a complete folder's Parquet parts."""
-    m = manifests.manifest(folder)
-    assert m is not None, folder
-    return {r["rollout_id"]: r for p in m["parts"] for r in pq.read_table(folder / p["file"]).to_pylist()}
+def rows(root: Path, it: int, folder: str) -> dict[str, dict]:
+    """rollout_id -> row, straight from the Parquet parts of a complete folder of iteration
+    `it` (rollouts and scores: and of its top-up rounds)."""
+    out = {}
+    for r in ROUNDS[it] if folder in ("rollouts", "scores") else [0]:
+        sdir = layout.folder(root, it, folder, r)
+        m = manifests.manifest(sdir)
+        assert m is not None, sdir
+        out |= {x["rollout_id"]: x for p in m["parts"] for x in pq.read_table(sdir / p["file"]).to_pylist()}
+    return out
 
 
 def byte_of() -> dict[str, int]:
@@ -71,6 +76,10 @@ def test_every_view_status_and_report_answer(mixed_run, iterations, tmp_path, ca
     run_sql(root, "SELECT iter, count(*) AS n FROM rollouts GROUP BY iter ORDER BY iter", fmt="json")
     got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert got == [{"iter": it, "n": ROWS[it]} for it in iterations]
+    run_sql(root, "SELECT iter, topup, count(*) AS n FROM scores GROUP BY ALL ORDER BY ALL", fmt="json")
+    got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    rounds = [(it, r) for it in iterations for r in ROUNDS[it]]
+    assert [(g["iter"], g["topup"]) for g in got] == rounds  # iteration 0's top-up round too
     print_status(root)
     table = capsys.readouterr().out
     # a copied iteration's train is stale when the iteration before it is not in the copy
@@ -94,12 +103,9 @@ def test_turns_view_gives_each_segments_text_and_offsets(mixed_run) -> None:
         by_rollout.setdefault(r["rollout_id"], []).append(r)
     expected = {}
     for it in (1, 2):
-        expected |= rows(layout.folder(mixed_run.root, it, "rollouts"))
+        expected |= rows(mixed_run.root, it, "rollouts")
     assert set(by_rollout) == set(expected)  # every multi-turn rollout, no other
-    imported = [
-        [s["role"] for s in by_rollout[rid]]
-        for rid in sorted(rows(layout.folder(mixed_run.root, 2, "rollouts")))
-    ]
+    imported = [[s["role"] for s in by_rollout[rid]] for rid in sorted(rows(mixed_run.root, 2, "rollouts"))]
     assert sorted(imported) == sorted(
         [
             ["assistant", "tool", "assistant"],
@@ -127,10 +133,10 @@ def test_each_stage_reads_what_the_one_before_wrote(mixed_run) -> None:
     every kind; replayed rows as their source iteration stored them. train: the sampled tokens
     of each row (its loss mask's ones) are the ones it trained on."""
     root = mixed_run.root
-    stored = {it: rows(layout.folder(root, it, "advantages")) for it in KINDS}
+    stored = {it: rows(root, it, "advantages") for it in KINDS}
     for it, kind in KINDS.items():
-        rollouts = rows(layout.folder(root, it, "rollouts"))
-        scores = rows(layout.folder(root, it, "scores"))
+        rollouts = rows(root, it, "rollouts")
+        scores = rows(root, it, "scores")
         adv = stored[it]
         own = {rid: a for rid, a in adv.items() if rid in rollouts}
         assert len(own) == ROWS[it], kind
