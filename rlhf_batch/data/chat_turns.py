@@ -146,7 +146,7 @@ def tokenize(tok: Any, messages: list[dict[str, Any]], tools: list[Any] | None, 
         segments.append((cursor, end, roles[j]))
         cursor = end
     prompt = text[: found[first][0]]
-    t = Trajectory(prompt, encode(tok, text, 0, found[first][0], texts), [], [], [], [])
+    t = Trajectory(prompt, encode(tok, text, 0, found[first][0], texts, prompt=True), [], [], [], [])
     for a, b, role in segments:
         ids = encode(tok, text, a, b, texts)
         if not ids:
@@ -191,16 +191,19 @@ def _render(
     return text, [(real(a), real(b)) for a, b in found], texts
 
 
-def encode(tok: Any, text: str, a: int, b: int, texts: list[tuple[int, int]]) -> list[int]:
+def encode(
+    tok: Any, text: str, a: int, b: int, texts: list[tuple[int, int]], prompt: bool = False
+) -> list[int]:
     """The tokens of text[a:b]: the template's markup as the tokenizer reads it (special tokens
     recognised), the message contents in `texts` (spans of `text`) as plain text, a special
     token's name in them split into ordinary tokens. Where no content holds a special token's
-    name this is tok(text[a:b]) exactly."""
+    name this is tok(text[a:b]) exactly (`prompt`: with the tokens the tokenizer adds in front,
+    as a prompt has always been tokenised)."""
     inside = [(max(s, a), min(e, b)) for s, e in texts if max(s, a) < min(e, b)]
     names = _special_names(tok)
     if not any(n in text[s:e] for s, e in inside for n in names):
-        return list(tok(text[a:b], add_special_tokens=False)["input_ids"])
-    ids: list[int] = []
+        return list(tok(text[a:b], add_special_tokens=prompt)["input_ids"])
+    ids: list[int] = list(tok("", add_special_tokens=True)["input_ids"]) if prompt else []
     cursor = a
     for s, e in [*inside, (b, b)]:
         base = cursor
