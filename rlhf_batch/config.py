@@ -319,8 +319,8 @@ class AdvantageConfig:
     # behaviour log-prob, plus opd_task_weight x the grpo advantage; needs score.teacher_model)
     estimator: Literal["grpo", "drgrpo", "rloo", "opd"] = knob("grpo", "advantage")
     opd_task_weight: float = knob(0.0, "advantage")  # opd: weight of the task reward's grpo advantage
-    # opd: "mean" subtracts the iteration's mean teacher - behaviour log-prob over all response
-    # tokens (a constant baseline: unbiased, and the signal is then which tokens the teacher
+    # opd: "mean" subtracts the iteration's mean teacher - behaviour log-prob over its sampled
+    # tokens (loss_mask 1 on multi-turn rows; a constant baseline: unbiased, and the signal is then which tokens the teacher
     # prefers, not how far below it the student is everywhere); "none" keeps the raw difference
     opd_baseline: Literal["mean", "none"] = knob("mean", "advantage")
     scale: Literal["group", "batch", "none"] = knob("group", "advantage")  # grpo's std: group, batch, none
@@ -706,6 +706,102 @@ RENAMED = {  # old key -> new key: an old name is refused, naming the new one
     "train.kl_coef": "train.kl_loss_coef",
     "advantage.rows_per_shard": "advantage.rows_per_part",
 }
+# Keys of TRL's GRPOConfig and verl's actor config that users bring, in any table: refused with
+# ours (never a "did you mean" guessed from the spelling). name -> (where it comes from, our key,
+# {their value: our setting}) (docs/configuration.md "Names from TRL and verl").
+_SEQ_MEAN, _TOKEN_MEAN = "train.aggregation = 'seq_mean_token_mean'", "train.aggregation = 'token_mean'"
+FOREIGN: dict[str, tuple[str, str, dict[Any, str]]] = {
+    "importance_sampling_level": (
+        "TRL",
+        "train.ratio_level",
+        {"token": "train.ratio_level = 'token'", "sequence": "train.ratio_level = 'sequence' (GSPO)"},
+    ),
+    "loss_type": (
+        "TRL",
+        "train.loss ('ppo' or 'cispo') and train.aggregation",
+        {
+            "grpo": _SEQ_MEAN,
+            "bnpo": _TOKEN_MEAN,
+            "dapo": _TOKEN_MEAN,
+            "dr_grpo": "train.aggregation = 'seq_mean_token_sum_norm' (and advantage.estimator = 'drgrpo' for "
+            "Dr. GRPO's advantage without the std)",
+            "cispo": "train.loss = 'cispo'",
+        },
+    ),
+    "vllm_importance_sampling_mode": (
+        "TRL",
+        "train.tis_mode",
+        {
+            "token_truncate": "train.tis_mode = 'truncate'",
+            "token_mask": "train.tis_mode = 'mask'",
+            "sequence_mask": "train.tis_mode = 'sequence_mask'",
+        },
+    ),
+    "vllm_importance_sampling_correction": ("TRL", "train.tis_cap (> 0 turns the correction on)", {}),
+    "vllm_importance_sampling_cap": ("TRL", "train.tis_cap", {}),
+    "vllm_importance_sampling_clip_max": ("TRL", "train.tis_cap", {}),
+    "vllm_importance_sampling_clip_min": ("TRL", "train.tis_low", {}),
+    "beta": ("TRL", "train.kl_loss_coef", {}),
+    "epsilon": ("TRL", "train.eps_low", {}),
+    "epsilon_high": ("TRL", "train.eps_high (train.cispo_max with train.loss = 'cispo')", {}),
+    "num_iterations": ("TRL", "train.ppo_epochs", {}),
+    "learning_rate": ("TRL", "train.lr", {}),
+    "max_completion_length": ("TRL", "generate.max_new_tokens", {}),
+    "scale_rewards": (
+        "TRL",
+        "advantage.scale",
+        {
+            True: "advantage.scale = 'group'",
+            False: "advantage.scale = 'none'",
+            "group": "advantage.scale = 'group'",
+            "batch": "advantage.scale = 'batch'",
+            "none": "advantage.scale = 'none'",
+        },
+    ),
+    "mask_truncated_completions": ("TRL", "advantage.truncated", {True: "advantage.truncated = 'drop'"}),
+    "clip_ratio_low": ("verl", "train.eps_low", {}),
+    "clip_ratio_high": ("verl", "train.eps_high", {}),
+    "clip_ratio": ("verl", "train.eps_low", {}),
+    "clip_ratio_c": ("verl", "train.dual_clip", {}),
+    "loss_mode": (
+        "verl",
+        "train.ratio_level and train.loss",
+        {
+            "vanilla": "train.ratio_level = 'token' with train.loss = 'ppo' (the defaults)",
+            "gspo": "train.ratio_level = 'sequence' (GSPO)",
+            "cispo": "train.loss = 'cispo'",
+        },
+    ),
+    "loss_agg_mode": (
+        "verl",
+        "train.aggregation",
+        {
+            "token-mean": _TOKEN_MEAN,
+            "seq-mean-token-mean": _SEQ_MEAN,
+            "seq-mean-token-sum-norm": "train.aggregation = 'seq_mean_token_sum_norm'",
+        },
+    ),
+    "entropy_coeff": ("verl", "train.entropy_coef", {}),
+    "use_kl_loss": ("verl", "train.kl_loss_coef (> 0 turns it on)", {}),
+    "adv_estimator": ("verl", "advantage.estimator", {}),
+}
+
+
+def foreign_hint(key: str, value: Any) -> str | None:
+    """Our setting for a TRL or verl key (FOREIGN), None for any other name."""
+    if key not in FOREIGN:
+        return None
+    source, ours, values = FOREIGN[key]
+    try:
+        exact = values.get(value)
+    except TypeError:  # a list or table: no exact match
+        exact = None
+    if exact:
+        return f"{source}'s {key} = {value!r} is {exact} here"
+    known = ", ".join(repr(v) for v in values)
+    return f"{source}'s {key} is {ours} here" + (f" (its values {known} have ours)" if known else "")
+
+
 PATH_KEYS = (
     "run_dir",
     "policy_model",
@@ -862,6 +958,8 @@ def _build(cls: type, raw: dict[str, Any], where: str, prefix: str) -> Any:
     for key in raw:
         if f"{prefix}{key}" in RENAMED:
             _fail(f"{where}: '{prefix}{key}' was renamed to '{RENAMED[prefix + key]}'")
+        elif key not in names and (foreign := foreign_hint(key, raw[key])) is not None:
+            _fail(f"{where}: unknown key '{prefix}{key}': {foreign}")
         elif key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f" (did you mean '{prefix}{close[0]}'?)" if close else ""

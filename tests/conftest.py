@@ -188,3 +188,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return -slow[file], -tests[file]
 
     items.sort(key=order)  # stable: each file's tests stay together, in their order
+
+
+@pytest.fixture(scope="session")
+def mixed_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path):
+    """One run holding every kind of rollout the project writes, each iteration scored, through
+    advantage (with replayed rows) and trained (tests/fixtures/mixed_run.py). Read it, never write it."""
+    from tests.fixtures.mixed_run import build
+
+    return build(tmp_path_factory.mktemp("mixed"), tiny_model)

@@ -225,3 +225,62 @@ def test_the_teacher_model_path_is_relative_to_the_config(
     # an org/name that is no local path: a hub id (not in the cache here: one line naming the key)
     with pytest.raises(UserError, match="^score.teacher_model: 'org/teacher' is not a local directory"):
         load_config(p, ["score.teacher_model=org/teacher"])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [  # each TRL / verl name answered with ours, as written in docs/configuration.md
+        (
+            "[train]\nimportance_sampling_level = 'sequence'\n",
+            "unknown key 'train.importance_sampling_level': TRL's importance_sampling_level = 'sequence' is "
+            "train.ratio_level = 'sequence' (GSPO) here",
+        ),
+        (
+            "[train]\nloss_type = 'grpo'\n",
+            "unknown key 'train.loss_type': TRL's loss_type = 'grpo' is train.aggregation = 'seq_mean_token_mean' here",
+        ),
+        (
+            "[train]\nloss_type = 'dapo'\n",
+            "unknown key 'train.loss_type': TRL's loss_type = 'dapo' is train.aggregation = 'token_mean' here",
+        ),
+        ("[train]\nloss_type = 'cispo'\n", "TRL's loss_type = 'cispo' is train.loss = 'cispo' here"),
+        (  # a value with no counterpart: the key's, with the values that have one
+            "[train]\nloss_type = 'sapo'\n",
+            "unknown key 'train.loss_type': TRL's loss_type is train.loss ('ppo' or 'cispo') and train.aggregation "
+            "here (its values 'grpo', 'bnpo', 'dapo', 'dr_grpo', 'cispo' have ours)",
+        ),
+        (
+            "[train]\nvllm_importance_sampling_mode = 'token_mask'\n",
+            "TRL's vllm_importance_sampling_mode = 'token_mask' is train.tis_mode = 'mask' here",
+        ),
+        ("[train]\nbeta = 0.04\n", "unknown key 'train.beta': TRL's beta is train.kl_loss_coef here"),
+        ("beta = 0.04\n", "unknown key 'beta': TRL's beta is train.kl_loss_coef here"),  # any table
+        ("[train]\nclip_ratio_low = 0.2\n", "verl's clip_ratio_low is train.eps_low here"),
+        ("[train]\nclip_ratio_high = 0.28\n", "verl's clip_ratio_high is train.eps_high here"),
+        (
+            "[train]\nloss_mode = 'gspo'\n",
+            "verl's loss_mode = 'gspo' is train.ratio_level = 'sequence' (GSPO) here",
+        ),
+        (
+            "[train]\nloss_agg_mode = 'seq-mean-token-mean'\n",
+            "verl's loss_agg_mode = 'seq-mean-token-mean' is train.aggregation = 'seq_mean_token_mean' here",
+        ),
+        ("[train]\nepsilon = 0.2\n", "TRL's epsilon is train.eps_low here"),
+    ],
+)
+def test_trl_and_verl_names_are_answered_with_ours(tmp_path: Path, text: str, message: str) -> None:
+    """Never a "did you mean" guessed from the spelling (loss_mode was answered with
+    train.tis_mode, loss_type with train.loss whatever its value)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp_path, text))
+    assert str(e.value).endswith(message) and "did you mean" not in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_every_trl_and_verl_name_is_in_the_docs_table() -> None:
+    from rlhf_batch.config import FOREIGN
+
+    doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    table = doc[doc.index("## Names from TRL and verl") :]
+    for key, (source, _, _) in FOREIGN.items():
+        assert f"| {source} | `{key}`" in table, key

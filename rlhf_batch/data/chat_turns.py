@@ -61,6 +61,15 @@ def normalize(messages: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
+def drop_null_keys(v: Any) -> Any:
+    """A JSON value without the null keys Arrow's struct inference adds (other rows' keys)."""
+    if isinstance(v, dict):
+        return {k: drop_null_keys(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [drop_null_keys(x) for x in v]
+    return v
+
+
 def _call(c: Any, at: str) -> dict[str, Any]:
     f = c.get("function", c) if isinstance(c, dict) else None
     if not isinstance(f, dict) or not isinstance(f.get("name"), str):
@@ -122,11 +131,10 @@ def tokenize(tok: Any, messages: list[dict[str, Any]], tools: list[Any] | None, 
     if first == 0:
         raise SchemaError(f"{where}: the first message is the assistant's; a prompt message comes first")
     pieces = glue(tok, roles, tools)
-    text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False)
-    found = spans(pieces, text)
+    text, found, texts = _render(tok, messages, tools, pieces)
     if found is None:
         raise SchemaError(f"{where}: the messages' rendering does not fit the chat template's turns")
-    segments: list[tuple[str, str]] = []
+    segments: list[tuple[int, int, str]] = []
     cursor = found[first][0]
     for j in range(first, len(roles)):
         start, end = found[j]
@@ -135,16 +143,12 @@ def tokenize(tok: Any, messages: list[dict[str, Any]], tools: list[Any] | None, 
             end += len(eot) if text.startswith(eot, end) else 0
         elif j + 1 < len(roles) and roles[j + 1] == "assistant":
             end = found[j + 1][0]  # the glue up to the next assistant turn's first token
-        segments.append((text[cursor:end], roles[j]))
+        segments.append((cursor, end, roles[j]))
         cursor = end
     prompt = text[: found[first][0]]
-    return _ids(tok, prompt, segments, where)
-
-
-def _ids(tok: Any, prompt: str, segments: list[tuple[str, str]], where: str) -> Trajectory:
-    t = Trajectory(prompt, tok(prompt)["input_ids"], [], [], [], [])
-    for text, role in segments:
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+    t = Trajectory(prompt, encode(tok, text, 0, found[first][0], texts, prompt=True), [], [], [], [])
+    for a, b, role in segments:
+        ids = encode(tok, text, a, b, texts)
         if not ids:
             raise SchemaError(f"{where}: an empty {role} turn (no tokens)")
         t.turn_starts.append(len(t.response_ids))
@@ -152,6 +156,81 @@ def _ids(tok: Any, prompt: str, segments: list[tuple[str, str]], where: str) -> 
         t.response_ids += ids
         t.loss_mask += [int(role == "assistant")] * len(ids)
     return t
+
+
+def _render(
+    tok: Any, messages: list[dict[str, Any]], tools: list[Any] | None, pieces: list[str]
+) -> tuple[str, list[tuple[int, int]] | None, list[tuple[int, int]]]:
+    """The conversation rendered, each message's span in it (its content and, for an assistant
+    message, its tool calls as the template renders them; None: the rendering does not fit the
+    glue), and where the message contents are. The messages are found in a rendering whose
+    contents are placeholders, so a content holding the template's own markers (`<|im_end|>`,
+    a role header) cannot be taken for glue. A template that rewrites contents (trims them, say)
+    is matched on the real rendering instead, and then no content is known as text."""
+    text = tok.apply_chat_template(messages, tools=tools or None, tokenize=False)
+    marked = [{**m, "content": PLACEHOLDER.format(i) if m["content"] else ""} for i, m in enumerate(messages)]
+    shown = tok.apply_chat_template(marked, tools=tools or None, tokenize=False)
+    found = spans(pieces, shown)
+    rebuilt, texts, shift, pos = [], [], [], 0  # shift: (placeholder end, offset change after it)
+    for i, m in enumerate(messages):
+        at = shown.find(PLACEHOLDER.format(i), pos) if m["content"] else -1
+        if at < 0:
+            continue
+        rebuilt.append(shown[pos:at])
+        start = sum(map(len, rebuilt))
+        rebuilt.append(m["content"])
+        texts.append((start, start + len(m["content"])))
+        pos = at + len(PLACEHOLDER.format(i))
+        shift.append((pos, len(m["content"]) - len(PLACEHOLDER.format(i))))
+    if found is None or "".join(rebuilt) + shown[pos:] != text:
+        return text, spans(pieces, text), []
+
+    def real(k: int) -> int:  # an offset of `shown` (never inside a placeholder) in `text`
+        return k + sum(d for end, d in shift if end <= k)
+
+    return text, [(real(a), real(b)) for a, b in found], texts
+
+
+def encode(
+    tok: Any, text: str, a: int, b: int, texts: list[tuple[int, int]], prompt: bool = False
+) -> list[int]:
+    """The tokens of text[a:b]: the template's markup as the tokenizer reads it (special tokens
+    recognised), the message contents in `texts` (spans of `text`) as plain text, a special
+    token's name in them split into ordinary tokens. Where no content holds a special token's
+    name this is tok(text[a:b]) exactly (`prompt`: with the tokens the tokenizer adds in front,
+    as a prompt has always been tokenised)."""
+    inside = [(max(s, a), min(e, b)) for s, e in texts if max(s, a) < min(e, b)]
+    names = _special_names(tok)
+    if not any(n in text[s:e] for s, e in inside for n in names):
+        return list(tok(text[a:b], add_special_tokens=prompt)["input_ids"])
+    ids: list[int] = list(tok("", add_special_tokens=True)["input_ids"]) if prompt else []
+    cursor = a
+    for s, e in [*inside, (b, b)]:
+        base = cursor
+        for m in re.finditer("|".join(map(re.escape, names)), text[base:s]):  # specials of the markup
+            ids += _plain(tok, text[cursor : base + m.start()])
+            ids.append(int(tok.convert_tokens_to_ids(m.group())))
+            cursor = base + m.end()
+        ids += _plain(tok, text[cursor:e])  # the markup's tail and the content, one run
+        cursor = e
+    return ids
+
+
+def _plain(tok: Any, text: str) -> list[int]:
+    """`text` tokenised with every special token's name as ordinary text."""
+    if not text:
+        return []
+    return list(tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+def _special_names(tok: Any) -> list[str]:
+    return sorted({*tok.all_special_tokens, *_added_specials(tok)} - {""}, key=len, reverse=True)
+
+
+def segment_texts(tok: Any, response_ids: list[int], starts: list[int]) -> list[str]:
+    """The text of each segment of a multi-turn response (its tokens decoded, special tokens kept)."""
+    ends = [*starts[1:], len(response_ids)]
+    return [_decode(tok, response_ids[s:e]) for s, e in zip(starts, ends, strict=True)]
 
 
 def assistant_message(text: str, specials: list[str]) -> dict[str, Any]:
@@ -173,23 +252,43 @@ def assistant_message(text: str, specials: list[str]) -> dict[str, Any]:
 
 
 def response_messages(
-    tok: Any, prompt_roles: list[str], response_text: str, turn_roles: list[str], where: str
+    tok: Any,
+    prompt_roles: list[str],
+    response_ids: list[int],
+    turn_starts: list[int],
+    turn_roles: list[str],
+    where: str,
 ) -> list[dict[str, Any]]:
-    """The messages of a multi-turn response (decoded with its special tokens), one per segment."""
-    pieces = glue(tok, [*prompt_roles, *turn_roles])[len(prompt_roles) :]
-    inner = pieces[1:-1]  # between the response's messages; the first is in the prompt, the last dropped
-    pattern = "".join("(.*?)" + re.escape(p) for p in inner) + "(.*)"
-    m = re.fullmatch(pattern, response_text, re.DOTALL)
-    if m is None:
-        raise SchemaError(
-            f"{where}: the response does not fit the chat template's turns ({', '.join(turn_roles)})"
-        )
-    specials = sorted(set(tok.all_special_tokens) | set(_added_specials(tok)), key=len, reverse=True)
+    """The messages of a multi-turn response, one per segment, each read from its own tokens (so
+    a message's text holding the template's markers stays in its message): an assistant
+    segment without its trailing special tokens (end of turn, EOS), any other with the
+    template's glue around its content taken off."""
+    if len(turn_starts) != len(turn_roles) or turn_starts[:1] != [0]:
+        raise SchemaError(f"{where}: 'turn_starts' and 'turn_roles' do not describe the response's segments")
+    pieces = glue(tok, [*prompt_roles, *turn_roles])[len(prompt_roles) :]  # pieces[k]: before segment k
+    special = {int(i) for i in tok.convert_tokens_to_ids(_special_names(tok))}
+    ends = [*turn_starts[1:], len(response_ids)]
     out = []
-    for role, text in zip(turn_roles, m.groups(), strict=True):
-        out.append(
-            assistant_message(text, specials)
-            if role == "assistant"
-            else {"role": role, "content": text, "tool_calls": None}
-        )
+    for k, (role, s, e) in enumerate(zip(turn_roles, turn_starts, ends, strict=True)):
+        ids = response_ids[s:e]
+        if role == "assistant":
+            while ids and ids[-1] in special:
+                ids = ids[:-1]
+            out.append(assistant_message(_decode(tok, ids), []))
+            continue
+        text = _decode(tok, ids)
+        before = pieces[k]
+        if not text.startswith(before) and k and turn_roles[k - 1] == "assistant":
+            before = before[len(end_of_turn(tok, before)) :]  # the assistant's segment holds its end of turn
+        after = pieces[k + 1] if turn_roles[k + 1 : k + 2] == ["assistant"] else ""
+        if not (text.startswith(before) and text.endswith(after) and len(text) >= len(before) + len(after)):
+            raise SchemaError(
+                f"{where}: segment {k + 1} ({role}) does not fit the chat template's turns "
+                f"({', '.join(turn_roles)})"
+            )
+        out.append({"role": role, "content": text[len(before) : len(text) - len(after)], "tool_calls": None})
     return out
+
+
+def _decode(tok: Any, ids: list[int]) -> str:
+    return str(tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))

@@ -15,6 +15,8 @@ prompt's text. A single-turn response is one assistant message; a multi-turn one
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ import pyarrow.parquet as pq
 
 from rlhf_batch.config import Config
 from rlhf_batch.data import chat_turns
-from rlhf_batch.errors import StageError
+from rlhf_batch.errors import ConfigError, SchemaError, StageError
 from rlhf_batch.models.load import load_tokenizer
 from rlhf_batch.store import layout
 from rlhf_batch.store.manifests import read_complete
@@ -39,6 +41,8 @@ REWARDS = ("reward_raw", "score", "reward")
 
 def export(cfg: Config, iteration: int, out: Path, min_reward: float | None = None) -> tuple[Path, int]:
     """Write the dataset; returns its file and row count. DIR must not exist or be empty."""
+    if min_reward is not None and not math.isfinite(min_reward):
+        raise ConfigError(f"--min-reward: must be a finite number, got {min_reward}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise StageError(f"--out {out}: exists and is not an empty folder; remove it or give another")
     rollouts = read_complete(layout.folder(cfg.run_dir, iteration, layout.ROLLOUTS), ROLLOUTS)
@@ -74,18 +78,29 @@ def _row(tok: Any, r: dict[str, Any], s: dict[str, Any], iteration: int, where: 
     if not prompt:
         prompt = [{"role": "user", "content": r["prompt"], "tool_calls": None}]
     if r.get("turn_roles"):
-        text = tok.decode(r["response_ids"], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if not r.get("turn_starts"):
+            raise SchemaError(f"{where}: has 'turn_roles' but no 'turn_starts'; redo its generate or import")
         roles = [m["role"] for m in prompt]
-        response = chat_turns.response_messages(tok, roles, text, r["turn_roles"], where)
+        response = chat_turns.response_messages(
+            tok, roles, r["response_ids"], r["turn_starts"], r["turn_roles"], where
+        )
     else:
         response = [chat_turns.assistant_message(r["response"], [])]
-    keep = ("rollout_id", "prompt_id", "sample_idx", "finish_reason", "tools")
+    keep = ("rollout_id", "prompt_id", "sample_idx", "finish_reason")
+    tools = r.get("tools")  # as given (a JSON string), or names or schemas as JSON
     return {
         "messages": prompt + response,
         **{k: r[k] for k in keep if k in r},
+        **({"tools": _json(tools)} if "tools" in r else {}),
         "iteration": iteration,
         **{k: s[k] for k in REWARDS},
     }
+
+
+def _json(v: Any) -> str | None:
+    return (
+        v if v is None or isinstance(v, str) else json.dumps(chat_turns.drop_null_keys(v), ensure_ascii=False)
+    )
 
 
 def _table(rows: list[dict[str, Any]], tools: bool) -> pa.Table:

@@ -25,19 +25,36 @@ THRESHOLDS = {
 }
 
 
-def view_sql(tis_masked: bool = True) -> str:
+def view_sql(tis_masked: bool = True, sequence_iters: frozenset[int] = frozenset()) -> str:
     """The health query (sql/health.sql) with THRESHOLDS written in; it reads a `metrics` view
-    (`tis_masked`: whether that view has the column, which metrics written before it lack)."""
+    (`tis_masked`: whether that view has the column, which metrics written before it lack).
+    `sequence_iters`: the iterations trained with sequence-level ratios (GSPO), whose clip
+    fraction is the share of tokens in clipped rows at GSPO's clip range: the token-level PPO
+    threshold does not apply to it (`sequence_iterations`)."""
     text = sql_text("health").replace("{tis_masked}", "tis_masked" if tis_masked else "NULL::DOUBLE")
+    text = text.replace("{sequence_iters}", f"[{', '.join(map(str, sorted(sequence_iters)))}]::INTEGER[]")
     for name, value in THRESHOLDS.items():
         text = text.replace("{" + name + "}", repr(float(value)))
     return text
 
 
-def create_view(con: Any) -> None:
+def create_view(con: Any, sequence_iters: frozenset[int] = frozenset()) -> None:
     """The view `health` over the connection's `metrics` view."""
     names = [d[0] for d in con.execute("SELECT * FROM metrics LIMIT 0").description]
-    con.execute("CREATE VIEW health AS " + view_sql("tis_masked" in names))
+    con.execute("CREATE VIEW health AS " + view_sql("tis_masked" in names, sequence_iters))
+
+
+def sequence_iterations(run: Path, iterations: Any) -> frozenset[int]:
+    """Those of `iterations` whose complete train ran with train.ratio_level = 'sequence' (its
+    manifest's config; a key at its default is not written there: 'token')."""
+    from rlhf_batch.store import layout, manifests
+
+    out = set()
+    for it in iterations:
+        m = manifests.manifest(layout.folder(run, it, "train")) or {}
+        if ((m.get("config") or {}).get("train") or {}).get("ratio_level") == "sequence":
+            out.add(int(it))
+    return frozenset(out)
 
 
 def rows(con: Any) -> list[dict[str, Any]]:
@@ -66,7 +83,7 @@ def iteration_warning(run_dir: str | Path, it: int) -> str | None:
             f"CREATE VIEW metrics AS SELECT * FROM read_parquet([{', '.join(map(quote, files))}], "
             "hive_partitioning = true, hive_types = {'iter': INTEGER})"
         )
-        create_view(con)
+        create_view(con, sequence_iterations(run, [it]))
         found = [r["warning"] for r in rows(con) if r["iter"] == it]
     finally:
         con.close()

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_batch.errors import ConfigError, UserError
-from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_view
+from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_view, sequence_iterations
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
 from rlhf_batch.store import layout
 from rlhf_batch.store.fs import register, run_path, snapshot
@@ -70,26 +70,47 @@ TOPUP_VIEWS = ("rollouts", "scores")  # also the rows of the top-up rounds (iter
 # e.g. numbers['unscored'], numbers['kl_coef'], numbers['groups_total'], numbers['prompts_truncated'].
 # startup_s, work_s, tokens and tokens_per_s come from its `timing` (timing.py; null before it).
 STAGES_GLOB = f"{layout.ITER_GLOB}/*/{layout.MANIFEST}"
-# Multi-turn rollouts (generate.environment): one row per segment of response_ids, in order:
-# `segment` from 0, `role` (assistant, tool, user), `start` (offset in response_ids), `tokens`,
-# `sampled` (the assistant's, trained), `turns` (the trajectory's assistant turns), and on the
-# trajectory's last segment its `env_error` (null elsewhere) and `env_seconds`.
+# Multi-turn rollouts (generate.environment, or imported messages): one row per segment of
+# response_ids, in order: `segment` from 0, `role` (assistant, tool, user), `start` (offset in
+# response_ids), `tokens`, `text` (the segment's tokens decoded, special tokens kept; null for
+# rollouts written before `turn_texts` was stored), `sampled` (the assistant's, trained),
+# `turns` (the trajectory's assistant turns), and on the trajectory's last segment its
+# `env_error` (null elsewhere, and for imported rows) and `env_seconds`. A column some
+# rollouts lack (imported rows have no environment columns) is null there.
 TURNS_VIEW = """
 SELECT iter, topup, rollout_id, prompt_id, i - 1 AS segment, turn_roles[i] AS role,
        turn_starts[i] AS start,
        coalesce(turn_starts[i + 1], len(response_ids)) - turn_starts[i] AS tokens,
-       turn_roles[i] = 'assistant' AS sampled, turns,
-       CASE WHEN i = len(turn_roles) THEN env_error END AS env_error,
-       CASE WHEN i = len(turn_roles) THEN env_seconds END AS env_seconds
+       {text} AS text,
+       turn_roles[i] = 'assistant' AS sampled, {turns} AS turns,
+       CASE WHEN i = len(turn_roles) THEN {env_error} END AS env_error,
+       CASE WHEN i = len(turn_roles) THEN {env_seconds} END AS env_seconds
 FROM (SELECT *, unnest(range(1, len(turn_roles) + 1)) AS i FROM rollouts WHERE turn_roles IS NOT NULL)
 """
 TURNS_EMPTY = """
 SELECT NULL::INTEGER AS iter, NULL::INTEGER AS topup, NULL::VARCHAR AS rollout_id,
        NULL::VARCHAR AS prompt_id, NULL::BIGINT AS segment, NULL::VARCHAR AS role,
-       NULL::INTEGER AS start, NULL::BIGINT AS tokens, NULL::BOOLEAN AS sampled,
+       NULL::INTEGER AS start, NULL::BIGINT AS tokens, NULL::VARCHAR AS text, NULL::BOOLEAN AS sampled,
        NULL::INTEGER AS turns, NULL::VARCHAR AS env_error, NULL::DOUBLE AS env_seconds
 WHERE false
 """
+
+
+def turns_view(columns: set[str]) -> str:
+    """The `turns` view over rollouts with `columns`: TURNS_VIEW, each optional column read where
+    the rollouts have it (null, or for `turns` the assistant segments counted, where not)."""
+    if "turn_roles" not in columns:
+        return TURNS_EMPTY
+    assistants = "len(list_filter(turn_roles, lambda r: r = 'assistant'))::INTEGER"
+    values = {
+        "text": "turn_texts[i]" if "turn_texts" in columns else "NULL::VARCHAR",
+        "turns": f"coalesce(turns, {assistants})" if "turns" in columns else assistants,
+        "env_error": "env_error" if "env_error" in columns else "NULL::VARCHAR",
+        "env_seconds": "env_seconds" if "env_seconds" in columns else "NULL::DOUBLE",
+    }
+    return TURNS_VIEW.format(**values)
+
+
 STAGES_TOPUP_GLOB = (
     f"{layout.ITER_GLOB}/{layout.TOPUP_GLOB}/*/{layout.MANIFEST}"  # a top-up round's rollouts and scores
 )
@@ -187,10 +208,11 @@ def _views(con: Any, root: Path) -> None:
             con.unregister("_empty")
     _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
     _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
-    create_view(con)  # health, over metrics
+    trained = {int(p.parent.name.split("=")[1]) for p in root.glob(f"{layout.ITER_GLOB}/{layout.TRAIN}")}
+    create_view(con, sequence_iterations(root, sorted(trained)))  # health, over metrics
     _prompt_stats_view(con)
-    has_turns = "turn_roles" in [r[0] for r in con.execute("DESCRIBE rollouts").fetchall()]
-    con.execute("CREATE VIEW turns AS " + (TURNS_VIEW if has_turns else TURNS_EMPTY))
+    columns = {r[0] for r in con.execute("DESCRIBE rollouts").fetchall()}
+    con.execute("CREATE VIEW turns AS " + turns_view(columns))
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")

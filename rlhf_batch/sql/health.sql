@@ -1,7 +1,9 @@
 -- health: one row per trained iteration, its train diagnostics against the thresholds below
 -- (docs/inspecting.md "Run health" gives their sources). Reads the `metrics` view: one row per optimizer
 -- step; a step that ran no token has null token means and ESS and is left out of them. {tis_masked}: the
--- column, or NULL for metrics written before it existed (health.create_view).
+-- column, or NULL for metrics written before it existed (health.create_view). {sequence_iters}: the
+-- iterations trained with train.ratio_level = 'sequence' (GSPO), whose clip fraction counts whole rows
+-- clipped at GSPO's own range and is not held to the token-level PPO threshold.
 WITH limits AS (  -- health.THRESHOLDS, written in by health.view_sql()
     SELECT
         {clip_fraction} AS clip_limit,         -- median clip fraction of the iteration's steps above this
@@ -26,7 +28,7 @@ checked AS (
     SELECT
         p.*,
         p.entropy / lag(p.entropy) OVER (ORDER BY p.iter) - 1 AS entropy_change,
-        p.clip_fraction > l.clip_limit AS clip_flag,
+        p.clip_fraction > l.clip_limit AND NOT list_contains({sequence_iters}, p.iter) AS clip_flag,
         p.low_ess_share > l.low_ess_limit AS ess_flag,
         p.kl_approx_max > l.kl_limit AS kl_flag,
         l.*

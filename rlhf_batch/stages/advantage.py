@@ -23,9 +23,11 @@ Semantics (config [advantage]):
   MCAdvantage); `eps` (default 1e-6) is added to the std. float64 throughout; a constant group
   (max == min, including a group of one) gets exactly 0.
 * opd (on-policy distillation, needs score.teacher_model): `advantage` is grpo's, and every
-  response token gets teacher_logprobs - behavior_logprobs + opd_task_weight * advantage in the
-  extra column `token_advantages` (`token_advantages`, after the query); the zero-variance
-  filter is off (the teacher's signal does not depend on the rewards). Other estimators write
+  sampled response token gets teacher_logprobs - behavior_logprobs - baseline + opd_task_weight
+  * advantage in the extra column `token_advantages` (`token_advantages`, after the query); on
+  multi-turn rows the environment's tokens (loss_mask 0) get 0 and are left out of the baseline
+  and of the manifest's `opd_reverse_kl` (`opd_mean`); the zero-variance filter is off (the
+  teacher's signal does not depend on the rewards). Other estimators write
   no such column: their parts are as before.
 * Group filters, in this order, each group counted once: `min_group_size` (n < min, default 2:
   `groups_dropped_small`), then `drop_zero_variance` (default on, DAPO's dynamic sampling:
@@ -168,6 +170,7 @@ class Advantage(Stage):
 
     def manifest_extra(self) -> dict[str, Any]:
         extra = {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
+        extra |= self.params.get("opd", {})  # opd: its baseline and reverse KL to the teacher
         if self.cfg.advantage.min_groups:
             extra["topup_rounds"] = self.rounds
         if self.replayed is not None:
@@ -346,12 +349,20 @@ def _prepare(
             con.execute(sql_text("advantage_batch_std"), {"ddof": a.ddof}).fetchall()[0][0] or 0.0
         )
     folders = [layout.folder(src, iteration, "rollouts", r) for r in (0, *rounds)]
-    return {
+    params: dict[str, Any] = {
         "rollout_files": [f for f, _ in rollouts[iteration]],
         "score_files": [f for f, _ in scores[iteration]],
         "batch_std": batch_std,
         "loss_mask": loss_mask.has_mask(folders),  # multi-turn rollouts: carried to train
     }
+    if a.estimator == "opd":  # over the sampled tokens of the scored rollouts (the manifest's)
+        mean, tokens = opd_mean(con, params, params["loss_mask"])
+        params["opd"] = {
+            "opd_baseline": mean if a.opd_baseline == "mean" else 0.0,
+            "opd_reverse_kl": -mean,
+            "opd_sampled_tokens": tokens,
+        }
+    return params
 
 
 def _aligned_pool(
@@ -459,7 +470,7 @@ def _write_parts(
     if params["loss_mask"]:
         query = query.replace("/* loss_mask */", "loss_mask,").replace("/* r.loss_mask */", "r.loss_mask,")
         schema = with_extra(schema, LOSS_MASK)
-    baseline = opd_baseline(con, values) if a.estimator == "opd" and a.opd_baseline == "mean" else 0.0
+    baseline = params["opd"]["opd_baseline"] if a.estimator == "opd" else 0.0
     reader = con.sql(query, params=values).to_arrow_reader(min(a.rows_per_part, 65536))
     wanted = set(todo)
     for n, table in enumerate(_chunks(reader, a.rows_per_part)):
@@ -476,19 +487,39 @@ def _write_parts(
     reader.close()
 
 
-def opd_baseline(con: Any, values: dict[str, Any]) -> float:
-    """advantage.opd_baseline = "mean": the mean of teacher_logprobs - behavior_logprobs over every
-    response token of the iteration's scored rollouts (float64; 0 when there is none). One number
-    per iteration, whatever the parts, so each part's advantages are known alone."""
+_OPD_FROM = (
+    "FROM read_parquet($rollout_files, union_by_name = true) r "
+    "JOIN read_parquet($score_files, union_by_name = true) s USING (rollout_id) "
+    "WHERE s.reward IS NOT NULL AND NOT isnan(s.reward) AND len(s.teacher_logprobs) = len(r.behavior_logprobs)"
+)
+# multi-turn rollouts: the sampled tokens only (loss_mask 1; a null mask is all ones), not the
+# environment's, whose behaviour log-prob is 0.0 by convention
+_OPD_MASKED = (
+    "SELECT sum(t::DOUBLE - b::DOUBLE) FILTER (WHERE m = 1), count(*) FILTER (WHERE m = 1) FROM ("
+    "SELECT unnest(s.teacher_logprobs) AS t, unnest(r.behavior_logprobs) AS b, "
+    "unnest(coalesce(r.loss_mask, list_transform(r.behavior_logprobs, lambda x: 1::TINYINT))) AS m "
+    f"{_OPD_FROM})"
+)
+
+
+def opd_mean(con: Any, values: dict[str, Any], masked: bool = False) -> tuple[float, int]:
+    """(mean, tokens): the mean of teacher_logprobs - behavior_logprobs over every sampled token of
+    the iteration's scored rollouts (float64; 0 when there is none), and how many tokens that is.
+    `masked`: the rollouts have `loss_mask` (multi-turn), and only its tokens of 1 count. The
+    baseline of advantage.opd_baseline = "mean", and minus the sampled-token estimate of the
+    reverse KL to the teacher: one number per iteration, whatever the parts, so each part's
+    advantages are known alone."""
+    query = (
+        _OPD_MASKED
+        if masked
+        else "SELECT sum(list_sum(s.teacher_logprobs)::DOUBLE) - sum(list_sum(r.behavior_logprobs)::DOUBLE), "
+        f"sum(len(r.behavior_logprobs)) {_OPD_FROM}"
+    )
     row = con.execute(
-        "SELECT sum(list_sum(s.teacher_logprobs)::DOUBLE) - sum(list_sum(r.behavior_logprobs)::DOUBLE), "
-        "sum(len(r.behavior_logprobs)) FROM read_parquet($rollout_files, union_by_name = true) r "
-        "JOIN read_parquet($score_files, union_by_name = true) s USING (rollout_id) "
-        "WHERE s.reward IS NOT NULL AND NOT isnan(s.reward) AND len(s.teacher_logprobs) = len(r.behavior_logprobs)",
-        {"rollout_files": values["rollout_files"], "score_files": values["score_files"]},
+        query, {"rollout_files": values["rollout_files"], "score_files": values["score_files"]}
     ).fetchall()
     diff, tokens = row[0] if row else (None, None)
-    return float(diff) / float(tokens) if diff is not None and tokens else 0.0
+    return (float(diff) / float(tokens) if diff is not None and tokens else 0.0), int(tokens or 0)
 
 
 def token_advantages(table: pa.Table, weight: float, where: str, baseline: float = 0.0) -> pa.ListArray:
@@ -513,6 +544,9 @@ def token_advantages(table: pa.Table, weight: float, where: str, baseline: float
     b = pc.list_flatten(behavior).to_numpy(zero_copy_only=False).astype(np.float64)  # [sum T]
     adv = table.column("advantage").to_numpy().astype(np.float64)  # [N]
     tok = (t - b - baseline + weight * np.repeat(adv, lens)).astype(np.float32)  # [sum T]
+    sampled = loss_mask.flat_mask(table, lens)  # [sum T] bool, None: every token sampled
+    if sampled is not None:  # the environment's tokens (multi-turn) are not the policy's: 0
+        tok = np.where(sampled, tok, np.float32(0.0))
     if not np.isfinite(tok).all():
         row = int(np.searchsorted(np.cumsum(lens), np.flatnonzero(~np.isfinite(tok))[0], side="right"))
         raise StageError(f"{where}: rollout {rids[row]}: column 'teacher_logprobs' has a NaN or inf log-prob")

@@ -253,7 +253,9 @@ def _multi_turn_part(
 ) -> pa.Table:
     """Part n's trajectories, turn by turn with the environment (stages/multiturn.py): the
     rollouts columns, then the trajectory columns and the environment's reward parts."""
+    from rlhf_batch.data import chat_turns
     from rlhf_batch.stages import multiturn
+    from rlhf_batch.store.schemas import TURN_TEXTS
 
     carried = prompts.carried.take(pa.array([i for i, _ in plan.rows], pa.int64())).to_pylist()
     rows = [
@@ -265,6 +267,8 @@ def _multi_turn_part(
     table = part_table(plan, results, tok, prompts, n, cfg, policy)
     for name, col in multiturn.turn_columns(trajs).items():
         table = table.append_column(name, col)
+    texts = [chat_turns.segment_texts(tok, t.ids, t.starts) for t in trajs]  # the turns view's text
+    table = table.append_column("turn_texts", pa.array(texts, TURN_TEXTS))
     bar.update(len(trajs))
     return table
 

@@ -3,8 +3,8 @@
 Each row's `messages` (roles system, user, assistant, tool; assistant `tool_calls` with
 `function.name` and `function.arguments`, an object or a JSON string) is one trajectory: the
 messages before the first assistant message are the prompt, the rest the response, which ends
-with an assistant message. An optional `tools` column (a JSON string: the tool schemas) goes
-to the chat template as `apply_chat_template(tools=...)`.
+with an assistant message. An optional `tools` column (tool schemas or built-in tool names,
+`tool_list`) goes to the chat template as `apply_chat_template(tools=...)`.
 
 * Messages only: tokenised with the policy's chat template (data/chat_turns.py): each assistant
   message is a segment of loss mask 1 (its end-of-turn token included), every other message,
@@ -19,8 +19,8 @@ to the chat template as `apply_chat_template(tools=...)`.
   `token_ids`), they are kept where the mask is 1 (0.0 elsewhere) and `behavior_recomputed` is
   false.
 
-Rollouts gain `prompt_messages`, `loss_mask`, `turn_starts`, `turn_roles` (the multi-turn
-rollout contract) and `behavior_recomputed`; `prompt` is the rendered prompt and `response` the
+Rollouts gain `prompt_messages`, `loss_mask`, `turn_starts`, `turn_roles`, `turn_texts` (the
+multi-turn rollout contract) and `behavior_recomputed`; `prompt` is the rendered prompt and `response` the
 response's text (special tokens dropped). A row without a prompt_id gets the hash of its
 prompt messages (JSON).
 """
@@ -47,7 +47,7 @@ GIVEN = ("token_ids", "loss_mask", "behavior_logprobs")
 MASK, STARTS, ROLES = pa.list_(pa.int8()), pa.list_(pa.int32()), pa.list_(pa.string())
 PROMPT_MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 DROPPED = (MESSAGES, *GIVEN)  # read here, not carried into the rollouts
-ADDED = ("prompt_messages", "turn_starts", "turn_roles", "behavior_recomputed")
+ADDED = ("prompt_messages", "turn_starts", "turn_roles", "turn_texts", "behavior_recomputed")
 
 
 def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
@@ -80,19 +80,44 @@ def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:
 
 
 def _tools(t: pa.Table, path: Path, offset: int) -> list[Any]:
+    """Each row's tools for the chat template: schemas as given, names of built-in tools as
+    their schemas (`tool_list`)."""
     if "tools" not in t.column_names:
         return [None] * t.num_rows
-    out = []
-    for i, v in enumerate(t["tools"].to_pylist()):
+    return [
+        tool_list(v, f"{path}: row {offset + i + 1}, column 'tools'")
+        for i, v in enumerate(t["tools"].to_pylist())
+    ]
+
+
+def tool_list(value: Any, where: str) -> list[dict[str, Any]] | None:
+    """A `tools` value as tool schemas: a list of OpenAI function schemas or of built-in tool
+    names (envs/tools.py), either as JSON, one comma-separated string of names, or one schema."""
+    from rlhf_batch.envs.tools import BUILTIN, tool_schemas
+
+    if value is None:
+        return None
+    if isinstance(value, str):
         try:
-            tools = json.loads(v) if isinstance(v, str) else v
+            value = json.loads(value)
         except json.JSONDecodeError:
-            tools = "bad"
-        if tools is not None and not isinstance(tools, list):
+            value = [n.strip() for n in value.split(",") if n.strip()]
+    if isinstance(value, str | dict):
+        value = [value]
+    if not isinstance(value, list):
+        raise SchemaError(f"{where}: expected a list of tool schemas or tool names")
+    out = []
+    for k, tool in enumerate(value):
+        if isinstance(tool, str) and tool in BUILTIN:
+            out.extend(tool_schemas([tool]))
+        elif isinstance(tool, str):
             raise SchemaError(
-                f"{path}: row {offset + i + 1}, column 'tools': expected a JSON list of tool schemas"
+                f"{where}: unknown tool {tool!r} (built-in: {', '.join(BUILTIN)}; else give its schema)"
             )
-        out.append(tools)
+        elif isinstance(tool, dict):
+            out.append(chat_turns.drop_null_keys(tool))
+        else:
+            raise SchemaError(f"{where}: tool {k + 1} is neither a schema (an object) nor a name")
     return out
 
 
@@ -127,6 +152,7 @@ def tokenize_part(
         "loss_mask": ([x.loss_mask for x in trajs], MASK),
         "turn_starts": ([x.turn_starts for x in trajs], STARTS),
         "turn_roles": ([x.turn_roles for x in trajs], ROLES),
+        "turn_texts": ([chat_turns.segment_texts(tok, x.response_ids, x.turn_starts) for x in trajs], ROLES),
         "behavior_recomputed": ([("behavior_logprobs" not in t.column_names)] * len(trajs), pa.bool_()),
     }
     for name, (values, typ) in columns.items():

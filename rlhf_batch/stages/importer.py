@@ -30,6 +30,7 @@ receive it. Decisions:
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -143,13 +144,58 @@ def read_rows(path: Path) -> pa.Table:
         if suffix == ".parquet":
             return pq.read_table(path)
         t = pajson.read_json(path, read_options=pajson.ReadOptions(block_size=1 << 26))
-    except (pa.ArrowInvalid, OSError) as e:
+    except pa.ArrowInvalid as e:
+        if suffix == ".parquet":
+            raise SchemaError(f"{path}: cannot read ({str(e).splitlines()[0]})") from None
+        t = _read_json_rows(path, e)  # e.g. tool-call arguments as strings and as objects
+    except OSError as e:
         raise SchemaError(f"{path}: cannot read ({str(e).splitlines()[0]})") from None
     try:
         t.validate(full=True)  # Arrow's JSON reader does not check that strings are UTF-8
     except pa.ArrowInvalid:
         raise SchemaError(f"{path}: not UTF-8 text (JSON Lines must be UTF-8)") from None
     return t
+
+
+def _read_json_rows(path: Path, first: Exception) -> pa.Table:
+    """JSON Lines that Arrow's reader refuses because a column changes type between rows, as the
+    docs allow for message trajectories: tool-call `arguments` as JSON strings in some rows and
+    objects in others, `tools` as names in some and schemas in others. Read row by row, those
+    become JSON strings (what the import reads them as); anything else still mixed is one line."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise SchemaError(f"{path}: line {n}: not JSON ({e.msg})") from None
+                if not isinstance(row, dict):
+                    raise SchemaError(f"{path}: line {n}: not a JSON object")
+                rows.append(_as_strings(row))
+    except UnicodeDecodeError:
+        raise SchemaError(f"{path}: not UTF-8 text (JSON Lines must be UTF-8)") from None
+    try:
+        return pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        raise SchemaError(f"{path}: cannot read ({str(first).splitlines()[0]})") from None
+
+
+def _as_strings(row: dict[str, Any]) -> dict[str, Any]:
+    """A row with its tool-call arguments and its `tools` as JSON strings (strings kept)."""
+    as_json = lambda v: v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)  # noqa: E731
+    if "tools" in row:
+        row["tools"] = as_json(row["tools"])
+    messages = row.get("messages")
+    for m in messages if isinstance(messages, list) else []:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        for c in calls if isinstance(calls, list) else []:
+            f = c.get("function") if isinstance(c, dict) else None
+            if isinstance(f, dict) and "arguments" in f:
+                f["arguments"] = as_json(f["arguments"])
+    return row
 
 
 def prepare(t: pa.Table, path: Path, iteration: int) -> pa.Table:

@@ -188,15 +188,19 @@ def rows_table(con: Any, cfg: Config, iteration: int, chosen: Replayed, schema: 
     """The replayed rows as stored, columns of `schema`, in the seeded hash order."""
     import hashlib
 
-    cols = ", ".join(f'"{c}"' for c in schema.names)
-    query = f"SELECT {cols} FROM read_parquet($files, union_by_name = true) WHERE rollout_id IN (SELECT unnest($ids))"
+    def query(j: int) -> str:  # a column a source lacks (a single-turn source's loss_mask): null
+        have = _columns(cfg, j)
+        cols = ", ".join(f'"{c}"' if c in have else f'NULL AS "{c}"' for c in schema.names)
+        return f"SELECT {cols} FROM read_parquet($files, union_by_name = true) WHERE rollout_id IN (SELECT unnest($ids))"
+
     tables = [
-        con.sql(query, params={"files": _files(cfg, j, layout.ADVANTAGES), "ids": ids})
+        con.sql(query(j), params={"files": _files(cfg, j, layout.ADVANTAGES), "ids": ids})
         .to_arrow_reader()
         .read_all()
+        .cast(schema)
         for j, ids in chosen.ids.items()
     ]
-    table = pa.concat_tables(tables).cast(schema)
+    table = pa.concat_tables(tables)
     keys = [f"{cfg.seed}:{iteration}:replay:{rid}" for rid in table.column("rollout_id").to_pylist()]
     order = sorted(range(table.num_rows), key=lambda i: (hashlib.md5(keys[i].encode()).hexdigest(), keys[i]))
     return table.take(pa.array(order, pa.int64()))

@@ -84,6 +84,7 @@ TURNS = pa.schema(
         ("env_seconds", pa.float64()),  # time spent in the environment's calls
     ]
 )
+TURN_TEXTS = pa.list_(pa.string())  # `turn_texts`: each segment's tokens decoded (special tokens kept)
 
 METRICS = pa.schema(
     [

@@ -42,9 +42,9 @@ CROSSING = {  # iteration -> (the steps that differ from HEALTHY, the one flag e
 }
 
 
-def write_metrics(root: Path, it: int, values: dict[str, list[Any]]) -> None:
+def write_metrics(root: Path, it: int, values: dict[str, list[Any]], config: dict | None = None) -> None:
     """iter=K/train/metrics.parquet under a complete train manifest, as the train stage leaves it."""
-    train = output.claim(layout.folder(root, it, "train"), "train", {}, {})
+    train = output.claim(layout.folder(root, it, "train"), "train", config or {}, {})
     n = len(values["ess"])
     cols: dict[str, list[Any]] = {name: [0.0] * n for name in METRICS.names}
     cols.update(step=list(range(n)), epoch=[0] * n, tokens=[10] * n, sequences=[2] * n, **values)
@@ -216,3 +216,19 @@ def _corr(x: list[float], y: list[float]) -> float:
     sxy = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True))
     sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
     return sxy / math.sqrt(sxx * syy)
+
+
+def test_gspo_clip_fraction_is_not_held_to_the_token_threshold(tmp_path: Path) -> None:
+    """Under train.ratio_level = 'sequence' (GSPO) the clip binds for whole rows at GSPO's own
+    range (3e-4 / 4e-4), so a median clip fraction of .275 (CROSSING[1]: (.25 + .3) / 2) is no
+    sign of a bad update there; the same steps under token-level PPO are flagged."""
+    root = tmp_path / "gspo"
+    clipped = {**HEALTHY, "clip_fraction": [0.0, 0.25, 0.3, 0.35]}
+    write_metrics(root, 0, clipped, {"train": {"ratio_level": "sequence"}})
+    write_metrics(root, 1, clipped, {"train": {"ratio_level": "token"}})
+    write_metrics(root, 2, clipped)  # a key at its default is not in the manifest: token
+    rows = {r["iter"]: r for r in view(root)}
+    assert [rows[it]["flags"] for it in range(3)] == [[], ["clip_fraction"], ["clip_fraction"]]
+    assert rows[0]["clip_fraction"] == pytest.approx(0.275)  # still shown, only not judged
+    assert run_health.iteration_warning(root, 0) is None
+    assert run_health.iteration_warning(root, 1) == "median clip_fraction 0.28 > 0.20"

@@ -7,6 +7,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from rlhf_batch.data.demo import write_prompts
 from rlhf_batch.errors import ConfigError, SchemaError
 from rlhf_batch.models.tiny import init_model
 from rlhf_batch.stages.registry import run_stage
@@ -137,3 +138,79 @@ def test_other_estimators_write_no_token_column_and_the_same_identity(make_confi
     sdir = layout.folder(cfg.run_dir, 0, "advantages")
     assert "token_advantages" not in pq.read_schema(next(sdir.glob("part-*.parquet"))).names
     assert "opd_task_weight" not in m["config"]["advantage"]
+
+
+def test_opd_on_multi_turn_rows_is_over_the_sampled_tokens(make_config, teacher, tmp_path) -> None:
+    """Multi-turn rows: the baseline, the per-token advantages and the reverse KL are over the
+    tokens the policy sampled (loss_mask 1). The environment's tokens carry behaviour log-prob
+    0.0, so counting them moved the baseline far off (and gave every sampled token one sign)."""
+    hidden = write_prompts(tmp_path / "hidden.jsonl", 6, seed=0, hidden=True)
+    _, cfg = make_config(
+        generate={
+            "prompts": str(hidden),
+            "environment": "rlhf_batch.envs.demo:ask_letter",
+            "max_turns": 2,
+            "num_generations": 2,
+            "prompts_per_part": 3,
+        },
+        score={"teacher_model": str(teacher), "reward_functions": ["rlhf_batch.rewards.demo:ask_letter"]},
+        advantage={"estimator": "opd"},
+    )
+    run_stage("generate", cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
+    m = run_stage("advantage", cfg, 0, quiet=True)
+    rollouts, scores, adv = _table(cfg, "rollouts"), _table(cfg, "scores"), _table(cfg, "advantages")
+    diffs, masks = {}, {}
+    for rid, r in rollouts.items():
+        diffs[rid] = np.array(scores[rid]["teacher_logprobs"], np.float64) - np.array(
+            r["behavior_logprobs"], np.float64
+        )
+        masks[rid] = np.array(r["loss_mask"], bool)
+    every = np.concatenate(list(diffs.values()))
+    sampled = np.concatenate([diffs[rid][masks[rid]] for rid in rollouts])  # rewards: none is null here
+    assert all(s["reward"] is not None for s in scores.values())
+    assert len(sampled) < len(every)  # the environment answered: tokens of mask 0
+    c = sampled.sum() / len(sampled)  # the mean over the sampled tokens, worked out here
+    assert abs(c - every.mean()) > 0.05  # counting the environment's tokens moves it
+    assert m["opd_baseline"] == pytest.approx(c, abs=1e-9)
+    assert m["opd_reverse_kl"] == pytest.approx(-c, abs=1e-9)
+    assert m["opd_sampled_tokens"] == len(sampled)
+    assert len(adv) == len(rollouts)
+    for rid, row in adv.items():
+        want = np.where(masks[rid], diffs[rid] - c, 0.0)  # the environment's tokens: exactly 0
+        got = np.array(row["token_advantages"], np.float64)
+        assert got == pytest.approx(want, abs=1e-5)
+        assert (got[~masks[rid]] == 0).all()
+    run_stage("train", cfg, 0, quiet=True)
+    metrics = pq.read_table(layout.folder(cfg.run_dir, 0, "train") / "metrics.parquet").to_pylist()
+    assert all(np.isfinite(r["loss"]) for r in metrics)
+
+
+def test_opd_baseline_leaves_out_rollouts_whose_reward_is_null(make_config, teacher) -> None:
+    """Rows that cannot be scored (null reward) are not trained on, and their tokens are not in
+    the baseline either: the mean is over the scored rollouts' tokens only."""
+
+    def unscorable(rows: list[dict]) -> None:  # letter_count gives no reward without a letter
+        for r in rows[:3]:
+            r["letter"] = ""
+
+    _, cfg = make_config(
+        score={"teacher_model": str(teacher)}, advantage={"estimator": "opd", "min_group_size": 1}
+    )
+    write_rollouts(cfg, edit=unscorable)
+    run_stage("score", cfg, 0, quiet=True)
+    m = run_stage("advantage", cfg, 0, quiet=True)
+    rollouts, scores, adv = _table(cfg, "rollouts"), _table(cfg, "scores"), _table(cfg, "advantages")
+    scored = [rid for rid, s in scores.items() if s["reward"] is not None]
+    assert len(scored) == 9 and set(adv) == set(scored)
+    diffs = {
+        rid: np.array(scores[rid]["teacher_logprobs"], np.float64)
+        - np.array(rollouts[rid]["behavior_logprobs"], np.float64)
+        for rid in rollouts
+    }
+    c = np.concatenate([diffs[rid] for rid in scored]).mean()  # the 9 scored rollouts' tokens
+    every = np.concatenate(list(diffs.values())).mean()  # all 12: what counting the others gives
+    assert abs(c - every) > 1e-3
+    assert m["opd_baseline"] == pytest.approx(c, abs=1e-9)
+    for rid, row in adv.items():
+        assert row["token_advantages"] == pytest.approx((diffs[rid] - c).tolist(), abs=1e-5)

@@ -165,11 +165,12 @@ def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
 
 
 def _has_column(sdir: Path, name: str) -> bool:
-    """Whether the parts carry column `name`, from the first part's footer."""
+    """Whether a part carries column `name`, from the footers: every part, since replayed rows
+    (advantage.replay) of a multi-turn iteration bring their `loss_mask` into the parts after a
+    single-turn iteration's own (the rows of a part without it read as null: all ones)."""
     parts = (manifests.manifest(sdir) or {}).get("parts", [])
-    return (
-        bool(parts)
-        and manifests.parquet_file(sdir / parts[0]["file"]).schema_arrow.get_field_index(name) >= 0
+    return any(
+        manifests.parquet_file(sdir / p["file"]).schema_arrow.get_field_index(name) >= 0 for p in parts
     )
 
 
