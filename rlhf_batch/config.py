@@ -324,6 +324,10 @@ class AdvantageConfig:
     # prefers, not how far below it the student is everywhere); "none" keeps the raw difference
     opd_baseline: Literal["mean", "none"] = knob("mean", "advantage")
     scale: Literal["group", "batch", "none"] = knob("group", "advantage")  # grpo's std: group, batch, none
+    # "sum": the advantage of reward (reward_raw's weighted sum); "per_part" (GDPO): each part of
+    # reward_raw (reward function, reward model, judge) normalised within its group, then weighed
+    # and summed (stages/advantage.py)
+    reward_normalization: Literal["sum", "per_part"] = knob("sum", "advantage")
     ddof: int = knob(1, "advantage")  # std: 1 sample (stddev_samp, as TorchRL's MCAdvantage), 0 population
     eps: float = knob(1e-6, "advantage")  # added to the std (TorchRL's MCAdvantage default)
     window: int = knob(1, "advantage")  # pool groups over the last W iterations
@@ -699,6 +703,12 @@ class Config:
             "advantage.estimator",
             "= 'opd' needs score.teacher_model (the teacher whose log-probs it distils)",
         )
+        _need(
+            self.advantage.reward_normalization == "sum" or not self.score.kl_in_reward,
+            "advantage.reward_normalization",
+            "= 'per_part' normalises reward_raw's parts: it cannot be used with score.kl_in_reward "
+            "(use train.kl_loss_coef for the KL)",
+        )
 
 
 RENAMED = {  # old key -> new key: an old name is refused, naming the new one
@@ -747,6 +757,14 @@ FOREIGN: dict[str, tuple[str, str, dict[Any, str]]] = {
     "num_iterations": ("TRL", "train.ppo_epochs", {}),
     "learning_rate": ("TRL", "train.lr", {}),
     "max_completion_length": ("TRL", "generate.max_new_tokens", {}),
+    "multi_objective_aggregation": (
+        "TRL",
+        "advantage.reward_normalization",
+        {
+            "sum_then_normalize": "advantage.reward_normalization = 'sum'",
+            "normalize_then_sum": "advantage.reward_normalization = 'per_part' (with advantage.scale = 'batch')",
+        },
+    ),
     "scale_rewards": (
         "TRL",
         "advantage.scale",

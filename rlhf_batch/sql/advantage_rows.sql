@@ -16,6 +16,9 @@
 -- With estimator 'opd' the stage replaces each `/* teacher_logprobs */` by `teacher_logprobs,`
 -- (the scores' extra column, absent without a teacher) and adds the per-token advantages in
 -- Python (stages/advantage.token_advantages); the query of the other estimators is this text.
+-- `signal` is what the advantage is of: the reward; with advantage.reward_normalization =
+-- 'per_part' the stage joins the GDPO sum of the normalised parts instead (table `gdpo`,
+-- advantage_parts.sql), and `reward` stays the row's reward.
 -- Multi-turn rollouts (a `loss_mask` column in a rollouts part): the stage replaces
 -- `/* loss_mask */` by `loss_mask,` and `/* r.loss_mask */` by `r.loss_mask,` (null in a part
 -- without the column: all ones); without one the query is this text.
@@ -24,7 +27,7 @@ WITH r AS (
            coalesce(finish_reason = 'length', false) AS truncated
     FROM read_parquet($rollout_files, union_by_name = true)
 ), s AS (
-    SELECT rollout_id, /* teacher_logprobs */ ref_logprobs, reward
+    SELECT rollout_id, /* teacher_logprobs */ ref_logprobs, reward, reward AS signal
     FROM read_parquet($score_files, union_by_name = true)
     WHERE reward IS NOT NULL AND NOT isnan(reward)
 ), rows AS (
@@ -39,10 +42,10 @@ WITH r AS (
         CAST(CASE
             WHEN g.constant THEN 0.0
             WHEN r.truncated AND $zero_truncated THEN 0.0
-            WHEN $estimator = 'rloo' THEN (s.reward - g.mean) * g.n / (g.n - 1)
-            WHEN $estimator = 'drgrpo' OR $scale = 'none' THEN s.reward - g.mean
-            WHEN $scale = 'batch' THEN (s.reward - g.mean) / ($batch_std + $eps)
-            ELSE (s.reward - g.mean) / (g.std + $eps)
+            WHEN $estimator = 'rloo' THEN (s.signal - g.mean) * g.n / (g.n - 1)
+            WHEN $estimator = 'drgrpo' OR $scale = 'none' THEN s.signal - g.mean
+            WHEN $scale = 'batch' THEN (s.signal - g.mean) / ($batch_std + $eps)
+            ELSE (s.signal - g.mean) / (g.std + $eps)
         END AS FLOAT) AS advantage,
         s.reward,
         g.n::INTEGER AS group_size,

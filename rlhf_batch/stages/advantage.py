@@ -113,6 +113,8 @@ class Advantage(Stage):
         if self.cfg.advantage.estimator != "opd":  # folders written before the keys stay complete
             ident["advantage"].pop("opd_task_weight", None)
             ident["advantage"].pop("opd_baseline", None)
+        if self.cfg.advantage.reward_normalization == "sum":  # likewise
+            ident["advantage"].pop("reward_normalization", None)
         return ident
 
     def prepare(self) -> None:
@@ -171,6 +173,8 @@ class Advantage(Stage):
     def manifest_extra(self) -> dict[str, Any]:
         extra = {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
         extra |= self.params.get("opd", {})  # opd: its baseline and reverse KL to the teacher
+        if self.params["reward_parts"]:
+            extra["reward_parts"] = self.params["reward_parts"]
         if self.cfg.advantage.min_groups:
             extra["topup_rounds"] = self.rounds
         if self.replayed is not None:
@@ -333,6 +337,10 @@ def _prepare(
             },
         )
         _check(con, cfg.run_dir)
+    parts = None
+    if a.reward_normalization == "per_part":  # GDPO: the pool's rewards become normalised sums
+        files = [f for it in window for f, _ in rollouts[it]], [f for it in window for f, _ in scores[it]]
+        parts = _per_part(con, cfg, iteration, window, src, *files)
     con.execute(
         sql_text("advantage_groups"),
         {
@@ -354,6 +362,7 @@ def _prepare(
         "score_files": [f for f, _ in scores[iteration]],
         "batch_std": batch_std,
         "loss_mask": loss_mask.has_mask(folders),  # multi-turn rollouts: carried to train
+        "reward_parts": parts,
     }
     if a.estimator == "opd":  # over the sampled tokens of the scored rollouts (the manifest's)
         mean, tokens = opd_mean(con, params, params["loss_mask"])
@@ -363,6 +372,61 @@ def _prepare(
             "opd_sampled_tokens": tokens,
         }
     return params
+
+
+def _per_part(
+    con: Any,
+    cfg: Config,
+    iteration: int,
+    window: list[int],
+    src: str | Path,
+    rollout_files: list[str],
+    score_files: list[str],
+) -> dict[str, float]:
+    """advantage.reward_normalization = "per_part" (GDPO): the temp table `gdpo` (iter,
+    rollout_id, signal) and the pool's reward and score replaced by each used row's
+    sum over reward_raw's parts of weight x (part - group mean) / (group std + eps) (a part
+    constant in the group: 0), every statistic over the group's used rows (advantage_parts.sql);
+    returns the parts and weights, which every pooled iteration's scores manifest must record
+    alike."""
+    from rlhf_batch.sql import quote_ident
+
+    a = cfg.advantage
+    found = {
+        it: (manifests.manifest(layout.folder(src, it, layout.SCORES)) or {}).get("reward_parts")
+        for it in window
+    }
+    parts = found[iteration]
+    if not parts:
+        raise StageError(
+            f"{_where(cfg, iteration)}: its scores manifest records no reward_parts (scored by an older "
+            "version); run score again (--force) for advantage.reward_normalization = 'per_part'"
+        )
+    if other := [it for it in window if found[it] != parts]:
+        raise StageError(
+            f"{_where(cfg, iteration)}: iteration {other[0]} was scored with other reward parts "
+            f"({found[other[0]]} vs {parts}); advantage.reward_normalization = 'per_part' pools only "
+            "iterations scored alike (advantage.window)"
+        )
+    cols = [quote_ident(c) for c in parts]
+    std = "list_stddev_samp" if a.ddof == 1 else "list_stddev_pop"
+    text = sql_text("advantage_parts")
+    text = text.replace("/* parts */", "".join(f"{c}, " for c in cols))
+    text = text.replace("/* lists */", "".join(f"list_sort(list({c})) AS l{i}, " for i, c in enumerate(cols)))
+    terms = [
+        f"{float(w)!r} * CASE WHEN list_min(t.l{i}) = list_max(t.l{i}) THEN 0.0 "
+        f"ELSE (u.{c} - list_avg(t.l{i})) / ({std}(t.l{i}) + $eps) END"
+        for i, (c, w) in enumerate(zip(cols, parts.values(), strict=True))
+    ]
+    text = text.replace("/* signal */", " + ".join(terms))
+    values = {"rollout_files": rollout_files, "score_files": score_files, "eps": a.eps}
+    con.execute(text, values | {"drop_truncated": a.truncated == "drop"})
+    key = "h" if "h" in {r[0] for r in con.execute("DESCRIBE pool").fetchall()} else "rollout_id"
+    con.execute(
+        f"UPDATE pool SET reward = g.signal, score = g.signal FROM gdpo g "
+        f"WHERE pool.iter = g.iter AND pool.{key} = g.{key}"
+    )
+    return dict(parts)
 
 
 def _aligned_pool(
@@ -464,6 +528,12 @@ def _write_parts(
         "seed": cfg.seed,
     }
     query, schema = sql_text("advantage_rows"), ADVANTAGES
+    if params["reward_parts"]:  # GDPO: the advantage of the normalised sum of the parts
+        query = query.replace(
+            "reward, reward AS signal\n    FROM read_parquet($score_files, union_by_name = true)",
+            "reward, p.signal\n    FROM read_parquet($score_files, union_by_name = true)"
+            " JOIN (SELECT rollout_id, signal FROM gdpo WHERE iter = $iter) p USING (rollout_id)",
+        )
     if a.estimator == "opd":
         query = query.replace("/* teacher_logprobs */", "teacher_logprobs,")
         schema = with_extra(ADVANTAGES, TOKEN_ADVANTAGES)

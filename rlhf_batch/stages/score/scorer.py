@@ -115,11 +115,7 @@ class Scorer:
             batch = table_batch(t, prompt_ids, response_ids)
             values[SCORE], verdicts, judged[UNPARSED] = self.judge.score(batch, t["prompt_id"].to_pylist())
             extra = {**extra, VERDICT: pa.array(verdicts, pa.string())}
-        weights = {rf.column: rf.weight for rf in self.fns}
-        if self.rm is not None:
-            weights[RM_COLUMN] = self.cfg.score.reward_model_weight
-        if self.judge is not None:
-            weights[SCORE] = self.cfg.score.judge_weight
+        weights = reward_parts(self.cfg, self.fns)
         raw = weighted_sum(values, weights, len(rid))
         score = [clip(x, self.cfg.score.score_clip) for x in raw]
         r_len = np.array([len(r) for r in response_ids], dtype=np.int64)  # [B]
@@ -231,6 +227,19 @@ def reward_values(
     (rewards.cache.RewardCalls; default: no cache, `timeout`)."""
     calls = calls or RewardCalls(timeout)
     return calls.values(fns, rid, table_batch(t, prompt_ids, response_ids))
+
+
+def reward_parts(cfg: Config, fns: list[RewardFunction]) -> dict[str, float]:
+    """The scores columns summed into reward_raw and their weights: each reward function's, the
+    reward model's (rm_score) and the judge's (judge_score)."""
+    from rlhf_batch.stages.score.judge import SCORE
+
+    weights = {rf.column: rf.weight for rf in fns}
+    if cfg.reward_model:
+        weights[RM_COLUMN] = cfg.score.reward_model_weight
+    if cfg.score.judge_model:
+        weights[SCORE] = cfg.score.judge_weight
+    return weights
 
 
 def _sequence_sums(kl: torch.Tensor, r_len: np.ndarray) -> torch.Tensor:

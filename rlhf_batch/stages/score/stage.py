@@ -64,7 +64,7 @@ from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.stages.score.checks import (
     same_model,
 )
-from rlhf_batch.stages.score.scorer import Scorer, kl_used
+from rlhf_batch.stages.score.scorer import Scorer, kl_used, reward_parts
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.manifests import manifest, read_complete
 from rlhf_batch.store.modeldir import check_base_weights, model_fingerprint
@@ -172,7 +172,9 @@ class Score(Stage):
             if kl_used(self.cfg)
             else {"kl_coef": 0.0, "mean_kl_sum": None, "kl_controller": self.ctl.state_dict()}
         )
-        return {**extra, "max_tokens_per_batch": self.cfg.score.max_tokens_per_batch}
+        # the parts of reward_raw and their weights (advantage.reward_normalization = "per_part")
+        parts = reward_parts(self.cfg, self.fns)
+        return {**extra, "max_tokens_per_batch": self.cfg.score.max_tokens_per_batch, "reward_parts": parts}
 
 
 def teacher_input(cfg: Config) -> dict[str, Any]:
