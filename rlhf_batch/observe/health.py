@@ -225,13 +225,17 @@ def iteration_reward_warning(run_dir: str | Path, it: int) -> str | None:
 
     root = fs.run_path(run_dir)
     window = int(REWARD_THRESHOLDS["window"])
-    series, parts = iteration_reward_signals(root, [it])
+    # one connection for `it` and it - window: all there is to read where every stage runs each iteration
+    first = [it, it - window] if it >= window else [it]
+    series, parts = iteration_reward_signals(root, first)
     if it not in series["score"]:
         return None
     wanted = {name for name, sig in series.items() if it in sig} - {"score"}
+    if it >= window and it - window in series["score"]:
+        wanted -= {name for name, sig in series.items() if it - window in sig}
     loaded = dict(series)
-    j = it - window
-    while j >= 0 and wanted:  # back from it - window to each signal's baseline
+    j = it - window - 1
+    while j >= 0 and wanted:  # further back, to each signal's baseline
         more, _ = iteration_reward_signals(root, [j])
         if j in more["score"]:
             wanted -= {name for name, sig in more.items() if j in sig}
