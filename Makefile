@@ -157,13 +157,14 @@ soak: setup
 wheels: setup
 	$(PY) benchmarks/gpu_wheels.py --out $(WHEELS) --python-version $(GPU_PYTHON_VERSION)
 
+# GPU_ARGS: more arguments for gpu-check and gpu-bench (--tiny: the same path on a CPU, the tests')
 gpu-check:
-	$(PYTHON) benchmarks/gpu_check.py --wheels $(WHEELS) --out gpu_check
+	$(PYTHON) benchmarks/gpu_check.py --wheels $(WHEELS) --out gpu_check $(GPU_ARGS)
 
 # On the same GPU machine: score and train at the Qwen2.5-0.5B shape (128 prompts x 8 x 1024 new
 # tokens) beside a TRL-style anchor, fixed costs apart (benchmarks/gpu_bench.py; at most ~8 min)
 gpu-bench:
-	$(PYTHON) benchmarks/gpu_bench.py --wheels $(WHEELS) --out gpu_bench
+	$(PYTHON) benchmarks/gpu_bench.py --wheels $(WHEELS) --out gpu_bench $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) $(UV_VENV) $(AIRFLOW_VENV) $(TRACKIO_VENV) $(VLLM_VENV) $(TRL_VENV) $(S3_VENV) $(DEPLOY_VENV) .venv-gpu runs .pytest_cache

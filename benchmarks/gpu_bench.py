@@ -460,6 +460,7 @@ def main() -> int:
     p.add_argument("--no-install", action="store_true", help="use the rlhf_batch this Python imports")
     p.add_argument("--out", type=Path, default=Path("gpu_bench"), help="report and work folder")
     args = p.parse_args()
+    args.out = args.out.resolve()  # once: the config written below names its models by absolute path
     if args.tiny:
         args.device, args.shape, args.no_install = "cpu", "tiny", True
     if not args.no_install:

@@ -322,12 +322,18 @@ def main() -> int:
     p.add_argument("--wheels", default="wheels", help="the folder `make wheels` wrote")
     p.add_argument("--venv", default=".venv-gpu", help="where to install it (sees the machine's torch)")
     p.add_argument("--no-install", action="store_true", help="use the rlhf_batch this Python imports")
+    p.add_argument(
+        "--tiny", action="store_true", help="--device cpu --shape tiny --no-install (the smoke test)"
+    )
     p.add_argument("--out", type=Path, default=Path("gpu_check"), help="report and work folder")
     p.add_argument("--worker", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args.worker[0], args.worker[1:])
         return 0
+    args.out = args.out.resolve()  # once: the config written below names its models by absolute path
+    if args.tiny:
+        args.device, args.shape, args.no_install = "cpu", "tiny", True
     if not args.no_install:
         try:
             return install(args)

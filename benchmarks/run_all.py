@@ -25,6 +25,7 @@ BENCHMARKS = (
     "bench_advantage.py",
     "bench_train.py",
     "bench_proxies.py",
+    "bench_long_run.py",
 )
 
 

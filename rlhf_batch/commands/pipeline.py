@@ -351,21 +351,18 @@ def warn_reward_health(cfg: Config, it: int) -> None:
     scores, top-up rounds and eval are complete once it trains). Skipped where no flag can be
     raised yet: before iteration `window` (no earlier iteration to compare with) with fewer than
     two reward parts (no dominant one)."""
-    from rlhf_batch.observe.health import REWARD_THRESHOLDS, reward_warning_line, reward_warnings
-    from rlhf_batch.observe.query import connect, one_line
+    from rlhf_batch.observe.health import REWARD_THRESHOLDS, iteration_reward_warning, reward_warning_line
+    from rlhf_batch.observe.query import one_line
 
     parts = len(cfg.score.reward_functions) + bool(cfg.reward_model)
     if it < REWARD_THRESHOLDS["window"] and parts < 2:
         return
     import duckdb
 
-    con = connect(cfg.run_dir)
-    try:
-        warning = reward_warnings(con).get(it)
+    try:  # this iteration's files and its baseline's: a cost that does not grow with the run
+        warning = iteration_reward_warning(cfg.run_dir, it)
     except duckdb.Error as e:  # a check that could not run stops nothing
         warning = f"not computed ({one_line(e)})"
-    finally:
-        con.close()
     if warning:
         print(reward_warning_line(it, warning), file=sys.stderr, flush=True)
 

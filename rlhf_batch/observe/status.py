@@ -32,8 +32,9 @@ def print_status(run_dir: str | Path) -> None:
     con = connect(root)
     try:
         flagged = _reward_warnings(con)
+        health = _health(con)  # one query over the run, not one per iteration
         rows = [
-            (str(it), label, *_stage_status(con, root, it, stage, r, flagged))
+            (str(it), label, *_stage_status(con, root, it, stage, r, flagged, health))
             for it in iters
             for label, stage, r in _status_stages(root, it)
         ]
@@ -73,10 +74,17 @@ def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
 
 
 def _stage_status(
-    con: Any, root: Path, it: int, stage: str, topup: int = 0, flagged: dict[int, str] | None = None
+    con: Any,
+    root: Path,
+    it: int,
+    stage: str,
+    topup: int = 0,
+    flagged: dict[int, str] | None = None,
+    health: dict[int, str] | None = None,
 ) -> tuple[str, ...]:
     """(state, rows, startup, work, tok/s, stale, details) of one stage of one iteration (of its
-    top-up round `topup`); `flagged`: the reward_health warnings, shown on their scores row."""
+    top-up round `topup`); `flagged`: the reward_health warnings, shown on their scores row;
+    `health`: the health view's warning ('' when none) of each trained iteration (`_health`)."""
     import duckdb
 
     from rlhf_batch.store import manifests
@@ -119,8 +127,8 @@ def _stage_status(
         details += eval_details(m)
     if stage == "scores" and not topup and m and (warning := (flagged or {}).get(it)):
         details.append(f"REWARD HEALTH: {warning}")
-    if stage == "train" and m:
-        details += _health(con, it)
+    if stage == "train" and m and it in (warnings := _health(con) if health is None else health):
+        details.append(f"HEALTH: {warnings[it]}" if warnings[it] else "health ok")
     if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
         details.append("policy saved")
     elif stage == "train" and (layout.iter_dir(root, it) / layout.POLICY_REMOVED).exists():
@@ -189,12 +197,9 @@ def changed_inputs(root: Path, it: int, stage: str, topup: int, m: dict[str, Any
     return changed
 
 
-def _health(con: Any, it: int) -> list[str]:
-    """`health ok`, or `HEALTH: <what crossed its threshold>`, for a complete train."""
-    found = con.execute("SELECT warning FROM health WHERE iter = ?", [it]).fetchall()
-    if not found:
-        return []
-    return [f"HEALTH: {found[0][0]}" if found[0][0] else "health ok"]
+def _health(con: Any) -> dict[int, str]:
+    """The health view's warning of each trained iteration ('' where it crossed no threshold)."""
+    return {int(it): str(w or "") for it, w in con.execute("SELECT iter, warning FROM health").fetchall()}
 
 
 def timing_cells(m: dict[str, Any] | None) -> tuple[str, str, str]:

@@ -49,6 +49,13 @@ ROWS = {  # benchmark script -> the rows it must append
     # TRL's side runs only where .venv-trl exists (make trl); make test does not install it
     "bench_learning.py": ["learning: mean score by iteration", "learning: best score", "learning: wall time"],
     "bench_distill.py": ["on-policy distillation vs GRPO"],
+    "bench_long_run.py": [
+        "long run: overhead per iteration",
+        "long run: status",
+        "long run: sql aggregate",
+        "long run: report",
+        "long run: run directory per iteration",
+    ],
     "bench_staleness.py": [
         "staleness: time to lock-step's final score",
         "staleness: final score",

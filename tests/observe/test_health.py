@@ -232,3 +232,46 @@ def test_gspo_clip_fraction_is_not_held_to_the_token_threshold(tmp_path: Path) -
     assert rows[0]["clip_fraction"] == pytest.approx(0.275)  # still shown, only not judged
     assert run_health.iteration_warning(root, 0) is None
     assert run_health.iteration_warning(root, 1) == "median clip_fraction 0.28 > 0.20"
+
+
+@pytest.mark.slow
+def test_run_reward_check_reads_its_iteration_and_baseline_alone(make_config, monkeypatch) -> None:
+    """Eight scored iterations (length_reward): 0-3 with write_rollouts' responses, 4-7 with longer
+    ones ("{l}{l}{l}{l}", ...: every length + 2). By hand, per 3 prompts: lengths 2, 2, 3, 2 -> 4, 4,
+    5, 4: mean 2.25 -> 4.25, pooled mean 3.25, mean square (21 + 73) / 8 = 11.75, sd sqrt(11.75 -
+    10.5625) = 1.0897, z = 2 / 1.0897 = 1.84 for the score and the length in tokens (+ 2 each too):
+    length_drift at 4, 5 and 6 (against 1, 2, 3); 7 against 4 rose nothing. The check `run` makes after each iteration's train reads the
+    files of that iteration and of it - 3 alone (as many files at iteration 7 as at 4), and says
+    what the whole-run reward_health view says of that iteration."""
+    from rlhf_batch.stages.registry import run_stage
+    from tests.stages.test_score import HERE, write_rollouts
+
+    _, cfg = make_config(score={"reward_functions": [f"{HERE}:length_reward"]})
+    longer = ("{l}{l}{l}{l}", "x{l}{l}{l}", "{l}{l}{l}{l}{l}", "zzzz")
+    for it in range(8):
+        if it < 4:
+            write_rollouts(cfg, it)
+        else:
+            write_rollouts(cfg, it, responses=longer)
+        run_stage("score", cfg, it, quiet=True)
+    read: list[str] = []
+    listed = run_query.listed
+
+    def spy(root: Path, pattern: str) -> list[str]:
+        files = listed(root, pattern)
+        read.extend(files)
+        return files
+
+    monkeypatch.setattr(run_query, "listed", spy)
+    con = run_query.connect(cfg.run_dir)
+    whole = run_health.reward_warnings(con)
+    con.close()
+    assert sorted(whole) == [4, 5, 6] and all("length rose 1.84 sd" in w for w in whole.values()), whole
+    counts = []
+    for it in range(8):
+        read.clear()
+        assert run_health.iteration_reward_warning(cfg.run_dir, it) == whole.get(it)
+        iters = sorted({int(Path(f).parts[-3].removeprefix("iter=")) for f in read})
+        assert iters == ([it - 3, it] if it >= 3 else [it])
+        counts.append(len(read))
+    assert counts[3:] == [counts[3]] * 5  # 2 iterations x (rollouts + scores parts) each
