@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import math
 import os
 import shutil
 import time
@@ -120,8 +121,8 @@ def timeout(which: str) -> float:
         value = float(text) if text else default
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ConfigError(f"{name}={text}: must be a number of seconds > 0")
+    if not (value > 0 and math.isfinite(value)):  # inf: a store that stops answering would never end it
+        raise ConfigError(f"{name}={text}: must be a finite number of seconds > 0")
     return value
 
 
