@@ -132,3 +132,37 @@ def test_a_paused_run_taken_over_stops_without_writing(
         assert lock_record(s3_run)["token"] == second.owner["token"]
     finally:
         second.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+def test_a_holder_stopped_by_sigterm_releases_the_lock_and_a_killed_one_goes_stale_in_20_s(
+    s3_run: str, make_config, capsys
+) -> None:
+    """A scheduler's retry on another host: after SIGTERM the lock is gone at once; after SIGKILL
+    a lock whose heartbeat stopped 21 s ago (another host: its pid cannot be checked) is taken
+    over without any RLHF_BATCH_LOCK_STALE_S, well before a retry delay (Airflow's: 60 s)."""
+    path, _ = make_config(run_dir=s3_run)
+    env = {**os.environ, faults.FAULT_ENV: "stop:rollouts:part-0:tmp"}
+    env.pop("RLHF_BATCH_LOCK_STALE_S", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf_batch", "generate", str(path), "--quiet"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lock = run_path(s3_run) / layout.LOCK
+    deadline = time.monotonic() + 300
+    while state(proc.pid) != "T" and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert state(proc.pid) == "T", f"generate did not stop at its first part (exit {proc.poll()})"
+    assert lock.exists()
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and not lock.exists()  # released on the way out
+    record = {"pid": 1, "host": "elsewhere", "since": "x", "heartbeat": time.time() - 21, "token": "t"}
+    assert fs.put_if(lock, json.dumps(record).encode(), "*")
+    with StoreLock(run_path(s3_run)) as retry:
+        assert lock_record(s3_run)["token"] == retry.owner["token"]
+    assert "no heartbeat for 21 s" in capsys.readouterr().out
