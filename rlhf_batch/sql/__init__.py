@@ -37,7 +37,8 @@ def reads_problem(predicate: str, tables: tuple[str, ...] = ()) -> str:
     try:
         con.execute("SET enable_external_access = false")
         query = f"SELECT 1 FROM {WRAPPER} WHERE ({predicate})"
-        tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()[0])
+        row = con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()
+        tree = json.loads(row[0]) if row else {}
     except duckdb.Error as e:
         return next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
     finally:
