@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import tomllib
 from datetime import timedelta
 from typing import Any
@@ -101,6 +102,14 @@ def check(name: str, spec: dict[str, Any]) -> None:
             raise ValueError(f"rlhf_batch_experiments[{name!r}].{key}: unknown stage {kind!r}")
 
 
+def sh_words(text: str) -> str:
+    """The options of `overrides`, split as a shell would and each quoted: nothing in them runs."""
+    return " ".join(shlex.quote(w) for w in shlex.split(text or ""))
+
+
+FILTERS = {"sh": shlex.quote, "sh_words": sh_words}  # Jinja filters of the bash commands
+
+
 def build_dag(dag_id: str, spec: dict[str, Any]) -> DAG:
     """The DAG of one experiment (`spec`: the keys in this file's docstring)."""
     check(dag_id, spec)
@@ -118,9 +127,10 @@ def build_dag(dag_id: str, spec: dict[str, Any]) -> DAG:
     }
 
     def command(stage: str, it: int, more: str = "") -> str:
+        # the params quoted for bash (FILTERS); the overrides first: the DAG's fixed settings win
         return (
-            f"{launch.get(stage, exe)} {stage} {{{{ params.config }}}} --iter {it} --quiet "
-            f"--set max_staleness={stale} {more or extra.get(stage, '')} {{{{ params.overrides }}}}"
+            f"{launch.get(stage, exe)} {stage} {{{{ params.config | sh }}}} --iter {it} --quiet "
+            f"{{{{ params.overrides | sh_words }}}} --set max_staleness={stale} {more or extra.get(stage, '')}"
         )
 
     params = {
@@ -130,7 +140,13 @@ def build_dag(dag_id: str, spec: dict[str, Any]) -> DAG:
         "train_nproc": Param(int(spec.get("train_nproc", 1)), type="integer", minimum=1),
     }
     with DAG(
-        dag_id=dag_id, schedule=None, catchup=False, max_active_runs=1, params=params, tags=["rlhf-batch"]
+        dag_id=dag_id,
+        schedule=None,
+        catchup=False,
+        max_active_runs=1,
+        params=params,
+        tags=["rlhf-batch"],
+        user_defined_filters=FILTERS,
     ) as dag:
         fanout = ranks()
         chain(fanout, iterations, stale, command, lambda kind: stage_args(spec, kind))
@@ -155,6 +171,8 @@ def chain(fanout: Any, iterations: int, stale: int, command: Any, args: Any) -> 
                     task_id=f"iter{it:04d}_topup", bash_command=command("topup", it), **args("topup")
                 )
                 previous >> rounds
+                if stale and it:  # the learn lane in order: each takes the run's lock, as train does
+                    tasks[(it - 1, "train")] >> rounds
                 previous = rounds
             if stale and stage == "generate":  # the sample lane: after the train of its policy
                 previous = tasks.get((sampling_start(it, stale) - 1, "train"), fanout)

@@ -7,7 +7,8 @@
 #   generate (array of WORKERS tasks, `--world-size auto`) -> score (array, afterok:generate)
 #   -> train (afterok:score: topup and advantage on the first node, then srun torchrun on every
 #      node, --nproc-per-node from the GPUs Slurm gives a node)
-#   -> this script again for K + 1 (afterok:train), until K = ITERATIONS (the last eval only).
+#   -> this script again for K + 1 (afterok:train and eval K: a failed eval stops the chain as a
+#   failed train does), until K = ITERATIONS (the last eval only).
 # Every dependent job is submitted with --kill-on-invalid-dep=yes: when a job fails, Slurm
 # cancels the jobs that wait on it (none stays pending forever); if a submission fails, the jobs
 # of the chain already submitted are cancelled (scancel). Every command skips completed work, so
@@ -63,7 +64,7 @@ SCRIPT
 
 array=(--array="0-$((workers - 1))" "${sample_opts[@]}")
 after() { echo --dependency=afterok:"$1" --kill-on-invalid-dep=yes; }
-submit --job-name="rlhf-eval-$it" "${array[@]}" < <(fanout_script eval " --if-due")
+submit --job-name="rlhf-eval-$it" "${array[@]}" < <(fanout_script eval " --if-due"); e=$job
 if ((it >= iterations)); then
   chained=1
   echo "iteration $it: eval $job (the last)"
@@ -75,6 +76,6 @@ submit --job-name="rlhf-score-$it" $(after "$g") "${array[@]}" < <(fanout_script
 # shellcheck disable=SC2046
 submit --job-name="rlhf-train-$it" $(after "$s") "${train_opts[@]}" < <(train_script); t=$job
 # shellcheck disable=SC2046
-submit --job-name="rlhf-run-$((it + 1))" $(after "$t") --ntasks=1 "$0" "$config" "$((it + 1))" "$iterations" "$@"
+submit --job-name="rlhf-run-$((it + 1))" $(after "$t:$e") --ntasks=1 "$0" "$config" "$((it + 1))" "$iterations" "$@"
 chained=1
 echo "iteration $it: generate $g, score $s, train $t; iteration $((it + 1)): $job"

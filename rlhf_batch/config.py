@@ -121,6 +121,10 @@ def replay_problem(r: dict[str, Any]) -> str:
         return f"where must be an SQL predicate over the scored rollouts' columns, got {where!r}"
     import duckdb
 
+    from rlhf_batch.sql import reads_problem
+
+    if problem := reads_problem(where, ("scored",)):
+        return f"where {problem}"
     con = duckdb.connect(":memory:")
     try:
         if len(con.extract_statements(f"SELECT 1 FROM t WHERE ({where})")) != 1:

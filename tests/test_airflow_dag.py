@@ -191,7 +191,10 @@ def test_dag_with_staleness_1_overlaps_the_lanes(parsed: list[dict]) -> None:
     for k in range(4):
         assert f"iter{k - 1:04d}_train" not in ancestors(upstream, f"iter{k:04d}_generate")
         assert upstream[f"iter{k:04d}_score"] == [f"iter{k:04d}_generate", "ranks"]
-        assert upstream[f"iter{k:04d}_topup"] == [f"iter{k:04d}_score"]
+        # the learn lane in order: topup K after train K-1 (both take the run's lock)
+        assert upstream[f"iter{k:04d}_topup"] == sorted(
+            [f"iter{k:04d}_score"] + ([f"iter{k - 1:04d}_train"] if k else [])
+        )
         assert upstream[f"iter{k:04d}_advantage"] == [f"iter{k:04d}_topup"]
         assert upstream[f"iter{k:04d}_train"] == [f"iter{k:04d}_advantage", f"iter{k:04d}_eval"]
         assert upstream[f"iter{k:04d}_eval"] == ([f"iter{k - 1:04d}_train"] if k else ["ranks"])
@@ -228,14 +231,45 @@ def test_queues_pools_and_timeouts_per_stage(parsed: list[dict]) -> None:
     }
 
 
-def test_train_runs_through_torchrun_with_train_nproc(parsed: list[dict]) -> None:
+def render_env():  # noqa: ANN201
+    """Jinja with the DAG's filters (pipelines/airflow_dag.py FILTERS: shlex.quote, and each
+    word of the overrides quoted), as Airflow renders the commands."""
     import jinja2
+
+    env = jinja2.Environment()
+    env.filters["sh"] = shlex.quote
+    env.filters["sh_words"] = lambda text: " ".join(shlex.quote(w) for w in shlex.split(text or ""))
+    return env
+
+
+def test_params_are_quoted_and_cannot_override_the_dags_fixed_settings(parsed: list[dict], tmp_path) -> None:
+    """A config path with a space and `$(...)` reaches the CLI as one word and runs nothing; an
+    override of max_staleness in the trigger form loses to the DAG's (it decides the DAG's shape)."""
+    from tests.test_schedulers import parse
+
+    dag = parsed[0]["dags"]["rlhf_batch_stale"]
+    marker = tmp_path / "ran"
+    config = f"/runs/my run$(touch {marker}).toml"
+    params = {
+        **dag["params"],
+        "config": config,
+        "overrides": "--set 'run_dir=s3://b/a b' --set max_staleness=0",
+    }
+    line = render_env().from_string(dag["tasks"]["iter0001_advantage"]["command"]).render(params=params)
+    res = subprocess.run(["bash", "-c", f"printf '%s\\n' {line}"], capture_output=True, text=True)
+    words = res.stdout.splitlines()
+    assert not marker.exists() and words[1:3] == ["advantage", config]
+    ctx = parse(words[1:])
+    assert ctx.params["set_"][:3] == ["run_dir=s3://b/a b", "max_staleness=0", "max_staleness=1"]
+
+
+def test_train_runs_through_torchrun_with_train_nproc(parsed: list[dict]) -> None:
     from torch.distributed.run import get_args_parser
 
     from tests.test_schedulers import parse
 
     dag = parsed[0]["dags"]["rlhf_batch_cluster"]
-    template = jinja2.Template(dag["tasks"]["iter0000_train"]["command"])
+    template = render_env().from_string(dag["tasks"]["iter0000_train"]["command"])
     for nproc in (4, 1):
         words = shlex.split(template.render(params={**dag["params"], "train_nproc": nproc}))
         if nproc == 1:  # one process: the CLI itself
@@ -249,7 +283,7 @@ def test_train_runs_through_torchrun_with_train_nproc(parsed: list[dict]) -> Non
             cli = args.training_script_args
         ctx = parse(cli)
         assert (ctx.info_name, ctx.params["iteration"]) == ("train", 0)
-        assert ctx.params["set_"] == ["max_staleness=1", "iterations=1", "run_dir=s3://b/r"]
+        assert ctx.params["set_"] == ["run_dir=s3://b/r", "max_staleness=1", "iterations=1"]
     assert "torchrun" not in dag["tasks"]["iter0000_generate"]["command"]
 
 

@@ -284,3 +284,25 @@ def test_every_trl_and_verl_name_is_in_the_docs_table() -> None:
     table = doc[doc.index("## Names from TRL and verl") :]
     for key, (source, _, _) in FOREIGN.items():
         assert f"| {source} | `{key}`" in table, key
+
+
+@pytest.mark.parametrize(
+    "subquery",
+    [
+        "(SELECT count(*) FROM read_text('/etc/hostname')) > 0",
+        "EXISTS (SELECT * FROM '/etc/hostname')",
+    ],
+)
+def test_a_predicate_that_reads_a_file_is_refused_by_both_keys(subquery: str) -> None:
+    """generate.prompt_filter and advantage.replay.where pass through one guard: neither may read
+    a file, whichever connection would run it."""
+    with pytest.raises(ConfigError, match=r"generate.prompt_filter.*reads") as e:
+        load_config(None, [f'generate.prompt_filter="{subquery}"'])
+    assert "\n" not in str(e.value)
+    replay = f'advantage.replay={{iterations = 1, max_share = 0.5, where = "{subquery}"}}'
+    with pytest.raises(ConfigError, match=r"advantage.replay.*where reads") as e:
+        load_config(None, ["train.recompute_old=true", replay])
+    assert "\n" not in str(e.value)
+    # a subquery over the scored rollouts themselves stays allowed
+    ok = "advantage.replay={iterations = 1, max_share = 0.5, where = 'prompt_id IN (SELECT prompt_id FROM scored)'}"
+    load_config(None, ["train.recompute_old=true", ok])

@@ -6,6 +6,7 @@ and a failed Job stops the loop."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import subprocess
@@ -32,7 +33,7 @@ def drive(
     tmp_path: Path, *args: str, **env: str
 ) -> tuple[subprocess.CompletedProcess, list[list[dict]], list[str]]:
     log = tmp_path / "log"
-    log.mkdir()
+    log.mkdir(parents=True)
     kubectl = tmp_path / "kubectl"
     kubectl.write_text(KUBECTL.format(log=log))
     kubectl.chmod(stat.S_IRWXU)
@@ -82,11 +83,12 @@ def test_the_loop_runs_each_stage_of_each_iteration_in_order(tmp_path: Path) -> 
     assert res.returncode == 0, res.stderr
     names = [j["metadata"]["name"] for j in jobs(applied)]
     per_iteration = ["eval", "generate", "score", "advantage", "train"]
-    assert names == [f"rlhf-{s}-{k}" for k in (4, 5) for s in per_iteration] + ["rlhf-eval-6"]
+    run = "run7-" + hashlib.sha256(b"s3://bucket/run7").hexdigest()[:8]  # RUN_DIR's name and hash
+    assert names == [f"rlhf-{run}-{s}-{k}" for k in (4, 5) for s in per_iteration] + [f"rlhf-{run}-eval-6"]
     # each Job is waited for before the next is applied
     assert [c.split()[0] for c in calls[:4]] == ["apply", "apply", "get", "apply"]
     for j in jobs(applied):
-        stage, k = j["metadata"]["name"].split("-")[1:]
+        stage, k = j["metadata"]["name"].split("-")[3:]
         spec, (c,) = j["spec"], j["spec"]["template"]["spec"]["containers"]
         assert c["image"] == "reg.example.com/rlhf-batch:cuda"
         if stage in ("generate", "score", "eval"):
@@ -108,20 +110,34 @@ def test_the_loop_runs_each_stage_of_each_iteration_in_order(tmp_path: Path) -> 
         else:
             from torch.distributed.run import get_args_parser
 
-            assert spec["completions"] == 2 and spec["template"]["spec"]["subdomain"] == "rlhf-train"
+            assert spec["completions"] == 2 and spec["template"]["spec"]["subdomain"] == f"rlhf-{run}-train"
             assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
             assert "$(JOB_COMPLETION_INDEX)" in c["command"]  # Kubernetes fills it in: pod 1 here
             command = [("1" if w == "$(JOB_COMPLETION_INDEX)" else w) for w in c["command"][1:]]
             args = get_args_parser().parse_args(command)
             assert (args.nnodes, args.nproc_per_node, args.node_rank) == ("2", "8", 1)
-            assert args.master_addr == f"rlhf-train-{k}-0.rlhf-train" and args.module
+            assert args.master_addr == f"rlhf-{run}-train-{k}-0.rlhf-{run}-train" and args.module
             assert parse(args.training_script_args).info_name == "train"
     services = [d for docs in applied for d in docs if d["kind"] == "Service"]
-    assert {s["metadata"]["name"] for s in services} == {"rlhf-train"}
+    assert {s["metadata"]["name"] for s in services} == {f"rlhf-{run}-train"}
+    assert all(s["spec"]["selector"]["rlhf-batch/run"] == run for s in services)
 
 
 def test_a_failed_job_stops_the_loop(tmp_path: Path) -> None:
-    res, applied, _ = drive(tmp_path, "0", "3", KUBECTL_FAIL="rlhf-score-1")
+    res, applied, _ = drive(tmp_path, "0", "3", KUBECTL_FAIL="rlhf-r7-score-1", RUN_NAME="r7")
     assert res.returncode == 1
-    assert "job/rlhf-score-1 failed" in res.stderr and "run again from iteration 1" in res.stderr
-    assert [j["metadata"]["name"] for j in jobs(applied)][-1] == "rlhf-score-1"  # nothing after it
+    assert "job/rlhf-r7-score-1 failed" in res.stderr and "run again from iteration 1" in res.stderr
+    assert [j["metadata"]["name"] for j in jobs(applied)][-1] == "rlhf-r7-score-1"  # nothing after it
+
+
+def test_two_runs_in_one_namespace_have_their_own_job_and_service_names(tmp_path: Path) -> None:
+    """A Job's pod template is immutable: a second run applying the first one's Job names fails
+    ("field is immutable"). Every name and the Service's selector carry the run."""
+    a, applied_a, _ = drive(tmp_path / "a", "0", "1")
+    b, applied_b, _ = drive(tmp_path / "b", "0", "1", RUN_DIR="s3://bucket/run8")
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr, b.stderr)
+    names_a = {d["metadata"]["name"] for docs in applied_a for d in docs}
+    names_b = {d["metadata"]["name"] for docs in applied_b for d in docs}
+    assert not names_a & names_b
+    bad = drive(tmp_path / "c", "0", "1", RUN_NAME="Not_A_Label")[0]
+    assert bad.returncode == 2 and "RUN_NAME=Not_A_Label: must be a DNS label" in bad.stderr

@@ -147,3 +147,28 @@ def test_the_slurm_scripts_run_one_iteration_on_s3_in_a_simulated_slurm(
         assert rows(s3_run, stage) == rows(local_cfg.run_dir, stage), stage
     a, b = weights(s3_run, 0), weights(local_cfg.run_dir, 0)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+def test_the_crontab_line_names_every_placeholder_path_of_its_config(tmp_path: Path) -> None:
+    """The shipped crontab runs gpu_qwen_math.toml: its --set options must replace every
+    `/path/to/...` placeholder of that config (the prompt sets of generate and eval), or the
+    first cron run fails validation."""
+    from rlhf_batch.config import load_config
+
+    (line,) = (
+        x for x in (PIPELINES / "crontab.example").read_text().splitlines() if x and not x.startswith("#")
+    )
+    words = shlex.split(line.split(" >> ", 1)[0])
+    cmd = words[words.index(".venv/bin/rlhf-batch") + 1 :]
+    ctx = parse(cmd)
+    assert cmd[0] == "run" and ctx.params["config"] == Path("pipelines/gpu_qwen_math.toml")
+    cfg = load_config(PIPELINES / "gpu_qwen_math.toml", ctx.params["set_"])
+    left = [k for k, v in _flat(cfg.to_dict()) if isinstance(v, str) and v.startswith("/path/to/")]
+    assert not left, left
+
+
+def _flat(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in d.items():
+        out += _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+    return out

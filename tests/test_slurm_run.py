@@ -82,7 +82,7 @@ def test_one_iterations_chain_and_the_next_submission(tmp_path: Path) -> None:
         (None, None),
         ("afterok:102", "yes"),
         ("afterok:103", "yes"),
-        ("afterok:104", "yes"),
+        ("afterok:104:101", "yes"),  # the next iteration after train and this eval: a failed eval stops it
     ]
     for (argv, script), stage in zip(calls[:3], ("eval", "generate", "score"), strict=True):
         assert option(argv, "--array") == "0-3" and "--parsable" in argv

@@ -20,7 +20,8 @@ one row per verdict: `key` (the rollout's content hash), `value` (float64, null 
 * Each batch writes one new file with the verdicts it computed, named by the hash of their keys,
   atomically (store/atomic.py); concurrent ranks of a fan-out write files of their own and a
   killed writer leaves none half-written. A reader loads every file of the folder once per
-  stage run; two files with one key (two ranks that computed the same rollout) agree for a
+  stage run (a file that is not a cache file, or holds a NaN, inf or a null key, is refused with
+  one line naming it); two files with one key (two ranks that computed the same rollout) agree for a
   deterministic function, and the first file in name order wins otherwise.
 
 The cache never changes a result of a function whose value for a rollout depends only on that
@@ -35,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +44,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from rlhf_batch.errors import StageError
 from rlhf_batch.rewards import RewardFunction, time_limit
 from rlhf_batch.rewards.concurrent import async_rows, is_async
 from rlhf_batch.rewards.conventions import Extras, evaluate_rows, extra_columns
@@ -100,7 +103,13 @@ class RewardCache:
             d = self.folder(rf, src)
             for f in sorted(d.glob("part-*.parquet")) if d.is_dir() else []:
                 t = read_table(f)
+                if t.schema != SCHEMA:
+                    raise StageError(f"{f}: not a reward cache file (columns {t.schema.names}); remove it")
                 for k, v, x in zip(*(t[c].to_pylist() for c in SCHEMA.names), strict=True):
+                    if k is None or (v is not None and not math.isfinite(v)):
+                        raise StageError(
+                            f"{f}: a reward cache value is {v!r} (key {k!r}), not a finite number; remove the file"
+                        )
                     found.setdefault(k, (v, x))
             self.known[slot] = found
         return self.known[slot]

@@ -157,7 +157,15 @@ def scheduler_rank(env: Mapping[str, str], world: int | None) -> tuple[int, int]
         return _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX"), world
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "TORCHELASTIC_RUN_ID" not in env:
         rank = _int(env["SLURM_PROCID"], "SLURM_PROCID")
-        return rank, world or _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
+        tasks = _int(env["SLURM_NTASKS"], "SLURM_NTASKS")
+        step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+        if tasks > 1 and step in (None, "", "4294967294", "batch"):  # the batch script: one process
+            raise UserError(
+                f"--world-size: SLURM_NTASKS={tasks} but this process is the job's batch script, not "
+                "one of its srun tasks (no SLURM_STEP_ID): it would write 1 part in "
+                f"{tasks}; run it under srun, or give --rank R --world-size N"
+            )
+        return rank, world or tasks
     raise UserError(
         "--world-size: no rank in the environment (a Slurm array or tasks: SLURM_ARRAY_TASK_ID, "
         "SLURM_PROCID; a Kubernetes Indexed Job: JOB_COMPLETION_INDEX); give --rank R --world-size N"

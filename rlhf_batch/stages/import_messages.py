@@ -38,7 +38,15 @@ from rlhf_batch.config import Config
 from rlhf_batch.data import chat_turns
 from rlhf_batch.errors import SchemaError
 from rlhf_batch.models.forward import batched_logprobs
-from rlhf_batch.stages.import_rows import COMPUTED, add_ids, check_given_ids, check_given_logprobs, no_nulls
+from rlhf_batch.stages.import_rows import (
+    COMPUTED,
+    add_ids,
+    check_given_ids,
+    check_given_logprobs,
+    check_positions,
+    no_nulls,
+    positions_of,
+)
 from rlhf_batch.store import layout
 from rlhf_batch.store.schemas import LOGPROBS, TOKENS
 
@@ -136,6 +144,9 @@ def tokenize_part(
         trajs.append(traj)
     rid = t["rollout_id"].to_pylist()
     check_given_ids([x.response_ids for x in trajs], rid, int(model.config.vocab_size), str(path))
+    check_positions(
+        [x.prompt_ids for x in trajs], [x.response_ids for x in trajs], rid, positions_of(model), str(path)
+    )
     logps = _logprobs(t, trajs, model, tok, cfg, path, offset)
     out = t.drop_columns([c for c in DROPPED if c in t.column_names])
     prompts = [

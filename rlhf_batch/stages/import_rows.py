@@ -90,3 +90,24 @@ def check_given_logprobs(logps: list[Any], response_ids: list[list[int]], rid: l
                 f"{where}: rollout {r}: behavior_logprobs holds {bad}; log-probs are finite float32 "
                 "values <= 0"
             )
+
+
+def positions_of(model: Any) -> int | None:
+    """The positions the policy holds (its config's max_position_embeddings; None: unknown)."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
+def check_positions(
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    rid: list[str],
+    positions: int | None,
+    where: str,
+) -> None:
+    """Refuse a rollout of more tokens than the policy's positions (score and train could not read it)."""
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids, strict=True)):
+        if positions and len(p) + len(r) > positions:
+            raise SchemaError(
+                f"{where}: rollout {rid[i]}: {len(p) + len(r)} tokens, more than the policy's {positions} "
+                "positions (max_position_embeddings); shorten or drop it"
+            )

@@ -24,6 +24,9 @@ receive it. Decisions:
   ``behavior_logprobs`` (list of floats, one per response token): they are kept as given, the
   response is not re-tokenised (no EOS appended) and, with log-probs, none are recomputed.
   They are checked: ids in the policy's vocabulary, one log-prob per token, finite, <= 0.
+* A row of more tokens than the policy's positions (``max_position_embeddings``) is refused with
+  one line; one whose text is too long to fit whatever its tokens is refused before it is
+  tokenised (a message of tens of megabytes costs no memory).
 * Parts of ``score.rows_per_part`` rows in file order, forward batches of
   ``score.max_tokens_per_batch`` tokens (import feeds score, and shares its batching knobs).
 """
@@ -55,7 +58,9 @@ from rlhf_batch.stages.import_rows import (
     add_ids,
     check_given_ids,
     check_given_logprobs,
+    check_positions,
     no_nulls,
+    positions_of,
 )
 from rlhf_batch.store import layout
 from rlhf_batch.store.manifests import file_fingerprint
@@ -112,6 +117,7 @@ class Import(Stage):
     def write_part(self, n: int, bar: Any) -> Part:
         per_part = self.cfg.score.rows_per_part
         part = self.rows.slice(n * per_part, per_part)
+        check_text_bound(part, self.messages, self.tok, positions_of(self.model), str(self.path))
         if self.messages:
             args = (part, self.tok, self.model, self.cfg, self.policy, self.path, n * per_part)
             table, counts = import_messages.tokenize_part(*args)
@@ -244,6 +250,7 @@ def tokenize_part(
         if not prompt_ids[i] or not response_ids[i]:
             what = "prompt" if not prompt_ids[i] else "response"
             raise SchemaError(f"{where}: rollout {rid[i]}: the {what} has no tokens")
+    check_positions(prompt_ids, response_ids, rid, positions_of(model), where)
     if "behavior_logprobs" in t.column_names:
         logps = [np.asarray(lp, np.float64) for lp in t["behavior_logprobs"].to_pylist()]
         check_given_logprobs(logps, response_ids, rid, where)
@@ -263,3 +270,28 @@ def tokenize_part(
     t = t.append_column("policy", pa.array([layout.in_run(policy, cfg.run_dir)] * len(rid), pa.string()))
     counts = {"rows": len(rid), "tokens": sum(len(r) for r in response_ids), "eos_appended": appended}
     return t, counts
+
+
+def check_text_bound(t: pa.Table, messages: bool, tok: Any, positions: int | None, where: str) -> None:
+    """Refuse, before tokenising it, a row whose text could not fit the policy's positions: no
+    token covers more characters than twice its own text's length (a normaliser may join two
+    characters into one), so a text longer than positions x that has more tokens than positions.
+    Tokenising a text of tens of megabytes would take many times its size in memory."""
+    if not positions:
+        return
+    limit = positions * 2 * max((len(v) for v in tok.get_vocab()), default=1)
+    if messages:
+        texts = [
+            sum(len(m["content"]) for m in msgs if isinstance(m.get("content"), str))
+            for msgs in t[import_messages.MESSAGES].to_pylist()
+        ]
+    else:
+        texts = [
+            len(p) + len(r) for p, r in zip(t["prompt"].to_pylist(), t["response"].to_pylist(), strict=True)
+        ]
+    for rid, chars in zip(t["rollout_id"].to_pylist(), texts, strict=True):
+        if chars > limit:
+            raise SchemaError(
+                f"{where}: rollout {rid}: {chars} characters of text, more than the policy's {positions} "
+                "positions can hold (max_position_embeddings); shorten or drop it"
+            )

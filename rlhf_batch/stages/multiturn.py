@@ -11,8 +11,9 @@ last turn cut, or the observation that would not fit left out: finish_reason 'le
 After each turn the state of every trajectory of the part is committed to
 `turns/part-NNNNN.json` in the stage's folder; a run killed mid-part resumes at its last complete
 turn (the environments are made again and replayed from the committed texts) and writes the same
-rows as an uninterrupted run. The file is removed once the part is written, the folder once the
-stage is committed.
+rows as an uninterrupted run. A checkpoint carries the stage's identity (the key `_started.json`
+records): one a run with another config or inputs left is discarded and the part starts over.
+The file is removed once the part is written, the folder once the stage is committed.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.store import fs
 from rlhf_batch.store.atomic import write_json_atomic
 from rlhf_batch.store.ids import row_seed
-from rlhf_batch.store.layout import TURNS_DIR
+from rlhf_batch.store.layout import STARTED, TURNS_DIR
 from rlhf_batch.store.schemas import TURNS
 
 
@@ -73,19 +74,32 @@ def checkpoint_path(sdir: Path, n: int) -> Path:
     return sdir / TURNS_DIR / f"part-{n:05d}.json"
 
 
-def _load(path: Path, rids: list[str]) -> tuple[int, list[Trajectory]] | None:
+def _read(path: Path) -> Any:
     try:
-        state = json.loads(path.read_text() if fs.store_of(path).local else fs.get_bytes(path))
+        return json.loads(path.read_text() if fs.store_of(path).local else fs.get_bytes(path))
     except (FileNotFoundError, OSError, ValueError):
         return None
-    if state.get("rollout_ids") != rids:  # another part's plan: start the part over
+
+
+def stage_key(sdir: Path) -> str | None:
+    """The identity key of the stage run writing `sdir` (recorded in `_started.json` when it
+    claimed the folder)."""
+    started = _read(sdir / STARTED)
+    return started.get("key") if isinstance(started, dict) else None
+
+
+def _load(path: Path, rids: list[str], key: str | None) -> tuple[int, list[Trajectory]] | None:
+    state = _read(path)
+    if not isinstance(state, dict) or state.get("rollout_ids") != rids:  # another part's plan
+        return None
+    if key is None or state.get("key") != key:  # another config or inputs: start the part over
         return None
     return int(state["turn"]), [Trajectory(**t) for t in state["trajectories"]]
 
 
-def _save(path: Path, rids: list[str], turn: int, trajs: list[Trajectory]) -> None:
+def _save(path: Path, rids: list[str], key: str | None, turn: int, trajs: list[Trajectory]) -> None:
     fs.makedirs(path.parent)
-    state = {"rollout_ids": rids, "turn": turn, "trajectories": [asdict(t) for t in trajs]}
+    state = {"key": key, "rollout_ids": rids, "turn": turn, "trajectories": [asdict(t) for t in trajs]}
     write_json_atomic(path, state)
 
 
@@ -136,8 +150,8 @@ def sample_part(
 ) -> list[Trajectory]:
     """Every trajectory of part n (`plan`: generate.PartRows; `rows`: each one's prompt row)."""
     g = cfg.generate
-    path = checkpoint_path(where, n)
-    first, trajs = _load(path, plan.rids) or (0, [Trajectory() for _ in plan.rids])
+    path, key = checkpoint_path(where, n), stage_key(where)
+    first, trajs = _load(path, plan.rids, key) or (0, [Trajectory() for _ in plan.rids])
     positions = context_limit(engine)
 
     def fits(i: int, extra: int) -> bool:
@@ -156,7 +170,7 @@ def sample_part(
         stepped = [i for i, res in zip(live, results, strict=True) if _assistant_turn(trajs[i], res, tok, g)]
         _env_turn(pool, tok, trajs, stepped, rows, plan.rids, turn + 1 == g.max_turns, fits)
         fault_point(f"rollouts:part-{n}:turn-{turn}")
-        _save(path, plan.rids, turn + 1, trajs)
+        _save(path, plan.rids, key, turn + 1, trajs)
     return trajs
 
 

@@ -84,6 +84,33 @@ def part_table(
     return table.select(schema.names).cast(schema).replace_schema_metadata(meta)
 
 
+def umask() -> int:
+    """The process's umask, read without changing it (/proc; else set and restored at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def as_umask_says(root: Path) -> None:
+    """Give the files and folders below the local folder `root` the permissions the umask allows
+    a new file (a writer like safetensors' creates its files 0600: pods running as another uid
+    could not read the model); bits already set stay."""
+    allowed = ~umask()
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode
+        want = mode | ((0o777 if path.is_dir() else 0o666) & allowed)
+        if want != mode:
+            path.chmod(want & 0o7777)
+
+
 def write_dir_atomic(final: Path, write: Callable[[Path], T], *, replace: bool = True, fault: str = "") -> T:
     """Call `write(tmp)` on a fresh scratch directory, then make it `final` (its store's `put`:
     fsync and rename locally, so a kill leaves the old directory or the new one; uploaded file by
@@ -99,6 +126,7 @@ def write_dir_atomic(final: Path, write: Callable[[Path], T], *, replace: bool =
         try:
             tmp.mkdir(parents=True)
             result = write(tmp)
+            as_umask_says(tmp)
             fault_point(f"dir:{final.name}:tmp")
         except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each writer reports it
             raise write_error(final, e, tmp) from e

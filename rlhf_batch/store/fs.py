@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import math
 import os
 import shutil
 import time
@@ -93,7 +94,11 @@ _used: dict[str, Path] = {}  # bucket -> a path on it, for every store this proc
 
 def _bound(fsys: Any) -> None:
     """Give every request of an s3fs filesystem (with s3fs's own tries) the store deadline:
-    the timeouts alone do not bound all waits (an upload waits for `100 Continue` with none)."""
+    the timeouts alone do not bound all waits (an upload waits for `100 Continue` with none).
+    The deadline counts from the first request the store left unanswered (`silent_since`, reset
+    by any answer), across requests and their retries: a store that stops answering ends the
+    command within it (and a connect timeout per call made after it), not after each of its
+    calls (and the probe that names it) waited a deadline of its own."""
     if getattr(fsys, "_deadline", None) is not None:
         return
     import asyncio
@@ -104,12 +109,27 @@ def _bound(fsys: Any) -> None:
     fsys.retries = TRIES_PER_REQUEST
 
     async def bounded(*args: Any, **kwargs: Any) -> Any:
+        global silent_since
+        since = silent_since
+        began = time.monotonic()
+        # past the deadline a request still has the connect timeout: a store that is back answers
+        left = limit if since is None else max(limit - (began - since), min(timeout("connect"), limit))
         try:
-            return await asyncio.wait_for(call(*args, **kwargs), limit)
+            out = await asyncio.wait_for(call(*args, **kwargs), left)
         except TimeoutError:
+            silent_since = since if since is not None else began
             raise TimeoutError() from None  # sync() makes it FSTimeoutError: `retry` names it
+        except Exception as e:
+            answered = isinstance(e, FileNotFoundError | PermissionError | FileExistsError) or _refused(e)
+            silent_since = None if answered else (since if since is not None else began)
+            raise
+        silent_since = None
+        return out
 
     fsys._call_s3, fsys.call_s3, fsys._deadline = bounded, sync_wrapper(bounded, obj=fsys), limit
+
+
+silent_since: float | None = None  # when the store last left a request unanswered (None: it answers)
 
 
 def timeout(which: str) -> float:
@@ -120,8 +140,8 @@ def timeout(which: str) -> float:
         value = float(text) if text else default
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ConfigError(f"{name}={text}: must be a number of seconds > 0")
+    if not (value > 0 and math.isfinite(value)):  # inf: a store that stops answering would never end it
+        raise ConfigError(f"{name}={text}: must be a finite number of seconds > 0")
     return value
 
 
@@ -212,7 +232,8 @@ def retry(what: Path | str, op: Callable[[], T]) -> T:
             if isinstance(e, TimeoutError):
                 reason = f"no answer within RLHF_BATCH_STORE_DEADLINE_S = {timeout('deadline'):g} s"
             wait = 0.2 * 2**attempt
-            if attempt == RETRIES - 1 or time.monotonic() - start + wait > timeout("deadline"):
+            since = start if silent_since is None else min(start, silent_since)
+            if attempt == RETRIES - 1 or time.monotonic() - since + wait > timeout("deadline"):
                 raise StageError(
                     f"{what}: the store did not answer ({reason}); run again once it is back"
                 ) from None

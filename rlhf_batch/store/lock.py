@@ -10,7 +10,8 @@ rewrites every `beat_every()` seconds (HEARTBEAT_S, or a quarter of a shorter st
 time only if the object is still the version it wrote last (``If-Match`` on its ETag). A holder
 whose process is gone on this host is taken over at once; one that stopped its heartbeat (a
 killed process, a lost machine) once the heartbeat is older than `stale_after()`
-(RLHF_BATCH_LOCK_STALE_S, default 120 s); the takeover is itself conditional on the version it
+(RLHF_BATCH_LOCK_STALE_S, default 20 s, shorter than the schedulers' retry delays); a holder
+stopped by SIGTERM releases the lock as it exits. The takeover is itself conditional on the version it
 read. A holder that was paused past the limit (a suspended VM, a long GC) and taken over is
 fenced: its next heartbeat fails its condition, every manifest write first reads the lock and
 checks the token (so do the stage processes of `run`, through TOKEN_ENV), and any write once
@@ -37,7 +38,10 @@ from rlhf_batch.errors import StageError
 from rlhf_batch.store import fs
 from rlhf_batch.store.layout import LOCK
 
-HEARTBEAT_S = 30.0
+# 5 s beats, stale after 4 missed (20 s): a holder killed with SIGKILL (a lost node, an OOM kill)
+# is provably gone before any scheduler's retry (Airflow's retry_delay here: 60 s; a Kubernetes
+# Job's back-off: 10 s, 20 s, ...; a Slurm resubmission); SIGTERM releases the lock at once
+HEARTBEAT_S = 5.0
 TOKEN_ENV = "RLHF_BATCH_LOCK_TOKEN"  # set by the holder on a store for its stage processes
 LOCK_ENV = "RLHF_BATCH_RUN_LOCKED"  # set by `run` for its stage processes: it holds the lock
 
@@ -156,6 +160,7 @@ class StoreLock:
         self.beaten = self.stamp
         os.environ[TOKEN_ENV] = self.owner["token"]  # the stage processes of `run` check it too
         fs.fence = self.check
+        self.on_term = _exit_on_sigterm()
         self.beat = threading.Thread(target=self._heartbeat, name="run-lock-heartbeat", daemon=True)
         self.beat.start()
         return self
@@ -208,6 +213,7 @@ class StoreLock:
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
+        _restore_sigterm(getattr(self, "on_term", None))
         if self.beat is not None:
             self.beat.join(timeout=5)
         fs.fence = None
@@ -215,6 +221,30 @@ class StoreLock:
         if self.lost is None and self.etag is not None:
             with contextlib.suppress(Exception):  # a lock left behind goes stale: the next command takes it
                 self.store.delete_if(self.path, self.etag)  # only the version this process wrote
+
+
+def _exit_on_sigterm() -> Any:
+    """While a store lock is held: SIGTERM (a scheduler stopping the task, `kill`) raises
+    SystemExit(143) in the main thread, so the lock is released on the way out instead of left
+    to go stale. Returns the handler it replaced (None where it replaced none)."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return None  # the process handles SIGTERM itself
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, stop)
+
+
+def _restore_sigterm(previous: Any) -> None:
+    import signal
+
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, previous)
 
 
 class LockLost(StageError):

@@ -103,13 +103,25 @@ def _digest_key(digest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(digest, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _stamp(q: Path) -> dict[str, int]:
+    """What changes whenever the bytes of the local file `q` may have: its size, mtime, inode and
+    ctime (a file replaced with the same size and a restored mtime, `touch -d` or `cp -p`, has
+    another ctime: the kernel sets it, no user can put it back)."""
+    st = q.stat()
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "inode": st.st_ino}
+
+
+def _same_stamp(seen: dict[str, Any] | None, stamp: dict[str, int]) -> bool:
+    return seen is not None and all(seen.get(k) == v for k, v in stamp.items())
+
+
 def _file_sha256(q: Path) -> str:
-    """The sha256 of the local file `q`, from the machine's record when its size and mtime are
-    those recorded (cache_root()/../sha256, one small file per path)."""
+    """The sha256 of the local file `q`, from the machine's record when its `_stamp` is the one
+    recorded (cache_root()/../sha256, one small file per path); else read again."""
     import hashlib
     import json
 
-    st = q.stat()
+    stamp = _stamp(q)
     record = (
         cache_root().parent
         / "sha256"
@@ -117,14 +129,14 @@ def _file_sha256(q: Path) -> str:
     )
     try:
         seen = json.loads(record.read_text())
-        if (seen["bytes"], seen["mtime_ns"]) == (st.st_size, st.st_mtime_ns):
+        if _same_stamp(seen, stamp):
             return str(seen["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
     value = _sha256(q)
     record.parent.mkdir(parents=True, exist_ok=True)
     tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": value}))
+    tmp.write_text(json.dumps({**stamp, "sha256": value}))
     os.replace(tmp, record)
     return value
 
@@ -209,25 +221,26 @@ def removed_record(path: str | Path) -> dict[str, Any] | None:
 def check_base_weights(run_dir: str | Path, path: str, what: str) -> None:
     """The weights of a model the run did not write (the initial policy, the reference) are those
     it began with: their sha256 is recorded in RUN_DIR/BASE_WEIGHTS the first time a stage reads
-    them, with each file's size and mtime; later a file whose size and mtime are unchanged is not
-    read again, and one whose bytes changed (same config) is refused with one line, not mixed."""
+    them, with each file's `_stamp` (size, mtime, inode, ctime); later a file whose stamp is
+    unchanged is not read again, and one whose bytes changed (same config) is refused with one
+    line, not mixed. A model on a store is checked in its local copy (fs.local_dir, named by the
+    objects' ETags): weights overwritten at the same address are refused as well."""
     p = check_model_dir(path, what)
-    if not store_of(p).local or removed_record(p) is not None:  # not hashed where it is not local
+    if removed_record(p) is not None:
         return
     from rlhf_batch.store.atomic import write_json_atomic
     from rlhf_batch.store.manifests import read_json
 
     record_path = run_path(run_dir) / BASE_WEIGHTS
     record = read_json(record_path) if record_path.exists() else {}
-    was = record.get(str(p.resolve()), {})
+    where = str(p.resolve()) if store_of(p).local else str(p)
+    was = record.get(where, {})
     now: dict[str, Any] = {}
-    for q in sorted(p.glob("*.safetensors")):
-        st = q.stat()
-        seen = was.get(q.name)
-        same = seen is not None and (seen["bytes"], seen["mtime_ns"]) == (st.st_size, st.st_mtime_ns)
-        now[q.name] = (
-            seen if same else {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _file_sha256(q)}
-        )
+    # a model on a store: its local copy, which is named by its objects' ETags (a new copy when
+    # an object is overwritten at the same address)
+    for q in sorted(local_dir(p).glob("*.safetensors")):
+        stamp, seen = _stamp(q), was.get(q.name)
+        now[q.name] = seen if _same_stamp(seen, stamp) else {**stamp, "sha256": _file_sha256(q)}
     if was and {k: v["sha256"] for k, v in was.items()} != {k: v["sha256"] for k, v in now.items()}:
         changed = sorted(
             k for k in {*was, *now} if (was.get(k) or {}).get("sha256") != (now.get(k) or {}).get("sha256")

@@ -112,3 +112,13 @@ def test_sigint_exits_130(make_config, tmp_path: Path) -> None:
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 130
     assert not (scores / "_manifest.json").exists()
+
+
+def test_export_refuses_a_min_reward_that_is_not_finite(make_config, tmp_path: Path) -> None:
+    """nan compares false with every score: it would keep every row instead of filtering."""
+    path, _ = make_config()
+    res = _cli(["export", str(path), "--out", str(tmp_path / "ds"), "--min-reward", "nan"], dict(os.environ))
+    assert (
+        res.returncode == 1 and res.stderr.strip() == "error: --min-reward must be a finite number, got nan"
+    )
+    assert not (tmp_path / "ds").exists()

@@ -39,3 +39,22 @@ def test_cli_shape_sets_the_sizes_and_a_bad_name_is_one_line(tmp_path: Path) -> 
         r.exception
     )
     assert not (tmp_path / "x").exists()
+
+
+def test_model_files_are_as_readable_as_the_umask_says(tmp_path: Path) -> None:
+    """safetensors creates its files 0600; a model written for pods of another uid (or group) must
+    get the umask's permissions: 0o666 & ~umask for files, 0o777 & ~umask for folders."""
+    import os
+    import stat
+
+    from rlhf_batch.models.tiny import init_model
+
+    for mask, file_mode, dir_mode in [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)]:
+        old = os.umask(mask)
+        try:
+            out = init_model(tmp_path / f"m{mask:o}", arch="qwen2", seed=0)
+        finally:
+            os.umask(old)
+        assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == file_mode
+        assert stat.S_IMODE((out / "config.json").stat().st_mode) == file_mode
+        assert stat.S_IMODE(out.stat().st_mode) == dir_mode

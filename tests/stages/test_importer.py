@@ -292,3 +292,29 @@ def test_imported_rollouts_count_as_done_for_run_and_record_their_command(
         StageError, match=r"complete with a different config or inputs \(inputs.rollouts.key changed"
     ):
         run_stage("score", cfg, 0, quiet=True)
+
+
+def test_a_row_longer_than_the_policys_positions_is_refused(make_config, tmp_path: Path) -> None:
+    """The tiny policy holds 2048 positions; its char-level vocabulary's longest entry is
+    '<|endoftext|>' (13 characters), so no text over 2048 x 2 x 13 = 53248 characters fits."""
+    _, cfg = make_config()
+    over = {"prompt": "a*2=", "response": "a" * 2045}  # 4 + 2045 + EOS = 2050 tokens
+    path = write_jsonl(tmp_path / "long.jsonl", [over])
+    with pytest.raises(
+        SchemaError, match=r"rollout 0000-\w+-0: 2050 tokens, more than the policy's 2048 positions"
+    ):
+        import_rollouts(cfg, path, 0, quiet=True)
+    chat = {"messages": [{"role": "user", "content": "a*2="}, {"role": "assistant", "content": "a" * 2100}]}
+    path = write_jsonl(tmp_path / "long_chat.jsonl", [chat])
+    with pytest.raises(
+        SchemaError, match=r"rollout 0000-\w+-0: \d+ tokens, more than the policy's 2048 positions"
+    ):
+        import_rollouts(cfg, path, 0, quiet=True)
+    # refused before it is tokenised (a 30 MB message would take gigabytes there)
+    huge = {"messages": [{"role": "user", "content": "a*2="}, {"role": "assistant", "content": "a" * 53245}]}
+    path = write_jsonl(tmp_path / "huge.jsonl", [huge])
+    with pytest.raises(
+        SchemaError, match=r"^\S+huge.jsonl: rollout 0000-\w+-0: 53249 characters of text, more than"
+    ):
+        import_rollouts(cfg, path, 0, quiet=True)
+    assert not layout.list_parts(layout.folder(cfg.run_dir, 0, "rollouts"))

@@ -2,6 +2,7 @@
 of the environment, a kill between turns, and the loss mask through score, advantage and train."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -190,6 +191,39 @@ def test_kill_between_turns_and_a_fan_out_give_the_uninterrupted_rows(make_confi
         dist.set_fanout(None, None)
     assert rollouts(fan).drop(["env_seconds", "policy"]).equals(b)  # row for row
     assert not other.exists()  # removed once part 1 was written
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_a_turn_checkpoint_of_another_config_is_discarded(make_config, hidden, tmp_path, monkeypatch) -> None:
+    """A run stopped after part 0's first turn, re-run with another temperature: its rows are a
+    clean run's at the new temperature, not turn 0 of the old one and turn 1 of the new one."""
+    from rlhf_batch.stages import multiturn
+
+    def stop(name: str) -> None:
+        if name == "rollouts:part-0:turn-1":
+            raise Killed(name)
+
+    _, old = make_config(ask(hidden, "max_new_tokens = 6"))
+    with monkeypatch.context() as m:
+        m.setattr(multiturn, "fault_point", stop)
+        with pytest.raises(Killed):
+            run_stage("generate", old, 0, quiet=True)
+    sdir = layout.folder(old.run_dir, 0, "rollouts")
+    assert not layout.list_parts(sdir)
+    saved = json.loads((sdir / "turns" / "part-00000.json").read_text())
+    assert saved["turn"] == 1 and saved["key"] == multiturn.stage_key(sdir)  # a same-config run resumes it
+    _, new = make_config(ask(hidden, "max_new_tokens = 6\ntemperature = 0.5"))
+    run_stage("generate", new, 0, quiet=True)
+    _, clean = make_config(
+        ask(hidden, "max_new_tokens = 6\ntemperature = 0.5"), run_dir=str(tmp_path / "clean")
+    )
+    run_stage("generate", clean, 0, quiet=True)
+    drop = ["env_seconds", "policy"]
+    assert rollouts(new).drop(drop).equals(rollouts(clean).drop(drop))
 
 
 def test_bad_environment_keys_are_one_line_errors(make_config) -> None:

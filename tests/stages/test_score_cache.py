@@ -5,6 +5,7 @@ and misses (and has no such counts with the cache off)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -108,3 +109,21 @@ def test_a_killed_cached_score_resumes_to_the_uninterrupted_table(make_config, t
     m = run_stage("score", on, 0, quiet=True)
     assert (m["counts"]["reward_cache_hits"], m["counts"]["reward_cache_misses"]) == (15, 21)
     assert table(on).equals(fresh)
+
+
+def test_a_nan_read_back_from_the_cache_is_refused_not_scored(make_config) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf_batch.errors import StageError
+    from rlhf_batch.rewards.cache import SCHEMA
+
+    _, cfg = make_config(score={"reward_functions": [f"{HERE}:length_reward"], "reward_cache": True})
+    write_rollouts(cfg)
+    run_stage("score", cfg, 0, quiet=True)
+    (f,) = (Path(cfg.run_dir) / layout.REWARD_CACHE).rglob("part-*.parquet")
+    t = pq.read_table(f)
+    values = [float("nan")] + t["value"].to_pylist()[1:]  # one verdict corrupted on disk
+    pq.write_table(t.set_column(1, "value", pa.array(values, pa.float64())).cast(SCHEMA), f)
+    with pytest.raises(StageError, match=rf"^{f}: a reward cache value is nan .*not a finite number"):
+        run_stage("score", cfg, 0, force=True, quiet=True)

@@ -24,7 +24,15 @@ def test_ranks_from_the_options_and_the_schedulers_environment() -> None:
     # a Slurm array --array=4-6: task ids 4, 5, 6 are ranks 0, 1, 2
     slurm = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_COUNT": "3"}
     assert fanout_from(None, "auto", slurm) == (1, 3)
-    assert fanout_from(None, "auto", {"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}) == (1, 2)
+    assert fanout_from(None, "auto", {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}) == (
+        1,
+        2,
+    )
+    # the batch script of a 2-task job (no srun step): it alone would write half the parts
+    for batch in ({}, {"SLURM_STEP_ID": "4294967294"}):
+        with pytest.raises(UserError, match="SLURM_NTASKS=2 but this process is the job's batch script"):
+            fanout_from(None, "auto", {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", **batch})
+    assert fanout_from(None, "auto", {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) == (0, 1)
     # srun launching torchrun: torchrun's ranks (its process group), not Slurm's
     torchrun = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2"}
     assert fanout_from(None, "auto", torchrun) is None

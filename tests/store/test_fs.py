@@ -194,3 +194,11 @@ def test_a_folder_uploaded_from_this_machine_is_read_back_from_its_cache(
     local, kinds = reads(other)
     assert sorted(kinds) == ["GET"] * 9 + ["GET-LIST"]
     assert reads(other) == (local, ["GET-LIST"])  # once per machine
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1"])
+def test_a_store_deadline_must_be_a_finite_positive_number(value: str, monkeypatch) -> None:
+    """inf would let a store that stops answering hold a command for ever."""
+    monkeypatch.setenv("RLHF_BATCH_STORE_DEADLINE_S", value)
+    with pytest.raises(ConfigError, match=f"^RLHF_BATCH_STORE_DEADLINE_S={value}: must be a finite number"):
+        fs.timeout("deadline")

@@ -65,3 +65,30 @@ def test_a_copied_run_directory_goes_on_without_redoing_anything(make_config, tm
     ]
     rollouts = json.loads(after["iter=0001/rollouts/_manifest.json"])
     assert rollouts["inputs"]["policy"]["path"] == "{run_dir}/iter=0000/policy"
+
+
+@pytest.mark.slow
+def test_base_weights_replaced_with_the_same_size_and_mtime_are_refused(
+    make_config, tiny_model, tmp_path
+) -> None:
+    """The initial policy's weights rewritten in place with other values, then given back their
+    size and mtime (as `cp -p` or `touch -d` would): the next stage hashes them again and refuses."""
+    from safetensors.torch import load_file, save_file
+
+    from rlhf_batch.errors import ModelError
+    from rlhf_batch.stages.registry import run_stage
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    _, cfg = make_config(policy_model=str(base))
+    run_stage("generate", cfg, 0, quiet=True)  # records the base weights' sha256
+    weights = base / "model.safetensors"
+    st = weights.stat()
+    tensors = load_file(weights)
+    name = next(k for k in sorted(tensors) if tensors[k].ndim == 2)
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, weights, metadata={"format": "pt"})
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (weights.stat().st_size, weights.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with pytest.raises(ModelError, match=f"weights of {base} changed since this run read them"):
+        run_stage("score", cfg, 0, quiet=True)

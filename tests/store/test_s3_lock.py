@@ -26,6 +26,22 @@ from tests.reliability.harness import state
 from tests.store.test_s3_reliability import rlhf
 
 
+def stopped_at_first_part(command: str, config: Path, env: dict) -> subprocess.Popen:
+    """`rlhf-batch COMMAND CONFIG` started, and waited for until it stops itself (SIGSTOP, fault
+    point `stop:rollouts:part-0:tmp`) with its first part written locally, holding the lock."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf_batch", command, str(config), "--quiet"],
+        env={**env, faults.FAULT_ENV: "stop:rollouts:part-0:tmp"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while state(proc.pid) != "T" and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    return proc
+
+
 def lock_record(run_dir: str) -> dict:
     return json.loads(fs.get_bytes(run_path(run_dir) / layout.LOCK))  # one GET (the heartbeat rewrites it)
 
@@ -100,19 +116,10 @@ def test_a_paused_run_taken_over_stops_without_writing(
     path = write_config(
         tmp_path / "c.toml", tiny_model, demo_prompts, run_dir=s3_run, iterations=1, in_process=True
     )
-    env = {**os.environ, "RLHF_BATCH_LOCK_STALE_S": "1", faults.FAULT_ENV: "stop:rollouts:part-0:tmp"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhf_batch", "run", str(path), "--quiet"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    env = {**os.environ, "RLHF_BATCH_LOCK_STALE_S": "1"}
+    proc = stopped_at_first_part("run", path, env)
     root = run_path(s3_run)
     rollouts = layout.folder(s3_run, 0, layout.ROLLOUTS)
-    deadline = time.monotonic() + 300
-    while state(proc.pid) != "T" and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.1)
     try:
         assert state(proc.pid) == "T", f"the run did not stop at its first part (exit {proc.poll()})"
         assert (rollouts / layout.STARTED).exists() and not layout.list_parts(rollouts)
@@ -132,3 +139,27 @@ def test_a_paused_run_taken_over_stops_without_writing(
         assert lock_record(s3_run)["token"] == second.owner["token"]
     finally:
         second.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+def test_a_holder_stopped_by_sigterm_releases_the_lock_and_a_killed_one_goes_stale_in_20_s(
+    s3_run: str, make_config, capsys
+) -> None:
+    """A scheduler's retry on another host: after SIGTERM the lock is gone at once; after SIGKILL
+    a lock whose heartbeat stopped 21 s ago (another host: its pid cannot be checked) is taken
+    over without any RLHF_BATCH_LOCK_STALE_S, well before a retry delay (Airflow's: 60 s)."""
+    path, _ = make_config(run_dir=s3_run)
+    env = {k: v for k, v in os.environ.items() if k != "RLHF_BATCH_LOCK_STALE_S"}
+    proc = stopped_at_first_part("generate", path, env)
+    lock = run_path(s3_run) / layout.LOCK
+    assert state(proc.pid) == "T", f"generate did not stop at its first part (exit {proc.poll()})"
+    assert lock.exists()
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and not lock.exists()  # released on the way out
+    record = {"pid": 1, "host": "elsewhere", "since": "x", "heartbeat": time.time() - 21, "token": "t"}
+    assert fs.put_if(lock, json.dumps(record).encode(), "*")
+    with StoreLock(run_path(s3_run)) as retry:
+        assert lock_record(s3_run)["token"] == retry.owner["token"]
+    assert "no heartbeat for 21 s" in capsys.readouterr().out

@@ -101,3 +101,32 @@ def test_ranks_with_the_model_on_the_store_and_a_local_copy_agree(
     ok("generate", b, "--quiet", "--rank", 1, "--world-size", 2)  # later: commits
     assert manifest(cfg.run_dir, "rollouts")["rows"] == 48
     assert is_done(get("generate")(cfg, 0)) and is_done(get("generate")(cfg_b, 0))
+
+
+@pytest.mark.slow
+def test_a_base_model_overwritten_at_its_store_address_is_refused_by_every_later_stage(
+    bucket: str, make_config, tmp_path: Path
+) -> None:
+    """generate, score and advantage read the base model from the store; its weights are then
+    overwritten at the same address (same size): a forced score (the reference) and train (the
+    start policy) refuse them with one line instead of using the new weights."""
+    from safetensors.torch import load_file, save_file
+
+    from rlhf_batch.errors import ModelError
+    from rlhf_batch.stages.registry import run_stage
+
+    ok("init-model", f"{bucket}/m")
+    _, cfg = make_config(policy_model=f"{bucket}/m")
+    run_stage("generate", cfg, 0, quiet=True)
+    run_stage("score", cfg, 0, quiet=True)
+    run_stage("advantage", cfg, 0, quiet=True)
+    local = tmp_path / "w.safetensors"
+    local.write_bytes(run_path(f"{bucket}/m/model.safetensors").read_bytes())
+    tensors = load_file(local)
+    name = next(k for k in sorted(tensors) if tensors[k].ndim == 2)
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, local, metadata={"format": "pt"})
+    run_path(f"{bucket}/m/model.safetensors").write_bytes(local.read_bytes())
+    for stage in ("score", "train"):  # score --force: the reference; train: the start policy
+        with pytest.raises(ModelError, match=f"weights of {bucket}/m changed since this run read them"):
+            run_stage(stage, cfg, 0, force=True, quiet=True)

@@ -102,3 +102,31 @@ def test_missing_bucket_and_credentials_each_have_their_own_line(config, s3_serv
         strict.stop()
     one_line(done, "refused the credentials (InvalidAccessKeyId)")
     assert took < 60  # not retried as transient (5 tries with backoff, each retried by s3fs)
+
+
+def test_a_paused_store_ends_the_commands_calls_within_one_deadline(s3_server, monkeypatch) -> None:
+    """Two reads and the probe that names the store, against a paused server: together they end
+    within the deadline (5 s here) from the first unanswered request, not each after its own
+    (a read alone took 2 attempts x up to 5 s before)."""
+    from rlhf_batch.errors import StageError
+    from rlhf_batch.store import fs
+
+    for k, v in {**s3_server.env(), "RLHF_BATCH_STORE_CONNECT_TIMEOUT_S": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("RLHF_BATCH_STORE_READ_TIMEOUT_S", "2")
+    monkeypatch.setenv("RLHF_BATCH_STORE_DEADLINE_S", "5")
+    path = fs.run_path(f"s3://{new_bucket(s3_server)}/object")
+    fs.put_bytes(path, b"x")
+    os.killpg(s3_server.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        for _ in range(2):
+            with pytest.raises(StageError, match="the store did not answer") as e:
+                fs.get_bytes(path)
+        line = fs.unreachable(e.value)
+        took = time.monotonic() - start
+    finally:
+        os.killpg(s3_server.proc.pid, signal.SIGCONT)
+    assert line is not None and "does not answer" in line
+    assert took < 5 + 1 + 1 + 2, took  # the deadline, a connect timeout for each later call, slack
+    assert fs.get_bytes(path) == b"x"  # the store back: its first answer resets the clock
