@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -19,6 +20,7 @@ from typer.testing import CliRunner
 from rlhf_batch.commands.cli import app
 from rlhf_batch.commands.pipeline import run_pipeline
 from rlhf_batch.config import load_config
+from rlhf_batch.data import curriculum
 from rlhf_batch.errors import ConfigError
 from rlhf_batch.runtime import faults
 from rlhf_batch.store import layout, manifests
@@ -146,3 +148,37 @@ def test_a_killed_filtered_generate_resumes_to_the_same_prompts(make_config, tmp
         assert a.drop_columns(drop).equals(b.drop_columns(drop)), folder
     ma, mb = (manifests.manifest(layout.folder(d, 1, "rollouts")) for d in (cfg.run_dir, ref.run_dir))
     assert ma["prompt_filter"] == mb["prompt_filter"] and ma["prompt_filter"]["skipped"]
+
+
+def write_scores(run_dir: str, it: int, passed: dict[str, list[float]]) -> None:
+    """A complete scores folder of iteration `it` with the given scores per prompt."""
+    from rlhf_batch.store import output
+    from rlhf_batch.store.schemas import SCORES
+
+    rows = [(p, s) for p, ss in passed.items() for s in ss]
+    cols = {
+        "rollout_id": [f"{it}-{p}-{k}" for k, (p, _) in enumerate(rows)],
+        "prompt_id": [p for p, _ in rows],
+        "score": [s for _, s in rows],
+    }
+    table = pa.table({f.name: cols.get(f.name, [None] * len(rows)) for f in SCORES}, schema=SCORES)
+    out = output.claim(layout.folder(run_dir, it, "scores"), "scores", {"it": it}, {})
+    out.write_table(0, table, SCORES)
+    out.finish(1)
+
+
+def test_the_history_leaves_out_the_iterations_the_policy_has_not_trained_on(make_config, tmp_path) -> None:
+    """max_staleness = 1: iteration 2 samples from the policy trained on iteration 0 only, so its
+    filter reads iteration 0's scores and not iteration 1's."""
+    path, _ = configure(make_config, tmp_path, "stale", 3, prompt_filter=[0.2, 0.8])
+    cfg = load_config(path, ["max_staleness=1"])
+    # a: passed 1 of 2 in iteration 0 (rate 0.5, kept), failed 4 times in iteration 1 (would be 1/6)
+    # b: passed twice in iteration 0 (rate 1, skipped), failed twice in iteration 1 (would be 2/4)
+    # c: only in iteration 1 (no history: kept; would be rate 0, skipped)
+    write_scores(cfg.run_dir, 0, {"a": [1.0, 0.0], "b": [1.0, 1.0]})
+    write_scores(cfg.run_dir, 1, {"a": [0.0] * 4, "b": [0.0, 0.0], "c": [0.0, 0.0]})
+    assert curriculum.history(cfg, 2) == [0]
+    assert curriculum.skipped(cfg, 2, ["a", "b", "c"]) == ["b"]
+    # without staleness iteration 2 trains on both: a 1/6 and c 0/2 skipped, b 2/4 kept
+    fresh = load_config(path, ["max_staleness=0"])
+    assert curriculum.skipped(fresh, 2, ["a", "b", "c"]) == ["a", "c"]
