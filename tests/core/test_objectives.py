@@ -290,7 +290,14 @@ def test_mask_band_keeps_weights_exactly_at_its_edges(mode: str, low: float, cap
     old = torch.zeros(1, 2)
     mask = torch.ones(1, 2, dtype=torch.bool)
     out = grpo_loss(
-        old.clone(), old, T_([1.0]), mask, behavior_logprobs=old.clone(), tis_cap=cap, tis_mode=mode, tis_low=low
+        old.clone(),
+        old,
+        T_([1.0]),
+        mask,
+        behavior_logprobs=old.clone(),
+        tis_cap=cap,
+        tis_mode=mode,
+        tis_low=low,
     )
     close(out.loss, -1.0)
     close(out.tis_masked, 0.0)
