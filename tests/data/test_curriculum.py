@@ -182,3 +182,55 @@ def test_the_history_leaves_out_the_iterations_the_policy_has_not_trained_on(mak
     # without staleness iteration 2 trains on both: a 1/6 and c 0/2 skipped, b 2/4 kept
     fresh = load_config(path, ["max_staleness=0"])
     assert curriculum.skipped(fresh, 2, ["a", "b", "c"]) == ["a", "c"]
+
+
+def test_refill_takes_the_next_batch_of_each_source_to_its_quota(make_config, demo_prompts, tmp_path) -> None:
+    """prompt_filter_refill: the prompts the filter skips are replaced from the next batch of the
+    order, each source to its quota, skipped prompts left out there too; the batch it read counts
+    as taken. Without it the batch shrinks and a source loses its share."""
+    from rlhf_batch.core.mixtures import rows_for
+    from rlhf_batch.data import topup
+    from rlhf_batch.stages.generate import Generate
+    from rlhf_batch.store import output
+    from tests.data.test_mixtures import split
+
+    _, _, ids_a, ids_b = split(demo_prompts, tmp_path)
+    sources = [
+        {"path": "a.jsonl", "weight": 1.0, "name": "a"},
+        {"path": "b.jsonl", "weight": 1.0, "name": "b"},
+    ]
+    path, cfg = configure(
+        make_config, tmp_path, "refill", 3, prompts=sources, prompts_per_iteration=4, prompt_filter=[0.2, 0.8]
+    )
+    ids = ids_a + ids_b  # the rows of the concatenated set, source a's first
+    sizes = [len(ids_a), len(ids_b)]
+    # weights 1:1 of 4: quotas 2 and 2; iteration 1 takes batch 1 (iteration 0 took batch 0)
+    batch = {k: [ids[r] for r in rows_for(k, sizes, [1.0, 1.0], 4, cfg.seed)[1]] for k in (1, 2, 3)}
+    a1, b1, a2, a3 = batch[1][:2], batch[1][2:], batch[2][:2], batch[3][:2]
+    # history (iteration 0): both `a` prompts of batch 1 and the first `a` of batch 2 always
+    # failed (pass rate 0: skipped by the band); every other prompt has no history (kept)
+    write_scores(cfg.run_dir, 0, {a1[0]: [0.0, 0.0], a1[1]: [0.0, 0.0], a2[0]: [0.0, 0.0]})
+
+    def plan(config: Any) -> Generate:
+        g = Generate(config, 1)
+        g.policy, g.batch = config.policy_model, topup.batch_index(config, 1, 0)
+        g.plan()
+        return g
+
+    shrunk = plan(cfg)
+    assert shrunk.prompts.ids == b1  # 2 of 4, and source `a` is gone
+    g = plan(load_config(path, ["generate.prompt_filter_refill=3"]))
+    # batch 1's kept prompts; then `a` only (b has its quota): batch 2's second `a` (its first
+    # failed), batch 3's first `a`; batch 4 is not read (the batch is full)
+    assert g.prompts.ids == [*b1, a2[1], a3[0]]
+    assert g.prompts.carried["source"].to_pylist() == ["b", "b", "a", "a"]  # quotas 2 and 2
+    assert g.filtered["skipped"] == a1
+    assert g.filtered["refill"] == {"batches": [2, 3], "prompts": [a2[1], a3[0]]}
+    assert g.prompts.counts["prompts_refilled"] == 2 and g.prompts.batch["refill"] == [2, 3]
+    # the batches it read count as taken: the next iteration (or round) starts at batch 4
+    out = output.claim(layout.folder(cfg.run_dir, 1, "rollouts"), "rollouts", {"it": 1}, {})
+    out.write_table(0, pa.table({"x": [1]}), pa.schema([("x", pa.int64())]))
+    out.finish(1, {"prompt_batch": g.prompts.batch})
+    assert topup.batch_index(cfg, 2, 0) == 4 and topup.batch_index(cfg, 1, 1) == 4
+    with pytest.raises(ConfigError, match="generate.prompt_filter_refill"):
+        load_config(path, ["generate.prompt_filter_refill=1", 'generate.prompt_filter=""'])
