@@ -61,6 +61,11 @@ def run_pipeline(
 
         check_targets(cfg)  # before any stage: a misspelt module fails now, not at train
         check_groups(cfg)
+        if cfg.max_staleness and (redo_from is not None or redo.read(cfg.run_dir)):
+            raise UserError(
+                "--redo-from: not with max_staleness > 0 (its two lanes would sample from a policy "
+                "before it is redone); redo the stages with their commands and --force"
+            )
         if redo_from is not None:
             _start_redo(cfg, redo_from, quiet)
 
@@ -122,11 +127,6 @@ def _start_redo(cfg: Config, spec: str, quiet: bool) -> None:
 
     order = [s.name for s in pipeline()]
     it, name = redo.parse(spec, order)
-    if cfg.max_staleness:
-        raise UserError(
-            "--redo-from: not with max_staleness > 0 (its two lanes would sample from a policy "
-            "before it is redone); redo the stages with their commands and --force"
-        )
     if it > cfg.iterations:
         raise UserError(f"--redo-from {spec}: the run has iterations 0..{cfg.iterations - 1}")
     stage = next(s for s in pipeline() if s.name == name)

@@ -127,3 +127,21 @@ def test_redo_from_score_redoes_exactly_the_downstream_stages_and_a_kill_resumes
     assert all(redone[s].get("redo") for s in STAGES[1:])
     for it, f in STAGES:
         assert table(cfg.run_dir, it, f).equals(table(killed.run_dir, it, f)), (it, f)
+
+
+def test_bad_redo_points_are_one_line_and_write_nothing(make_config, tmp_path: Path) -> None:
+    from rlhf_batch.errors import UserError
+
+    path, cfg = configure(make_config, tmp_path, "bad")
+    stale_path, _ = make_config(name="stale.toml", run_dir=str(tmp_path / "bad"), max_staleness=1)
+    for config, spec, words in [
+        (path, "x:score", "K or K:STAGE"),
+        (path, "0:scores", "no stage 'scores' in a run; stages: eval, generate, score, advantage, train"),
+        (path, "0:score", "is not complete; nothing to redo"),
+        (path, "5", "iterations 0..1"),
+        (stale_path, "0:score", "not with max_staleness > 0"),
+    ]:
+        with pytest.raises(UserError) as e:
+            run_pipeline(config, [], quiet=True, redo_from=spec)
+        assert words in str(e.value) and "\n" not in str(e.value), spec
+        assert redo.read(cfg.run_dir) is None
