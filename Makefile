@@ -37,7 +37,7 @@ GPU_PYTHON_VERSION ?= 3.11
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-.PHONY: setup airflow trackio vllm trl s3 deploy image test test-venvs test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check gpu-bench clean
+.PHONY: setup airflow trackio vllm trl s3 deploy image test test-venvs test-fast demo lint bench bench-learning bench-staleness soak wheels gpu-check gpu-bench mutate clean
 
 setup: $(VENV)/.installed
 
@@ -154,6 +154,15 @@ soak: setup
 # For a GPU machine without a network: the project and its runtime dependencies but torch as
 # wheels for its Python (GPU_PYTHON_VERSION), made here; there, `make gpu-check` installs them
 # offline into .venv-gpu (which sees the machine's CUDA torch) and runs benchmarks/gpu_check.py.
+# the mutation check (docs/development.md): mutmut in a folder of its own (not the project's
+# venv), over [tool.mutmut] of pyproject.toml; its own pytest copy is removed so the venv's runs
+MUTMUT_SITE := .venv-mutmut
+mutate: setup
+	test -d $(MUTMUT_SITE)/mutmut || $(PY) -m pip install --quiet --target $(MUTMUT_SITE) mutmut==3.8.1
+	rm -rf $(MUTMUT_SITE)/pytest $(MUTMUT_SITE)/_pytest $(MUTMUT_SITE)/pluggy $(MUTMUT_SITE)/iniconfig $(MUTMUT_SITE)/py.py
+	PYTHONPATH=$(MUTMUT_SITE) $(PY) -m mutmut run --max-children $(PYTEST_WORKERS)
+	PYTHONPATH=$(MUTMUT_SITE) $(PY) -m mutmut results
+
 wheels: setup
 	$(PY) benchmarks/gpu_wheels.py --out $(WHEELS) --python-version $(GPU_PYTHON_VERSION)
 

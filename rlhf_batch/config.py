@@ -158,6 +158,9 @@ class GenerateConfig:
     # "": off. Recorded in generate's inputs when on (so off, identities stay as they were)
     prompt_filter: str | list[float] = knob("")
     pass_threshold: float = knob(0.5)  # a scored rollout passes when score > this (prompt_stats)
+    # up to this many further batches of the prompt order refill a batch the filter shrank, each
+    # source to its quota (curriculum.py); 0: off. Recorded in generate's inputs when > 0
+    prompt_filter_refill: int = knob(0)
     max_new_tokens: int = knob(256, "generate")
     temperature: float = knob(1.0, "generate", "import", "score", "train")
     top_p: float = knob(1.0, "generate")
@@ -215,6 +218,12 @@ class GenerateConfig:
         if self.prompt_filter != "":
             problem = prompt_filter_problem(self.prompt_filter)
             _need(not problem, "generate.prompt_filter", problem)
+        _need(self.prompt_filter_refill >= 0, "generate.prompt_filter_refill", "must be >= 0 (0: off)")
+        _need(
+            not self.prompt_filter_refill or (self.prompt_filter != "" and self.prompts_per_iteration > 0),
+            "generate.prompt_filter_refill",
+            "needs generate.prompt_filter and generate.prompts_per_iteration > 0 (further batches to refill from)",
+        )
         _need(self.temperature > 0, "generate.temperature", "must be > 0")
         _need(0 < self.top_p <= 1, "generate.top_p", "must be in (0, 1]")
         _need(self.top_k >= 0, "generate.top_k", "must be >= 0")

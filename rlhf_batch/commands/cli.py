@@ -247,6 +247,16 @@ def run(
         bool, typer.Option("--in-process", help="Run every stage in this process.")
     ] = False,
     quiet: QuietOpt = False,
+    redo_from: Annotated[
+        str | None,
+        typer.Option(
+            "--redo-from",
+            metavar="K[:STAGE]",
+            help="Redo stage STAGE of iteration K (default: its first) and every stage after it, "
+            "e.g. after a reward fix: 3:score. Each old output stays until its replacement commits; "
+            "a killed redo is finished by `run` again.",
+        ),
+    ] = None,
 ) -> None:
     """All stages for iterations 0..N-1, skipping completed ones (safe to re-run, cron, Airflow); one
     warning line for each iteration whose train crosses a health threshold, and one for each
@@ -258,7 +268,7 @@ def run(
         overrides.append(f"iterations={iterations}")
     if in_process:
         overrides.append("in_process=true")
-    run_pipeline(config, overrides, quiet=quiet, settle_heap=True)
+    run_pipeline(config, overrides, quiet=quiet, settle_heap=True, redo_from=redo_from)
 
 
 @app.command(hidden=True)

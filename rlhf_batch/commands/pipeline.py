@@ -27,16 +27,22 @@ from rlhf_batch.config import Config, check_groups, load_config
 from rlhf_batch.errors import StageError, UserError
 from rlhf_batch.runtime.procgroup import die_with
 from rlhf_batch.stages.executor import execute
-from rlhf_batch.store import layout, manifests, staging
+from rlhf_batch.store import layout, manifests, redo, staging
 from rlhf_batch.store.fs import run_path
 from rlhf_batch.store.lock import LOCK_ENV, RunLock, lock_id
 
 
 def run_pipeline(
-    config_path: Path, overrides: list[str], quiet: bool = False, settle_heap: bool = False
+    config_path: Path,
+    overrides: list[str],
+    quiet: bool = False,
+    settle_heap: bool = False,
+    redo_from: str | None = None,
 ) -> None:
     """The run. `settle_heap` (the `run` command, a process of its own): with `in_process`,
-    this process's heap is settled after its first iteration (see `run_iteration`)."""
+    this process's heap is settled after its first iteration (see `run_iteration`).
+    `redo_from` ("K" or "K:STAGE", `run --redo-from`): that stage and every one downstream are
+    redone (store/redo.py); a pending redo of an earlier `run` is finished either way."""
     from rlhf_batch.data.prompts import run_iterations
 
     cfg = load_config(config_path, overrides)
@@ -55,6 +61,13 @@ def run_pipeline(
 
         check_targets(cfg)  # before any stage: a misspelt module fails now, not at train
         check_groups(cfg)
+        if cfg.max_staleness and (redo_from is not None or redo.read(cfg.run_dir)):
+            raise UserError(
+                "--redo-from: not with max_staleness > 0 (its two lanes would sample from a policy "
+                "before it is redone); redo the stages with their commands and --force"
+            )
+        if redo_from is not None:
+            _start_redo(cfg, redo_from, quiet)
 
         if cfg.max_staleness:  # overlapped: two lanes, each a process (lanes.py)
             from rlhf_batch.commands.lanes import run_overlapped
@@ -62,9 +75,15 @@ def run_pipeline(
             run_overlapped(cfg, config_path, overrides, quiet)
         else:
             run_stage = _stage_runner(cfg, config_path, overrides, quiet)
-            with _resident(cfg.in_process):  # the policy, reference and AdamW state stay in memory
+            mark = redo.read(cfg.run_dir)
+            with (
+                _resident(cfg.in_process),  # the policy, reference and AdamW state stay in memory
+                _env(redo.ENV, mark["token"]) if mark else contextlib.nullcontext(),
+            ):
                 for it in range(cfg.iterations + 1):  # + 1: a stage may run after the last (eval)
                     run_iteration(cfg, it, run_stage, quiet, settle_heap and cfg.in_process)
+            if mark:
+                redo.finish(cfg.run_dir)
     print_summary(cfg)
 
 
@@ -77,26 +96,48 @@ def _stage_runner(
     from rlhf_batch.stages.executor import is_done
 
     seen = {"done": 0, "ran": 0}  # complete stages before the first that runs: a resumed run
+    mark = redo.read(cfg.run_dir)  # a pending `run --redo-from`
 
     def run_stage(stage: Any) -> None:
-        if is_done(stage):
+        force = redo.pending(mark, stage.iteration, stage.name, manifests.manifest(stage.sdir))
+        if not force and is_done(stage):
             seen["done"] += 0 if seen["ran"] else 1
             return
         if seen["done"] and not seen["ran"]:
             _say(f"resuming {cfg.run_dir}: {seen['done']} stages already complete are skipped", quiet)
         seen["ran"] += 1
         rnd = f" (top-up round {stage.topup})" if stage.topup else ""
-        _say(f"iteration {stage.iteration}: {stage.name}{rnd}", quiet)
+        again = f" (redo from {redo.label(mark)})" if force and mark else ""
+        _say(f"iteration {stage.iteration}: {stage.name}{rnd}{again}", quiet)
         python = cfg.generate.python if samples(cfg, stage.name) else ""  # e.g. vLLM's own venv
         if cfg.in_process and not python and (not in_process or stage.name in in_process):
-            execute(stage, quiet=quiet)
+            execute(stage, quiet=quiet, force=force)
         else:
-            _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python)
+            _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python, force)
         if stage.name == "train":
             warn_health(cfg, stage.iteration)
             warn_reward_health(cfg, stage.iteration)
 
     return run_stage
+
+
+def _start_redo(cfg: Config, spec: str, quiet: bool) -> None:
+    """`run --redo-from`: check the start point and write the mark (store/redo.py)."""
+    from rlhf_batch.stages.registry import pipeline
+
+    order = [s.name for s in pipeline()]
+    it, name = redo.parse(spec, order)
+    if it > cfg.iterations:
+        raise UserError(f"--redo-from {spec}: the run has iterations 0..{cfg.iterations - 1}")
+    stage = next(s for s in pipeline() if s.name == name)
+    m = manifests.manifest(layout.folder(cfg.run_dir, it, stage.folder))
+    if m is None:
+        raise UserError(
+            f"--redo-from {spec}: {layout.folder(cfg.run_dir, it, stage.folder)} is not complete; "
+            "nothing to redo there (`run` without --redo-from runs it)"
+        )
+    mark = redo.start(cfg.run_dir, it, name, order)
+    _say(f"redo from {redo.label(mark)}: that stage and every one after it run again", quiet)
 
 
 def run_lane(lane: str, config_path: Path, overrides: list[str], quiet: bool) -> None:
@@ -227,7 +268,8 @@ def top_up(advantage: Any, run_stage: Callable[[Any], None], quiet: bool) -> Non
     from rlhf_batch.stages.registry import get
 
     cfg, it, a = advantage.cfg, advantage.iteration, advantage.cfg.advantage
-    if not a.min_groups or is_done(advantage):
+    redoing = redo.pending(redo.read(cfg.run_dir), it, advantage.name, manifests.manifest(advantage.sdir))
+    if not a.min_groups or (is_done(advantage) and not redoing):
         return
     for r in range(1, a.max_topup_rounds + 1):
         if r not in topup_rounds(cfg, it):
@@ -301,10 +343,11 @@ def _run_child(
     quiet: bool,
     topup: int = 0,
     python: str = "",
+    force: bool = False,
 ) -> None:
     if python:
         _check_python(python)
-    extra = ["--topup", str(topup)] if topup else []
+    extra = (["--topup", str(topup)] if topup else []) + (["--force"] if force else [])
     cmd = stage_command(python, stage, config_path, it, overrides, quiet, *extra)
     env = {**(_group_env() or os.environ), **({PYTHON_ENV: python} if python else {})}
     code = subprocess.run(cmd, preexec_fn=die_with(os.getpid()), env=env).returncode

@@ -18,15 +18,27 @@ prompts; a missing scores folder of the history is an error. The rollouts manife
 skipped prompt ids and the history's iterations (`prompt_filter`), `prompt_counts` counts them
 (`prompts_skipped_filter`), and generate's inputs hold the filter and the history's manifests.
 A batch whose every prompt is skipped is an error (widen the filter).
+
+Refill (`generate.prompt_filter_refill = R` > 0, with prompts_per_iteration > 0), as DAPO's
+dynamic sampling keeps drawing from its data loader: the prompts the filter skipped are replaced
+by kept prompts of the next batches of the order, up to R of them, taken in order; of a weighted
+mixture each source is refilled to its quota from its own prompts (a source whose prompts all
+fail stays short). A prompt already in the batch is not taken twice. Every batch a refill reads
+counts as taken: the next round (top-up or iteration) starts after it (topup.py). The manifest
+records the batches read and the prompts added (`prompt_filter.refill`, `prompt_batch.refill`,
+`prompt_counts.prompts_refilled`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
 
 from rlhf_batch.config import Config
+from rlhf_batch.data.mixtures import SOURCE
 from rlhf_batch.data.prompts import Prompts
 from rlhf_batch.errors import StageError
 from rlhf_batch.store import layout, manifests
@@ -84,6 +96,7 @@ def inputs(cfg: Config, iteration: int) -> dict[str, Any]:
         "predicate": predicate(cfg),
         "pass_threshold": cfg.generate.pass_threshold,
         "history": manifests.fingerprint(recorded),
+        **({"refill": cfg.generate.prompt_filter_refill} if cfg.generate.prompt_filter_refill else {}),
     }
 
 
@@ -138,29 +151,87 @@ def skipped(cfg: Config, iteration: int, ids: list[str]) -> list[str]:
     return [i for i in ids if i in failing]
 
 
-def apply(cfg: Config, iteration: int, prompts: Prompts) -> tuple[Prompts, dict[str, Any]]:
-    """The prompts the filter keeps, and what the manifest records (`prompt_filter`)."""
+def apply(
+    cfg: Config, iteration: int, prompts: Prompts, batch: Callable[[int], Prompts] | None = None
+) -> tuple[Prompts, dict[str, Any]]:
+    """The prompts the filter keeps, and what the manifest records (`prompt_filter`); with
+    `generate.prompt_filter_refill`, refilled from the batches `batch(k)` loads (see the module)."""
     skip = set(skipped(cfg, iteration, prompts.ids))
     keep = [i for i, pid in enumerate(prompts.ids) if pid not in skip]
-    if not keep:
+    kept = _take(prompts, keep)
+    refill: dict[str, Any] = {}
+    if cfg.generate.prompt_filter_refill and batch is not None:
+        kept, refill = _refill(cfg, iteration, prompts, kept, batch)
+    if not kept.ids:
         raise StageError(
             f"generate.prompt_filter skips every prompt of iteration {iteration}'s batch "
             f"({len(prompts.ids)} prompts); widen it"
         )
-    counts = {**prompts.counts, "prompts": len(keep), "prompts_skipped_filter": len(skip)}
-    kept = Prompts(
-        [prompts.ids[i] for i in keep],
-        [prompts.texts[i] for i in keep],
-        [prompts.tokens[i] for i in keep],
-        prompts.carried.take(pa.array(keep, pa.int64())),
-        counts,
-        prompts.batch,
-    )
+    kept.counts = {**prompts.counts, "prompts": len(kept.ids), "prompts_skipped_filter": len(skip)}
+    if refill:
+        kept.counts["prompts_refilled"] = len(refill["prompts"])
     h = history(cfg, iteration)
     record = {
         "predicate": predicate(cfg),
         "pass_threshold": cfg.generate.pass_threshold,
         "history": [h[0], h[-1]] if h else [],
         "skipped": [pid for pid in prompts.ids if pid in skip],
+        **({"refill": refill} if refill else {}),
     }
     return kept, record
+
+
+def _take(p: Prompts, rows: list[int]) -> Prompts:
+    return Prompts(
+        [p.ids[i] for i in rows],
+        [p.texts[i] for i in rows],
+        [p.tokens[i] for i in rows],
+        p.carried.take(pa.array(rows, pa.int64())),
+        dict(p.counts),
+        dict(p.batch),
+    )
+
+
+def _sources(p: Prompts) -> list[Any]:
+    """Each prompt's mixture source (None for every prompt of a single prompt set)."""
+    if SOURCE in p.carried.column_names:
+        return p.carried.column(SOURCE).to_pylist()
+    return [None] * len(p.ids)
+
+
+def _refill(
+    cfg: Config, iteration: int, full: Prompts, kept: Prompts, batch: Callable[[int], Prompts]
+) -> tuple[Prompts, dict[str, Any]]:
+    """`kept` refilled to the batch's size (each source to its count in `full`) from the kept
+    prompts of the next batches, in order; and what the manifest records of it."""
+    want = Counter(_sources(full))
+    want.subtract(Counter(_sources(kept)))
+    have = set(kept.ids)
+    start = int(full.batch["batch"])
+    read: list[int] = []
+    added: list[Prompts] = []
+    for k in range(start + 1, start + 1 + cfg.generate.prompt_filter_refill):
+        if not any(n > 0 for n in want.values()):
+            break
+        nxt = batch(k)
+        read.append(k)
+        skip = set(skipped(cfg, iteration, nxt.ids))
+        rows = []
+        for i, (pid, src) in enumerate(zip(nxt.ids, _sources(nxt), strict=True)):
+            if pid not in skip and pid not in have and want[src] > 0:
+                rows.append(i)
+                have.add(pid)
+                want[src] -= 1
+        added.append(_take(nxt, rows))
+    if not read:
+        return kept, {}
+    parts = [kept, *added]
+    out = Prompts(
+        [i for p in parts for i in p.ids],
+        [t for p in parts for t in p.texts],
+        [t for p in parts for t in p.tokens],
+        pa.concat_tables([p.carried for p in parts], promote_options="permissive"),
+        kept.counts,
+        {**kept.batch, "refill": read},
+    )
+    return out, {"batches": read, "prompts": [i for p in added for i in p.ids]}

@@ -14,7 +14,8 @@ epoch k // (n // B)'s seeded permutation, j = k mod (n // B)). Every round of ev
 takes the next batch of that sequence, as DAPO keeps pulling batches from its data loader:
 round r of iteration K takes batch `first_batch(K) + r`, and iteration K + 1 starts after the
 last batch iteration K took (its round 0 and its complete top-up rounds), so batches taken by
-top-up rounds are skipped by the next iterations, never sampled twice in one pass. Without
+top-up rounds (or read by generate.prompt_filter_refill: curriculum.py) are skipped by the
+next iterations, never sampled twice in one pass. Without
 top-up rounds batch k is iteration k's, as before. Each round's rollouts manifest records its
 batch index, epoch and positions (`prompt_batch`), and `first_batch(K)` is worked out from
 iteration K - 1's manifests alone: the order is the same whether the run went straight
@@ -43,7 +44,7 @@ def batch_index(cfg: Config, iteration: int, topup: int) -> int:
     the iteration: every round takes every prompt)."""
     if cfg.generate.prompts_per_iteration == 0:
         return iteration
-    return first_batch(cfg.run_dir, iteration) + topup
+    return first_batch(cfg.run_dir, iteration) + topup + refilled(cfg.run_dir, iteration, topup)
 
 
 def first_batch(run_dir: str, iteration: int) -> int:
@@ -53,12 +54,23 @@ def first_batch(run_dir: str, iteration: int) -> int:
     counts as one batch and the count goes on from the iteration before it."""
     after = 0
     for it in range(iteration - 1, -1, -1):
-        after += 1 + rounds_taken(run_dir, it)
+        rounds = rounds_taken(run_dir, it)
+        after += 1 + rounds + refilled(run_dir, it, rounds + 1)
         m = manifests.manifest(layout.folder(run_dir, it, layout.ROLLOUTS)) or {}
         recorded = (m.get("prompt_batch") or {}).get("batch")
         if isinstance(recorded, int):
             return recorded + after
     return after
+
+
+def refilled(run_dir: str, iteration: int, rounds: int) -> int:
+    """The batches the prompt filter's refill read (curriculum.py) in rounds 0..rounds-1 of
+    `iteration`: each counts as taken."""
+    n = 0
+    for r in range(rounds):
+        m = manifests.manifest(layout.folder(run_dir, iteration, layout.ROLLOUTS, r)) or {}
+        n += len((m.get("prompt_batch") or {}).get("refill") or [])
+    return n
 
 
 def rounds_taken(run_dir: str, iteration: int) -> int:

@@ -12,7 +12,7 @@ from rlhf_batch.core.eval_metrics import with_overall
 from rlhf_batch.observe.health import reward_warnings
 from rlhf_batch.observe.query import connect, existing_run, one_line
 from rlhf_batch.sql import sql_text
-from rlhf_batch.store import layout
+from rlhf_batch.store import layout, redo
 
 STATUS_STAGES = ("rollouts", "scores", "advantages", "train", "eval")  # eval: only where it ran
 
@@ -30,11 +30,12 @@ def print_status(run_dir: str | Path) -> None:
         print(f"{root}: no iterations yet")
         return
     con = connect(root)
+    mark = redo.read(root)
     try:
         flagged = _reward_warnings(con)
         health = _health(con)  # one query over the run, not one per iteration
         rows = [
-            (str(it), label, *_stage_status(con, root, it, stage, r, flagged, health))
+            (str(it), label, *_stage_status(con, root, it, stage, r, flagged, health, mark))
             for it in iters
             for label, stage, r in _status_stages(root, it)
         ]
@@ -44,6 +45,8 @@ def print_status(run_dir: str | Path) -> None:
     table = [("iter", "stage", "state", "rows", "startup_s", "work_s", "tok/s", "stale", "details"), *rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]  # details: not padded
     print(f"run: {root}")
+    if mark is not None:
+        print(f"redo from {redo.label(mark)} pending: `rlhf-batch run CONFIG` finishes it")
     for r in table:
         cells = [
             c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))
@@ -81,10 +84,12 @@ def _stage_status(
     topup: int = 0,
     flagged: dict[int, str] | None = None,
     health: dict[int, str] | None = None,
+    mark: dict[str, Any] | None = None,
 ) -> tuple[str, ...]:
     """(state, rows, startup, work, tok/s, stale, details) of one stage of one iteration (of its
     top-up round `topup`); `flagged`: the reward_health warnings, shown on their scores row;
-    `health`: the health view's warning ('' when none) of each trained iteration (`_health`)."""
+    `health`: the health view's warning ('' when none) of each trained iteration (`_health`);
+    `mark`: a pending `run --redo-from` (store/redo.py), whose stages still to redo are stale."""
     import duckdb
 
     from rlhf_batch.store import manifests
@@ -108,8 +113,11 @@ def _stage_status(
         except duckdb.Error as e:  # a damaged file must not hide the other stages
             details = [f"unreadable ({one_line(e)})"]
     if m and (changed := changed_inputs(root, it, stage, topup, m)):
-        state = "stale"  # an input was redone since (--force upstream): `run` redoes this stage
+        state = "stale"  # an input was redone since (--force upstream): `run --redo-from` redoes it
         details.insert(0, f"inputs changed since: {', '.join(changed)}")
+    if redo.pending(mark, it, redo.folder_stage(stage), m):
+        state = "stale"
+        details.insert(0, f"redo from {redo.label(mark or {})} pending")
     if stage == "advantages" and m:
         c = m.get("counts", {})
         details.append(f"kept {c.get('groups_out', '?')}/{c.get('groups_total', '?')} groups")
@@ -154,16 +162,19 @@ def _reward_warnings(con: Any) -> dict[int, str]:
 
 
 def _stale_downstream(rows: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
-    """A complete stage after a stale one of its iteration (rollouts, scores, advantages, train) is
-    stale too: `run` redoes the stale one, then it."""
+    """A complete stage after a stale one is stale too: later in its iteration, or in any later
+    iteration (each starts from the policy trained before it; the eval of iteration K evaluates
+    iteration K-1's policy, so a stale stage of K leaves it alone). Redo them all with
+    `run --redo-from` from the first stale one."""
     out: list[tuple[str, ...]] = []
-    first_stale: dict[str, str] = {}
+    first: tuple[int, str] | None = None  # (iteration, label) of the first stale stage
     for row in rows:
         it, label, state, *rest = row
-        if label in STATUS_STAGES[:4] and state == "stale":
-            first_stale.setdefault(it, label)
-        elif label in STATUS_STAGES[:4] and state == "complete" and it in first_stale:
-            details = f"inputs changed since: {first_stale[it]} (stale)"
+        if state == "stale" and first is None and label != "eval":
+            first = (int(it), label)
+        elif state == "complete" and first is not None and (int(it) > first[0] or label != "eval"):
+            since = first[1] if int(it) == first[0] else f"{layout.iter_name(first[0])}/{first[1]}"
+            details = f"inputs changed since: {since} (stale)"
             row = (it, label, "stale", *rest[:-1], ", ".join(x for x in (details, rest[-1]) if x))
         out.append(row)
     return out

@@ -19,6 +19,7 @@ sees half a file; a re-run ends with exactly the rows of an uninterrupted run.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from rlhf_batch.errors import StageError
@@ -26,7 +27,7 @@ from rlhf_batch.observe import tracking
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.runtime.timing import StageClock
-from rlhf_batch.store import layout, staging
+from rlhf_batch.store import layout, redo, staging
 from rlhf_batch.store.atomic import set_durable
 from rlhf_batch.store.manifests import (
     manifest,
@@ -80,7 +81,7 @@ def execute(
             clock.work_begins()
         with _progress(stage, todo, quiet or not dist.leads()) as bar:
             stage.write_parts(todo, out, bar)
-        result = out.finish(n_parts, stage.manifest_extra)  # under --force: swapped in
+        result = out.finish(n_parts, _manifest_extra(stage, force))  # under --force: swapped in
         stage.staging = None
         if result is not None:  # rank 0: the live trackers (report_to); never raises
             tracking.log_stage(out.record, stage.sdir, result)
@@ -90,6 +91,14 @@ def execute(
     finally:
         _unstage(stage, out)
         stage.close()
+
+
+def _manifest_extra(stage: Stage, force: bool) -> Any:
+    """The stage's manifest entries; a stage `run --redo-from` forces also records its token."""
+    token = os.environ.get(redo.ENV) if force else None
+    if not token:
+        return stage.manifest_extra
+    return lambda: {**stage.manifest_extra(), "redo": token}
 
 
 def _stage_beside(stage: Stage, out: StageOutput) -> None:

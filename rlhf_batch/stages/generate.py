@@ -123,7 +123,12 @@ class Generate(Stage):
         self.prompts = load_prompts(self.cfg.generate, self.tok, self.batch, self.cfg.seed)
         self.filtered: dict[str, Any] = {}
         if curriculum.enabled(self.cfg):
-            self.prompts, self.filtered = curriculum.apply(self.cfg, self.iteration, self.prompts)
+            self.prompts, self.filtered = curriculum.apply(
+                self.cfg,
+                self.iteration,
+                self.prompts,
+                lambda k: load_prompts(self.cfg.generate, self.tok, k, self.cfg.seed),
+            )
         self.order = list(range(len(self.prompts.ids)))
         return math.ceil(len(self.order) / self.cfg.generate.prompts_per_part)
 

@@ -117,6 +117,14 @@ def redo_command(sdir: Path, stage: str = "") -> str:
     return f"`rlhf-batch {stage} {source} --iter {it}{f' --topup {top}' if top else ''} --force`"
 
 
+def redo_from_command(sdir: Path, stage: str = "") -> str:
+    """`rlhf-batch run CONFIG --redo-from K:STAGE` for the stage folder `sdir` (store/redo.py)."""
+    path = run_path(sdir)
+    it = next((int(p[5:]) for p in reversed(path.parts) if p.startswith("iter=")), 0)
+    stage = stage or STAGE_OF.get(path.name, path.name)
+    return f"`rlhf-batch run CONFIG --redo-from {it}:{stage}`"
+
+
 def folder(run_dir: str | Path, it: int, name: str, topup: int = 0) -> Path:
     """The output folder `name` (rollouts, scores, advantages, train, eval) of iteration `it`; of its
     top-up round `topup` when > 0 (rollouts and scores only)."""

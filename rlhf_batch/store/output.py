@@ -83,7 +83,8 @@ class StageOutput:
         if m is not None and not same_identity(m, self.key, self.identity):
             raise StageError(
                 f"{self.sdir}: stage is complete with a different config or inputs "
-                f"({differences(m, self.identity)}); replace it with {layout.redo_command(self.sdir, self.command or '')}"
+                f"({differences(m, self.identity)}); replace it with {layout.redo_command(self.sdir, self.command or '')}, "
+                f"or it and every stage after it with {layout.redo_from_command(self.sdir, self.command or '')}"
             )
         self.complete = m is not None
         return m

@@ -32,3 +32,22 @@ def test_different_totals_and_empty_sides() -> None:
     assert aligned_chunks([2, 2, 0], [2, 2], 2) == [(range(0, 1), range(0, 1)), (range(1, 3), range(1, 2))]
     # no rows at all: one chunk with every part
     assert aligned_chunks([0, 0], [0], 3) == [(range(0, 2), range(0, 1))]
+
+
+def test_token_budget_batches_by_hand() -> None:
+    from rlhf_batch.core.batching import token_budget_batches
+
+    # longest first: rows 1 (5), 3 (5), 0 (3), 2 (2), 4 (1). Budget 10: rows 1 and 3 pad to
+    # 5 x 2 = 10 (exactly the budget: kept together); row 0 would make 5 x 3 = 15 > 10, so a new
+    # batch of width 3: 3 x 3 = 9 with rows 2 and 4.
+    assert token_budget_batches([3, 5, 2, 5, 1], 10) == [[1, 3], [0, 2, 4]]
+    assert token_budget_batches([3, 5, 2, 5, 1], 9) == [[1], [3], [0, 2, 4]]  # 5 x 2 = 10 > 9
+    # max_padding 0.3, budget 100: real / padded = 5/5, 10/10, 13/15, 15/20 (padding 0.25), then
+    # row 4 would give 16 real of 25 padded: padding 0.36 > 0.3, so it starts a batch
+    assert token_budget_batches([3, 5, 2, 5, 1], 100, 0.3) == [[1, 3, 0, 2], [4]]
+    assert token_budget_batches([3, 5, 2, 5, 1], 100) == [[1, 3, 0, 2, 4]]
+    # a row over the budget gets a batch of its own; empty rows count as width 1
+    assert token_budget_batches([20, 3], 10) == [[0], [1]]
+    assert token_budget_batches([0, 0], 1) == [[0], [1]]
+    assert token_budget_batches([0, 0], 2) == [[0, 1]]
+    assert token_budget_batches([], 8) == []

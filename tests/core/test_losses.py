@@ -649,3 +649,16 @@ def test_per_token_advantages_weigh_each_token() -> None:
     same = grpo_loss(logp.detach(), torch.zeros(2, 3), T_([1.5, -1.0]), mask)
     tiled = grpo_loss(logp.detach(), torch.zeros(2, 3), T_([[1.5] * 3, [-1.0] * 3]), mask)
     close(same.loss, tiled.loss.item())
+
+
+def test_argument_edges() -> None:
+    # norm_const 1 is a valid normaliser (only <= 0 is not); one negative eps is enough to refuse
+    one = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    out = grpo_loss(
+        one, one, torch.tensor([1.0]), mask, aggregation="seq_mean_token_sum_norm", norm_const=1.0
+    )
+    assert out.loss.item() == pytest.approx(-2.0)  # on policy, A = 1: (-1 - 1) / 1, one sequence
+    for eps in ({"eps_low": -0.1, "eps_high": 0.2}, {"eps_low": 0.2, "eps_high": -0.1}):
+        with pytest.raises(ValueError, match="eps_low/eps_high must be >= 0"):
+            grpo_loss(one, one, torch.tensor([1.0]), mask, **eps)

@@ -278,3 +278,78 @@ def test_importance_weights_match_trl(ours: str, trl: str, low: float | None) ->
     if ours != "truncate":  # masked: exactly the real tokens TRL zeroes
         assert torch.equal(masked, mask & (theirs == 0))
         assert 0 < masked.sum() < mask.sum()
+
+
+@pytest.mark.parametrize("mode", ["mask", "sequence_mask"])
+@pytest.mark.parametrize(("low", "cap"), [(1.0, 3.0), (0.5, 1.0)])
+def test_mask_band_keeps_weights_exactly_at_its_edges(mode: str, low: float, cap: float) -> None:
+    # d = old - behaviour = 0 on both tokens: w = e^0 = 1 exactly (token and row product alike),
+    # sitting on the band's edge (low = 1 or cap = 1). The band [low, cap] is closed (TRL masks
+    # w < min or w > max only): both tokens keep weight 1. On policy, A = 1: terms -1, -1 ->
+    # token_mean -1, nothing masked. An open edge would drop both: loss 0, masked 1.
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    out = grpo_loss(
+        old.clone(),
+        old,
+        T_([1.0]),
+        mask,
+        behavior_logprobs=old.clone(),
+        tis_cap=cap,
+        tis_mode=mode,
+        tis_low=low,
+    )
+    close(out.loss, -1.0)
+    close(out.tis_masked, 0.0)
+    weights, masked = is_weights(torch.zeros(1, 2), mask, mode, low, cap)
+    assert weights.tolist() == [[1.0, 1.0]] and not masked.any()
+
+
+def test_sequence_mask_product_ratio_leaves_out_environment_tokens() -> None:
+    # A multi-turn row: token 1 is the environment's (loss_mask 0, so mask False), and there the
+    # trainer's log-prob (old) is far from the engine's, which never sampled it (behaviour 0):
+    # d = old - behaviour = 0.1, [4.0 on the environment token], 0.2.
+    # The row's product ratio takes the policy's tokens only: e^(0.1 + 0.2) = e^0.3 = 1.349859,
+    # inside [0, 3]: both real tokens weigh it. On policy (logp = old), A = 1:
+    # terms -1.349859 x 2 -> token_mean -1.349859; nothing masked.
+    # Were the environment token counted: e^4.3 = 73.7 > 3, the row dropped: loss 0, masked 1.
+    old = T_([[-0.9, -4.0, -0.8]])
+    behaviour = T_([[-1.0, 0.0, -1.0]])
+    mask = T_([[True, False, True]])
+    out = grpo_loss(
+        old.clone(), old, T_([1.0]), mask, behavior_logprobs=behaviour, tis_cap=3.0, tis_mode="sequence_mask"
+    )
+    close(out.loss, -1.349859)
+    close(out.tis_masked, 0.0)
+
+
+def test_row_stats_by_hand() -> None:
+    from rlhf_batch.core.objectives import ROW_STATS, row_stats
+
+    # row 0 has tokens 0 and 1, row 1 token 0 only; the other positions are padding (any value)
+    mask = T_([[True, True, False], [True, False, False]])
+    ratio = T_([[0.5, 0.8, 9.0], [0.6, 7.0, 7.0]])  # means 0.65, 0.6; maxima 0.8, 0.6
+    weights = T_([[1.0, 0.0, 5.0], [2.0, 5.0, 5.0]])  # means 0.5, 2.0
+    binds = T_([[True, False, True], [False, True, True]])  # on real tokens: 1, 0
+    masked = T_([[False, True, True], [True, True, False]])  # on real tokens: 1, 1
+    entropy = T_([[1.0, 2.0, 50.0], [3.0, 50.0, 50.0]])  # means 1.5, 3.0
+    logp = T_([[-1.0, -2.0, -9.0], [-0.5, -9.0, -9.0]])
+    behaviour = T_([[-1.5, -1.0, 0.0], [-0.25, 0.0, 0.0]])  # |logp - behaviour|: 0.5, 1.0; 0.25
+    got = row_stats(ratio, weights, binds, masked, entropy, logp, behaviour, mask)
+    assert got.shape == (2, len(ROW_STATS))
+    expected = [[0.65, 0.8, 0.5, 1.0, 1.0, 1.5, 1.0], [0.6, 0.6, 2.0, 0.0, 1.0, 3.0, 0.25]]
+    assert torch.allclose(got, T_(expected)), got
+    # no importance weights: 1 per row; no entropy: nan
+    got = row_stats(ratio, None, binds, masked, None, logp, behaviour, mask)
+    assert got[:, 2].tolist() == [1.0, 1.0] and torch.isnan(got[:, 5]).all()
+
+
+def test_one_token_rows_and_the_cispo_cap_edge() -> None:
+    from rlhf_batch.core.objectives import cispo_tokens
+
+    # GSPO on a row of one real token: the mean log-ratio is that token's, -1.0 - -1.5 = 0.5
+    log_s = sequence_log_ratio(T_([[-1.0, 3.0]]), T_([[-1.5, 0.0]]), T_([[True, False]]))
+    assert log_s.tolist() == [[0.5, 0.0]]
+    # CISPO: a ratio exactly at the cap is not truncated (the cap binds above it)
+    _, binds = cispo_tokens(T_([[2.0, 2.5]]), T_([[-1.0, -1.0]]), T_([[1.0, 1.0]]), T_([[True, True]]), 2.0)
+    assert binds.tolist() == [[False, True]]

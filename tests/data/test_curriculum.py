@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -19,6 +20,7 @@ from typer.testing import CliRunner
 from rlhf_batch.commands.cli import app
 from rlhf_batch.commands.pipeline import run_pipeline
 from rlhf_batch.config import load_config
+from rlhf_batch.data import curriculum
 from rlhf_batch.errors import ConfigError
 from rlhf_batch.runtime import faults
 from rlhf_batch.store import layout, manifests
@@ -146,3 +148,89 @@ def test_a_killed_filtered_generate_resumes_to_the_same_prompts(make_config, tmp
         assert a.drop_columns(drop).equals(b.drop_columns(drop)), folder
     ma, mb = (manifests.manifest(layout.folder(d, 1, "rollouts")) for d in (cfg.run_dir, ref.run_dir))
     assert ma["prompt_filter"] == mb["prompt_filter"] and ma["prompt_filter"]["skipped"]
+
+
+def write_scores(run_dir: str, it: int, passed: dict[str, list[float]]) -> None:
+    """A complete scores folder of iteration `it` with the given scores per prompt."""
+    from rlhf_batch.store import output
+    from rlhf_batch.store.schemas import SCORES
+
+    rows = [(p, s) for p, ss in passed.items() for s in ss]
+    cols = {
+        "rollout_id": [f"{it}-{p}-{k}" for k, (p, _) in enumerate(rows)],
+        "prompt_id": [p for p, _ in rows],
+        "score": [s for _, s in rows],
+    }
+    table = pa.table({f.name: cols.get(f.name, [None] * len(rows)) for f in SCORES}, schema=SCORES)
+    out = output.claim(layout.folder(run_dir, it, "scores"), "scores", {"it": it}, {})
+    out.write_table(0, table, SCORES)
+    out.finish(1)
+
+
+def test_the_history_leaves_out_the_iterations_the_policy_has_not_trained_on(make_config, tmp_path) -> None:
+    """max_staleness = 1: iteration 2 samples from the policy trained on iteration 0 only, so its
+    filter reads iteration 0's scores and not iteration 1's."""
+    path, _ = configure(make_config, tmp_path, "stale", 3, prompt_filter=[0.2, 0.8])
+    cfg = load_config(path, ["max_staleness=1"])
+    # a: passed 1 of 2 in iteration 0 (rate 0.5, kept), failed 4 times in iteration 1 (would be 1/6)
+    # b: passed twice in iteration 0 (rate 1, skipped), failed twice in iteration 1 (would be 2/4)
+    # c: only in iteration 1 (no history: kept; would be rate 0, skipped)
+    write_scores(cfg.run_dir, 0, {"a": [1.0, 0.0], "b": [1.0, 1.0]})
+    write_scores(cfg.run_dir, 1, {"a": [0.0] * 4, "b": [0.0, 0.0], "c": [0.0, 0.0]})
+    assert curriculum.history(cfg, 2) == [0]
+    assert curriculum.skipped(cfg, 2, ["a", "b", "c"]) == ["b"]
+    # without staleness iteration 2 trains on both: a 1/6 and c 0/2 skipped, b 2/4 kept
+    fresh = load_config(path, ["max_staleness=0"])
+    assert curriculum.skipped(fresh, 2, ["a", "b", "c"]) == ["a", "c"]
+
+
+def test_refill_takes_the_next_batch_of_each_source_to_its_quota(make_config, demo_prompts, tmp_path) -> None:
+    """prompt_filter_refill: the prompts the filter skips are replaced from the next batch of the
+    order, each source to its quota, skipped prompts left out there too; the batch it read counts
+    as taken. Without it the batch shrinks and a source loses its share."""
+    from rlhf_batch.core.mixtures import rows_for
+    from rlhf_batch.data import topup
+    from rlhf_batch.stages.generate import Generate
+    from rlhf_batch.store import output
+    from tests.data.test_mixtures import split
+
+    _, _, ids_a, ids_b = split(demo_prompts, tmp_path)
+    sources = [
+        {"path": "a.jsonl", "weight": 1.0, "name": "a"},
+        {"path": "b.jsonl", "weight": 1.0, "name": "b"},
+    ]
+    path, cfg = configure(
+        make_config, tmp_path, "refill", 3, prompts=sources, prompts_per_iteration=4, prompt_filter=[0.2, 0.8]
+    )
+    ids = ids_a + ids_b  # the rows of the concatenated set, source a's first
+    sizes = [len(ids_a), len(ids_b)]
+    # weights 1:1 of 4: quotas 2 and 2; iteration 1 takes batch 1 (iteration 0 took batch 0)
+    batch = {k: [ids[r] for r in rows_for(k, sizes, [1.0, 1.0], 4, cfg.seed)[1]] for k in (1, 2, 3)}
+    a1, b1, a2, a3 = batch[1][:2], batch[1][2:], batch[2][:2], batch[3][:2]
+    # history (iteration 0): both `a` prompts of batch 1 and the first `a` of batch 2 always
+    # failed (pass rate 0: skipped by the band); every other prompt has no history (kept)
+    write_scores(cfg.run_dir, 0, {a1[0]: [0.0, 0.0], a1[1]: [0.0, 0.0], a2[0]: [0.0, 0.0]})
+
+    def plan(config: Any) -> Generate:
+        g = Generate(config, 1)
+        g.policy, g.batch = config.policy_model, topup.batch_index(config, 1, 0)
+        g.plan()
+        return g
+
+    shrunk = plan(cfg)
+    assert shrunk.prompts.ids == b1  # 2 of 4, and source `a` is gone
+    g = plan(load_config(path, ["generate.prompt_filter_refill=3"]))
+    # batch 1's kept prompts; then `a` only (b has its quota): batch 2's second `a` (its first
+    # failed), batch 3's first `a`; batch 4 is not read (the batch is full)
+    assert g.prompts.ids == [*b1, a2[1], a3[0]]
+    assert g.prompts.carried["source"].to_pylist() == ["b", "b", "a", "a"]  # quotas 2 and 2
+    assert g.filtered["skipped"] == a1
+    assert g.filtered["refill"] == {"batches": [2, 3], "prompts": [a2[1], a3[0]]}
+    assert g.prompts.counts["prompts_refilled"] == 2 and g.prompts.batch["refill"] == [2, 3]
+    # the batches it read count as taken: the next iteration (or round) starts at batch 4
+    out = output.claim(layout.folder(cfg.run_dir, 1, "rollouts"), "rollouts", {"it": 1}, {})
+    out.write_table(0, pa.table({"x": [1]}), pa.schema([("x", pa.int64())]))
+    out.finish(1, {"prompt_batch": g.prompts.batch})
+    assert topup.batch_index(cfg, 2, 0) == 4 and topup.batch_index(cfg, 1, 1) == 4
+    with pytest.raises(ConfigError, match="generate.prompt_filter_refill"):
+        load_config(path, ["generate.prompt_filter_refill=1", 'generate.prompt_filter=""'])

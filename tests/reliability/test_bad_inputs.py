@@ -795,7 +795,9 @@ def reward_function_returns_nan(ctx: Ctx):  # noqa: ANN201
 
 @case
 def no_reward_at_all(ctx: Ctx):  # noqa: ANN201
-    return _score(ctx, score={"reward_functions": []}), ["set score.reward_functions, reward_model and/or score.judge_model"]
+    return _score(ctx, score={"reward_functions": []}), [
+        "set score.reward_functions, reward_model and/or score.judge_model"
+    ]
 
 
 @case

@@ -192,3 +192,31 @@ def test_async_calls_end_at_the_timeout(tmp_path: Path) -> None:
         RewardError, match=r"cache_judge_g:slow did not return within 0.3 s \(score.reward_timeout\)"
     ):
         RewardCalls(timeout=0.3).values(fns, rids(2), batch(["a", "b"]))
+
+
+CARRIED = """
+def judge(*, responses, answer, env_solved, **_):
+    return [float(r.endswith(a)) + 10 * s for r, a, s in zip(responses, answer, env_solved)]
+"""
+
+
+def test_carried_columns_are_part_of_the_key_within_a_batch_and_across(tmp_path: Path) -> None:
+    """Rows with the same prompt, response and token ids but another `answer` or environment part
+    (`env_*`) are different rollouts to a reward function: each gets its own verdict."""
+    module(tmp_path, "cache_judge_carried", CARRIED)
+    fns = load_reward_functions(["cache_judge_carried:judge"])
+    b = batch(["a7"] * 3)
+    b["columns"] = {"answer": ["7", "8", "7"], "env_solved": [0.0, 0.0, 1.0]}
+    root = tmp_path / "run" / FOLDER
+    calls = RewardCalls(cache=RewardCache(root))
+    out, _ = calls.values(fns, rids(3), b)
+    # by hand: "a7" ends with "7" -> 1 + 10 * 0; not with "8" -> 0 + 0; "7" and solved -> 1 + 10
+    assert out["reward_judge"] == [1.0, 0.0, 11.0]
+    assert calls.take_counts()["reward_cache_misses"] == 3
+    # a later batch: the second row's answer and the third's part changed, the first row is a hit
+    b["columns"] = {"answer": ["7", "7", "7"], "env_solved": [0.0, 0.0, 0.0]}
+    calls = RewardCalls(cache=RewardCache(root))
+    out, _ = calls.values(fns, rids(3), b)
+    assert out["reward_judge"] == [1.0, 1.0, 1.0]
+    counts = calls.take_counts()
+    assert (counts["reward_cache_hits"], counts["reward_cache_misses"]) == (3, 0)

@@ -481,5 +481,7 @@ def test_missing_rollouts_and_missing_rewards_are_errors(make_config) -> None:
     with pytest.raises(StageError, match="rollouts are not complete"):
         run_stage("score", cfg, 0, quiet=True)
     cfg.score.reward_functions = []
-    with pytest.raises(ConfigError, match="reward_model and/or score.judge_model; nothing would give a reward"):
+    with pytest.raises(
+        ConfigError, match="reward_model and/or score.judge_model; nothing would give a reward"
+    ):
         run_stage("score", cfg, 0, quiet=True)
