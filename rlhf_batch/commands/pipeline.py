@@ -394,8 +394,8 @@ def warn_reward_health(cfg: Config, it: int) -> None:
     scores, top-up rounds and eval are complete once it trains). Skipped where no flag can be
     raised yet: before iteration `window` (no earlier iteration to compare with) with fewer than
     two reward parts (no dominant one)."""
-    from rlhf_batch.observe.health import REWARD_THRESHOLDS, iteration_reward_warning, reward_warning_line
-    from rlhf_batch.observe.query import one_line
+    from rlhf_batch.observe.health import REWARD_THRESHOLDS, reward_warning_line
+    from rlhf_batch.observe.query import iteration_reward_warning, one_line
 
     parts = len(cfg.score.reward_functions) + bool(cfg.reward_model)
     if it < REWARD_THRESHOLDS["window"] and parts < 2:

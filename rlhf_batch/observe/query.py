@@ -448,3 +448,77 @@ def _repl_one(con: Any, query: str) -> None:
         _run_one(con, query, "table", None)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+
+
+def iteration_reward_warning(run_dir: str | Path, it: int) -> str | None:
+    """The reward_health warning of iteration `it` (None: no flag), as `reward_warnings` over the
+    whole run gives it, from the files of `it` and of its baselines alone: the iterations from
+    it - window back to the latest one that has the score and each signal `it` has (one
+    iteration where every stage runs each iteration), so its cost does not grow with the run."""
+    from rlhf_batch.core.reward_health import flags
+    from rlhf_batch.observe.health import REWARD_THRESHOLDS
+    from rlhf_batch.store import fs
+
+    root = fs.run_path(run_dir)
+    window = int(REWARD_THRESHOLDS["window"])
+    # one connection for `it` and it - window: all there is to read where every stage runs each iteration
+    first = [it, it - window] if it >= window else [it]
+    series, parts = iteration_reward_signals(root, first)
+    if it not in series["score"]:
+        return None
+    wanted = {name for name, sig in series.items() if it in sig} - {"score"}
+    if it >= window and it - window in series["score"]:
+        wanted -= {name for name, sig in series.items() if it - window in sig}
+    loaded = dict(series)
+    j = it - window - 1
+    while j >= 0 and wanted:  # further back, to each signal's baseline
+        more, _ = iteration_reward_signals(root, [j])
+        if j in more["score"]:
+            wanted -= {name for name, sig in more.items() if j in sig}
+        for name, sig in more.items():
+            loaded[name] = {**loaded.get(name, {}), **sig}
+        j -= 1
+    loaded.setdefault("length", {})
+    found = flags(loaded, parts, REWARD_THRESHOLDS).get(it, [])
+    return "; ".join(w for _, w in found) or None
+
+
+def iteration_reward_signals(
+    root: Path, its: list[int]
+) -> tuple[dict[str, dict[int, Any]], dict[int, dict[str, float | None]]]:
+    """`reward_signals` over the complete files of iterations `its` only (their top-up rounds
+    included, as the run's views hold them)."""
+    import duckdb
+
+    from rlhf_batch.observe.health import SIGNAL_VIEWS, reward_signals
+    from rlhf_batch.store import fs, manifests, schemas
+
+    con = duckdb.connect(":memory:")
+    try:
+        fs.register(con, root)  # a run on an object store
+        for name in SIGNAL_VIEWS:
+            pattern, schema_name = VIEWS[name]
+            selects = []
+            for k in its:
+                own = pattern.replace(layout.ITER_GLOB, layout.iter_name(k), 1)
+                if files := listed(root, own):
+                    extra = ", 0::INTEGER AS topup" if name in TOPUP_VIEWS else ""
+                    selects.append(_read_parts(files, ["iter"], extra))
+                if name in TOPUP_VIEWS and (
+                    files := listed(root, own.replace("/", f"/{layout.TOPUP_GLOB}/", 1))
+                ):
+                    selects.append(_read_parts(files, ["iter", "topup"]))
+            if selects:
+                con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(selects))
+            else:
+                con.register("_empty", getattr(schemas, schema_name).empty_table())
+                con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter FROM _empty")
+                con.unregister("_empty")
+        texts = []
+        for k in its:
+            m = manifests.manifest(layout.folder(root, k, layout.SCORES))
+            if m is not None:
+                texts.append((k, json.dumps(m)))
+        return reward_signals(con, texts)
+    finally:
+        con.close()

@@ -57,7 +57,8 @@ def test_each_fan_out_stage_inside_a_two_task_slurm_allocation_writes_every_part
 def test_world_size_auto_takes_the_slurm_tasks_rank(
     make_config, demo_prompts: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for k, v in {**SLURM_TWO_TASKS, "SLURM_PROCID": "1"}.items():
+    # task 1 of an srun step (step 0): outside a step (the batch script) auto is refused
+    for k, v in {**SLURM_TWO_TASKS, "SLURM_PROCID": "1", "SLURM_STEP_ID": "0"}.items():
         monkeypatch.setenv(k, v)
     path, cfg = _config(make_config, demo_prompts)
     res = cli("generate", path, "--quiet", "--world-size", "auto")

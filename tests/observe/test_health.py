@@ -270,7 +270,7 @@ def test_run_reward_check_reads_its_iteration_and_baseline_alone(make_config, mo
     counts = []
     for it in range(8):
         read.clear()
-        assert run_health.iteration_reward_warning(cfg.run_dir, it) == whole.get(it)
+        assert run_query.iteration_reward_warning(cfg.run_dir, it) == whole.get(it)
         iters = sorted({int(Path(f).parts[-3].removeprefix("iter=")) for f in read})
         assert iters == ([it - 3, it] if it >= 3 else [it])
         counts.append(len(read))
