@@ -1,0 +1,189 @@
+"""Multi-turn generation with tools, turn by turn with a policy that writes given turns (a
+scripted sampler: the turns' token ids, in order, whatever the context): the tools reach the
+chat template, several calls get one tool message each, generated and imported trajectories of
+one conversation are the same tokens, the per-turn seeds and the token budget's edge."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlhf_batch.data import chat_turns
+from rlhf_batch.data.prompts import load_prompts
+from rlhf_batch.envs.base import Step
+from rlhf_batch.envs.pool import EnvPool
+from rlhf_batch.envs.tools import template_tools
+from rlhf_batch.errors import StageError
+from rlhf_batch.models.load import load_tokenizer
+from rlhf_batch.stages.generate import DROPPED, generate_part
+from rlhf_batch.store.ids import row_seed
+
+
+class Scripted:
+    """Samples the given turns (texts, each ended by <|im_end|>) one after the other, and records
+    the seeds and contexts each turn was asked with."""
+
+    def __init__(self, tok: Any, turns: list[str]) -> None:
+        stop = tok.convert_tokens_to_ids("<|im_end|>")
+        self.turns = [[*tok(t, add_special_tokens=False)["input_ids"], stop] for t in turns]
+        self.seeds: list[list[int]] = []
+        self.contexts: list[list[list[int]]] = []
+
+    def sample(self, contexts: list[list[int]], seeds: list[int], bar: Any) -> list[tuple]:
+        turn = len(self.seeds)
+        self.seeds.append(list(seeds))
+        self.contexts.append([list(c) for c in contexts])
+        ids = self.turns[turn]
+        return [(list(ids), [-0.5] * len(ids), "stop") for _ in contexts]
+
+
+class _Bar:
+    def update(self, n: int) -> None: ...
+
+
+CALLS = [{"expression": "6*7"}, {"expression": "1+2"}]
+PROMPT = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": "6*7 and 1+2?"}]
+ASSISTANT_CALLS = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": a}} for a in CALLS],
+}
+CONVERSATION = [
+    *PROMPT,
+    ASSISTANT_CALLS,
+    {"role": "tool", "content": "42"},
+    {"role": "tool", "content": "3"},
+    {"role": "assistant", "content": "42 and 3"},
+]
+
+
+def _assistant_texts(tok: Any) -> list[str]:
+    """The assistant turns as the chat template renders them (what import tokenises)."""
+    rendered = tok.apply_chat_template(CONVERSATION, tools=template_tools(["calculator"]), tokenize=False)
+    texts = rendered.split("<|im_start|>assistant\n")[1:]
+    return [t.split("<|im_end|>")[0] for t in texts]
+
+
+def _generate(make_config, tmp_path: Path, env: str, turns: list[str], more: str = "") -> tuple[Any, ...]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    prompts_file = tmp_path / "tools.jsonl"
+    prompts_file.write_text(json.dumps({"id": 7, "messages": PROMPT, "tools": ["calculator"]}) + "\n")
+    _, cfg = make_config(
+        f'[generate]\nprompts = "{prompts_file}"\nenvironment = "{env}"\nnum_generations = 1\n{more}'
+    )
+    tok = load_tokenizer(cfg.policy_model)
+    prompts = load_prompts(cfg.generate, tok)
+    engine = Scripted(tok, turns)
+    pool = EnvPool(cfg.generate.environment, 1, 30.0, cfg.generate.tool_parser)
+    try:
+        table = generate_part(engine, tok, prompts, 0, cfg, 0, cfg.policy_model, _Bar(), pool=pool, where=tmp_path)
+    finally:
+        pool.close()
+    return cfg, tok, engine, table
+
+
+def test_generated_and_imported_trajectories_are_the_same_tokens(make_config, tmp_path: Path) -> None:
+    tok = load_tokenizer(str(make_config()[1].policy_model))
+    env = "rlhf_batch.envs.tools:tool_environment"
+    cfg, tok, engine, table = _generate(make_config, tmp_path, env, _assistant_texts(tok))
+    (row,) = table.to_pylist()
+    # the tools reached the chat template: the prompt holds the calculator's schema
+    assert '"name": "calculator"' in row["prompt"] and "# Tools" in row["prompt"]
+    # import's tokenisation of the same conversation (data/chat_turns.py, as `import` runs it)
+    msgs = chat_turns.normalize(CONVERSATION, "conversation")
+    imported = chat_turns.tokenize(tok, msgs, template_tools(["calculator"]), "conversation")
+    assert row["prompt_ids"] == imported.prompt_ids
+    assert row["response_ids"] == imported.response_ids
+    assert row["loss_mask"] == imported.loss_mask
+    assert row["turn_starts"] == imported.turn_starts
+    # two calls: two tool messages, as Qwen's format and import take them
+    assert row["turn_roles"] == imported.turn_roles == ["assistant", "tool", "tool", "assistant"]
+    assert row["env_tool_calls"] == 2.0 and row["env_error"] is None and row["finish_reason"] == "stop"
+    # the second turn was sampled with the tool results in its context
+    assert engine.contexts[1][0] == row["prompt_ids"] + row["response_ids"][: row["turn_starts"][3]]
+
+
+class Echo:
+    """Answers each turn with a user message "ok" (2 turns at most by max_turns)."""
+
+    def __init__(self, row: dict) -> None:
+        self.row = row
+
+    def step(self, text: str) -> Step:
+        return Step("ok", role="user")
+
+
+def echo(row: dict) -> Echo:
+    return Echo(row)
+
+
+class SeesRow:
+    """Fails with its row's keys (so the test reads what the factory got) unless `id` is there."""
+
+    def __init__(self, row: dict) -> None:
+        if row.get("id") != "7" or row.get("messages") != PROMPT:
+            raise ValueError(f"row keys {sorted(row)}")
+
+    def step(self, text: str) -> Step:
+        return Step(done=True)
+
+
+def sees_row(row: dict) -> SeesRow:
+    return SeesRow(row)
+
+
+def test_each_turn_has_its_own_seed_and_the_row_keeps_its_column_names(make_config, tmp_path: Path) -> None:
+    cfg, tok, engine, table = _generate(
+        make_config, tmp_path, "tests.stages.test_multiturn_tools:echo", ["a", "b", "c"], "max_turns = 3\n"
+    )
+    (row,) = table.to_pylist()
+    rollout_seed = row_seed(cfg.seed, row["rollout_id"])
+    # documented (docs/multi-turn.md): turn 0 the rollout's seed, turn t row_seed(seed, "turn-t")
+    assert engine.seeds == [[rollout_seed], [row_seed(rollout_seed, "turn-1")], [row_seed(rollout_seed, "turn-2")]]
+    assert len({s[0] for s in engine.seeds}) == 3
+    # the factory's row: the prompt file's `id` and `messages` columns under their own names
+    _, _, _, table = _generate(make_config, tmp_path / "row", "tests.stages.test_multiturn_tools:sees_row", ["a"])
+    assert table["env_error"].to_pylist() == [None]
+
+
+@pytest.mark.parametrize("budget", [0, 1])
+def test_a_trajectory_exactly_at_the_token_budget_drops_the_observation(make_config, tmp_path, budget) -> None:
+    tok = load_tokenizer(make_config()[1].policy_model)
+    # "a" + <|im_end|> (2 tokens), then the user message "ok" and the next turn's header
+    obs = len(tok("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+    limit = 2 + obs + budget  # budget 0: the observation fills it exactly, no token left for a turn
+    cfg, tok, engine, table = _generate(
+        make_config,
+        tmp_path,
+        "tests.stages.test_multiturn_tools:echo",
+        ["a", "b"],
+        f"max_turns = 2\nmax_trajectory_tokens = {limit}\n",
+    )
+    (row,) = table.to_pylist()
+    if budget == 0:
+        assert row["turn_roles"] == ["assistant"] and len(row["response_ids"]) == 2
+        assert row["finish_reason"] == "length" and table.schema.metadata[DROPPED.encode()] == b"1"
+    else:  # one token of room: the second turn is sampled and cut to it
+        assert row["turn_roles"] == ["assistant", "user", "assistant"] and len(row["response_ids"]) == limit
+        assert table.schema.metadata[DROPPED.encode()] == b"0"
+
+
+class Broken:
+    def __init__(self, row: dict) -> None:
+        raise KeyError("answer")
+
+
+def broken(row: dict) -> Broken:
+    return Broken(row)
+
+
+def test_an_environment_failing_on_most_trajectories_stops_the_stage(make_config, tmp_path: Path) -> None:
+    with pytest.raises(StageError, match=r"failed in 1 of 1 trajectories of part 0 .*first, rollout .*: raised KeyError: 'answer'"):
+        _generate(make_config, tmp_path, "tests.stages.test_multiturn_tools:broken", ["a"])
+    _, _, _, table = _generate(
+        make_config, tmp_path / "b", "tests.stages.test_multiturn_tools:broken", ["a"], "max_env_error_share = 1.0\n"
+    )
+    assert table["env_error"].to_pylist() == ["raised KeyError: 'answer'"]
