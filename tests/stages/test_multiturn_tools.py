@@ -187,3 +187,50 @@ def test_an_environment_failing_on_most_trajectories_stops_the_stage(make_config
         make_config, tmp_path / "b", "tests.stages.test_multiturn_tools:broken", ["a"], "max_env_error_share = 1.0\n"
     )
     assert table["env_error"].to_pylist() == ["raised KeyError: 'answer'"]
+
+
+def says_42(*, completion_messages: list, responses: list, **_: Any) -> list[float]:
+    """1.0 when the last assistant message says 42 (a tool's output does not count)."""
+    last = [[m for m in msgs if m["role"] == "assistant"][-1]["content"] for msgs in completion_messages]
+    return [float("42" in text) for text in last]
+
+
+def trl_says_42(prompts: list, completions: list, **_: Any) -> list[float]:
+    """The same with TRL's conversational completions (a list of messages per rollout)."""
+    return [float("42" in [m for m in c if m["role"] == "assistant"][-1]["content"]) for c in completions]
+
+
+def test_rewards_read_messages_and_a_tool_output_is_not_the_answer(make_config, tmp_path: Path) -> None:
+    from rlhf_batch.rewards import load_reward_functions
+    from rlhf_batch.rewards.cache import RewardCalls
+
+    tok = load_tokenizer(str(make_config()[1].policy_model))
+    texts = _assistant_texts(tok)
+    texts[1] = "I could not tell"  # the calculator said 42; the answer does not
+    cfg, tok, _, table = _generate(make_config, tmp_path, "rlhf_batch.envs.tools:tool_environment", texts)
+    assert "42" in tok.decode(table["response_ids"][0].as_py())  # the flat response holds the tool's 42
+    calls = RewardCalls.from_config(cfg)
+    batch = calls.batch(table, table["prompt_ids"].to_pylist(), table["response_ids"].to_pylist())
+    assert batch["completion_messages"] == [
+        [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": a}} for a in CALLS],
+            },
+            {"role": "tool", "content": "42", "name": "calculator"},
+            {"role": "tool", "content": "3", "name": "calculator"},
+            {"role": "assistant", "content": "I could not tell"},
+        ]
+    ]
+    fns = load_reward_functions(
+        ["tests.stages.test_multiturn_tools:says_42", "trl:tests.stages.test_multiturn_tools:trl_says_42"]
+    )
+    values, _ = calls.values(fns, table["rollout_id"].to_pylist(), batch)
+    assert values == {"reward_says_42": [0.0], "reward_trl_says_42": [0.0]}
+    # the same rollout with the answer in its last turn scores 1.0
+    texts[1] = "6*7 is 42"
+    _, _, _, table = _generate(make_config, tmp_path / "b", "rlhf_batch.envs.tools:tool_environment", texts)
+    batch = calls.batch(table, table["prompt_ids"].to_pylist(), table["response_ids"].to_pylist())
+    values, _ = calls.values(fns, table["rollout_id"].to_pylist(), batch)
+    assert values == {"reward_says_42": [1.0], "reward_trl_says_42": [1.0]}

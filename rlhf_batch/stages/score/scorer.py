@@ -23,7 +23,7 @@ from rlhf_batch.rewards import (
     clip,
     weighted_sum,
 )
-from rlhf_batch.rewards.cache import RewardCalls, table_batch
+from rlhf_batch.rewards.cache import RewardCalls
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.stages.loss_mask import flat_mask
@@ -216,7 +216,7 @@ def reward_values(
     `timeout` seconds (score.reward_timeout; 0: no limit). `calls`: the cache and async settings
     (rewards.cache.RewardCalls; default: no cache, `timeout`)."""
     calls = calls or RewardCalls(timeout)
-    return calls.values(fns, rid, table_batch(t, prompt_ids, response_ids))
+    return calls.values(fns, rid, calls.batch(t, prompt_ids, response_ids))
 
 
 def _sequence_sums(kl: torch.Tensor, r_len: np.ndarray) -> torch.Tensor:
