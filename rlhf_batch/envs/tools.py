@@ -172,6 +172,11 @@ def calculator_environment(row: dict[str, Any]) -> ToolEnvironment:
     return ToolEnvironment({"calculator": BUILTIN["calculator"]})
 
 
+# the reward parts every trajectory of these environments gets (validate checks env_<name> against them)
+for _factory in (tool_environment, python_environment, calculator_environment):
+    _factory.reward_parts = ("tool_calls", "tool_errors")  # type: ignore[attr-defined]
+
+
 def tool_names(tools: Any) -> list[str]:
     """Names from a `tools` value: a list of names, one comma-separated string, or the tool
     schemas (a list of OpenAI function schemas, or its JSON string, as `import` rows carry)."""

@@ -349,6 +349,7 @@ def _turn_counts(table: pa.Table) -> dict[str, int]:
     return {
         "turns": int(pc.sum(table["turns"]).as_py() or 0),
         "env_errors": table.num_rows - table["env_error"].null_count,
+        "truncated": int(pc.sum(pc.equal(table["finish_reason"], "length")).as_py() or 0),
         "env_milliseconds": int(1000 * (pc.sum(table["env_seconds"]).as_py() or 0.0)),
     }
 

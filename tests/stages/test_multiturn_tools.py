@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from rlhf_batch.commands.pipeline import trajectory_line
 from rlhf_batch.data import chat_turns
 from rlhf_batch.data.prompts import load_prompts
 from rlhf_batch.envs.base import Step
@@ -18,8 +19,15 @@ from rlhf_batch.envs.pool import EnvPool
 from rlhf_batch.envs.tools import template_tools
 from rlhf_batch.errors import StageError
 from rlhf_batch.models.load import load_tokenizer
-from rlhf_batch.stages.generate import DROPPED, generate_part
+from rlhf_batch.observe.status import print_status
+from rlhf_batch.rewards import load_reward_functions
+from rlhf_batch.rewards.cache import RewardCalls
+from rlhf_batch.stages.generate import DROPPED, Generate, generate_part
+from rlhf_batch.stages.registry import run_stage
+from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.ids import row_seed
+from rlhf_batch.store.schemas import ROLLOUTS
+from tests.stages.cli_helpers import cli
 
 
 class Scripted:
@@ -201,9 +209,6 @@ def trl_says_42(prompts: list, completions: list, **_: Any) -> list[float]:
 
 
 def test_rewards_read_messages_and_a_tool_output_is_not_the_answer(make_config, tmp_path: Path) -> None:
-    from rlhf_batch.rewards import load_reward_functions
-    from rlhf_batch.rewards.cache import RewardCalls
-
     tok = load_tokenizer(str(make_config()[1].policy_model))
     texts = _assistant_texts(tok)
     texts[1] = "I could not tell"  # the calculator said 42; the answer does not
@@ -234,3 +239,55 @@ def test_rewards_read_messages_and_a_tool_output_is_not_the_answer(make_config, 
     batch = calls.batch(table, table["prompt_ids"].to_pylist(), table["response_ids"].to_pylist())
     values, _ = calls.values(fns, table["rollout_id"].to_pylist(), batch)
     assert values == {"reward_says_42": [1.0], "reward_trl_says_42": [1.0]}
+
+
+def typo_reward(*, env_answr: list, **_: Any) -> list[float]:
+    return list(env_answr)
+
+
+def test_validate_checks_env_arguments_against_the_declared_reward_parts(make_config, tmp_path: Path) -> None:
+    env = '[generate]\nenvironment = "rlhf_batch.envs.demo:ask_letter"\n'
+    ok, _ = make_config(env + '[score]\nreward_functions = ["rlhf_batch.rewards.demo:ask_letter"]\n')
+    res = cli("validate", ok)
+    assert res.exit_code == 0 and "generate.environment rlhf_batch.envs.demo:ask_letter (reward parts asked, answer)" in res.output
+    typo, _ = make_config(
+        env + '[score]\nreward_functions = ["tests.stages.test_multiturn_tools:typo_reward"]\n', name="typo.toml"
+    )
+    res = cli("validate", typo)
+    assert res.exit_code == 1 and "needs argument 'env_answr', which no column" in res.output
+    assert "env_answer" in res.output  # the columns there are: the declared parts
+    bad, _ = make_config('[generate]\nenvironment = "tests.stages.nope:factory"\n', name="bad.toml")
+    res = cli("validate", bad)
+    assert res.exit_code == 1 and "generate.environment: cannot load 'tests.stages.nope:factory'" in res.output
+
+
+class HalfBroken:
+    """Fails on the prompts whose letter is a or b; ends the others at once."""
+
+    def __init__(self, row: dict) -> None:
+        if row["letter"] in "ab":
+            raise ValueError("no tool")
+
+    def step(self, text: str) -> Step:
+        return Step(done=True)
+
+
+def half_broken(row: dict) -> HalfBroken:
+    return HalfBroken(row)
+
+
+def test_status_and_run_show_the_env_error_and_truncated_shares(make_config, capsys) -> None:
+    env = 'environment = "tests.stages.test_multiturn_tools:half_broken"\nmax_env_error_share = 1.0\n'
+    _, cfg = make_config("[generate]\n" + env + "num_generations = 1\nprompts_per_part = 20\n")
+    m = run_stage("generate", cfg, 0, quiet=True)
+    t = Generate(cfg, 0)
+    rows = manifests.read_complete(layout.folder(cfg.run_dir, 0, "rollouts"), ROLLOUTS).to_pylist()
+    failed = sum(r["env_error"] is not None for r in rows)
+    cut = sum(r["finish_reason"] == "length" for r in rows)
+    assert failed == sum(r["letter"] in "ab" for r in rows) > 0 and m["counts"]["truncated"] == cut
+    line = trajectory_line(t)
+    assert line == f"truncated {cut / len(rows):.3g}, env_error {failed / len(rows):.4g}"
+    print_status(cfg.run_dir)
+    out = capsys.readouterr().out
+    (status,) = [x for x in out.splitlines() if " rollouts " in x]
+    assert f"env_error {failed / len(rows):.4g}" in status and "truncated" in status
