@@ -219,9 +219,13 @@ def completion_messages(tok: Any, row: dict[str, Any], fmt: ToolCallFormat = HER
         msgs = response_messages(tok, prompt_roles, text, roles, "", fmt)
     except Exception:  # noqa: BLE001 - any template failure: the segments' own texts
         ids, bounds = row["response_ids"], [*row["turn_starts"], len(row["response_ids"])]
-        segs = [tok.decode(ids[a:b], skip_special_tokens=True) for a, b in zip(bounds, bounds[1:], strict=False)]
+        segs = [
+            tok.decode(ids[a:b], skip_special_tokens=True) for a, b in zip(bounds, bounds[1:], strict=False)
+        ]
         msgs = [
-            assistant_message(t, [], fmt) if r == "assistant" else {"role": r, "content": t, "tool_calls": None}
+            assistant_message(t, [], fmt)
+            if r == "assistant"
+            else {"role": r, "content": t, "tool_calls": None}
             for r, t in zip(roles, segs, strict=True)
         ]
     out, calls = [], []
@@ -231,7 +235,10 @@ def completion_messages(tok: Any, row: dict[str, Any], fmt: ToolCallFormat = HER
             calls = [c["function"] for c in m.get("tool_calls") or []]
             if calls:
                 msg["tool_calls"] = [
-                    {"type": "function", "function": {"name": c["name"], "arguments": json.loads(c["arguments"])}}
+                    {
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": json.loads(c["arguments"])},
+                    }
                     for c in calls
                 ]
         elif m["role"] == "tool" and calls:

@@ -117,7 +117,9 @@ def _mistral(text: str) -> tuple[str, list[ToolCall]]:
             try:
                 items, _ = json.JSONDecoder().raw_decode(body)
             except json.JSONDecodeError as e:
-                calls.append(ToolCall(error=f"the tool calls are not valid JSON ({e.msg} at character {e.pos})"))
+                calls.append(
+                    ToolCall(error=f"the tool calls are not valid JSON ({e.msg} at character {e.pos})")
+                )
                 continue
             if not isinstance(items, list):
                 items = [items]

@@ -155,9 +155,18 @@ class RewardCalls:
         s = cfg.score
         cache = RewardCache(run_path(cfg.run_dir) / FOLDER) if s.reward_cache else None
         policy = (cfg.policy_model, cfg.trust_remote_code)
-        return cls(s.reward_timeout, s.reward_concurrency, s.reward_rate_per_s, cache, policy, cfg.generate.tool_parser)
+        return cls(
+            s.reward_timeout,
+            s.reward_concurrency,
+            s.reward_rate_per_s,
+            cache,
+            policy,
+            cfg.generate.tool_parser,
+        )
 
-    def batch(self, t: pa.Table, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> dict[str, Any]:
+    def batch(
+        self, t: pa.Table, prompt_ids: list[list[int]], response_ids: list[list[int]]
+    ) -> dict[str, Any]:
         """table_batch of `t`, its multi-turn rows' messages read with the policy's chat template
         (its tokenizer loaded on the first multi-turn batch)."""
         if self._tok is None and self.policy and "turn_roles" in t.column_names:
@@ -251,5 +260,7 @@ def table_batch(
             columns.get("prompt_messages", none), strict=True,
         )  # fmt: skip
         keys = ("response", "response_ids", "turn_roles", "turn_starts", "prompt_messages")
-        batch["completion_messages"] = [completion_messages(tok, dict(zip(keys, r, strict=True)), fmt) for r in rows]
+        batch["completion_messages"] = [
+            completion_messages(tok, dict(zip(keys, r, strict=True)), fmt) for r in rows
+        ]
     return batch

@@ -305,7 +305,7 @@ MISTRAL_TEMPLATE = (
     "{%- if not loop.last %}{{- ', ' }}{%- else %}{{- ']' + eos_token }}{%- endif %}{%- endfor %}"
     "{%- elif message.role == 'assistant' %}{{- ' ' + message.content + eos_token }}"
     "{%- elif message.role == 'tool' %}"
-    "{{- '[TOOL_RESULTS] {\"content\": ' + message.content|string + ', \"call_id\": \"' + message.tool_call_id"
+    '{{- \'[TOOL_RESULTS] {"content": \' + message.content|string + \', "call_id": "\' + message.tool_call_id'
     " + '\"}[/TOOL_RESULTS]' }}{%- endif %}{%- endfor %}"
 )
 
@@ -328,7 +328,9 @@ def test_each_parser_reads_its_templates_own_calls(template, fmt, n_calls):
     ]
     user = {"role": "user", "content": "hi"}
     before = tok.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
-    full = tok.apply_chat_template([user, {"role": "assistant", "content": "", "tool_calls": calls}], tokenize=False)
+    full = tok.apply_chat_template(
+        [user, {"role": "assistant", "content": "", "tool_calls": calls}], tokenize=False
+    )
     turn = full[len(before) :] if full.startswith(before) else full[full.index("[/INST]") + len("[/INST]") :]
     turn = turn.removesuffix("<|eot_id|>")  # Llama's stop token: the environment gets the turn without it
     assert fmt.start in turn or fmt is LLAMA3_JSON
@@ -347,10 +349,19 @@ def test_each_parser_reads_its_templates_own_calls(template, fmt, n_calls):
 def test_llama3_and_mistral_variants():
     # Llama: <|python_tag|>, several calls separated by ';'; a turn not starting with a call has none
     text = '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {}}'
-    assert [(c.name, c.arguments) for c in parse_tool_calls(text, LLAMA3_JSON)[1]] == [("a", {"x": 1}), ("b", {})]
+    assert [(c.name, c.arguments) for c in parse_tool_calls(text, LLAMA3_JSON)[1]] == [
+        ("a", {"x": 1}),
+        ("b", {}),
+    ]
     assert parse_tool_calls('The call is {"name": "a"}', LLAMA3_JSON) == ('The call is {"name": "a"}', [])
-    assert parse_tool_calls('{"name": "a", ', LLAMA3_JSON)[1][0].error.startswith("the tool call is not valid JSON")
+    assert parse_tool_calls('{"name": "a", ', LLAMA3_JSON)[1][0].error.startswith(
+        "the tool call is not valid JSON"
+    )
     # Mistral: content before the calls; the newer tokenizers' name[ARGS]{...} form
     content, calls = parse_tool_calls('Sure.[TOOL_CALLS]calculator[ARGS]{"expression": "1+2"}', MISTRAL)
-    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [("calculator", {"expression": "1+2"})]
-    assert parse_tool_calls("[TOOL_CALLS] [not json", MISTRAL)[1][0].error.startswith("the tool calls are not valid")
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [
+        ("calculator", {"expression": "1+2"})
+    ]
+    assert parse_tool_calls("[TOOL_CALLS] [not json", MISTRAL)[1][0].error.startswith(
+        "the tool calls are not valid"
+    )

@@ -87,7 +87,9 @@ def _generate(make_config, tmp_path: Path, env: str, turns: list[str], more: str
     engine = Scripted(tok, turns)
     pool = EnvPool(cfg.generate.environment, 1, 30.0, cfg.generate.tool_parser)
     try:
-        table = generate_part(engine, tok, prompts, 0, cfg, 0, cfg.policy_model, _Bar(), pool=pool, where=tmp_path)
+        table = generate_part(
+            engine, tok, prompts, 0, cfg, 0, cfg.policy_model, _Bar(), pool=pool, where=tmp_path
+        )
     finally:
         pool.close()
     return cfg, tok, engine, table
@@ -150,18 +152,30 @@ def test_each_turn_has_its_own_seed_and_the_row_keeps_its_column_names(make_conf
     (row,) = table.to_pylist()
     rollout_seed = row_seed(cfg.seed, row["rollout_id"])
     # documented (docs/multi-turn.md): turn 0 the rollout's seed, turn t row_seed(seed, "turn-t")
-    assert engine.seeds == [[rollout_seed], [row_seed(rollout_seed, "turn-1")], [row_seed(rollout_seed, "turn-2")]]
+    assert engine.seeds == [
+        [rollout_seed],
+        [row_seed(rollout_seed, "turn-1")],
+        [row_seed(rollout_seed, "turn-2")],
+    ]
     assert len({s[0] for s in engine.seeds}) == 3
     # the factory's row: the prompt file's `id` and `messages` columns under their own names
-    _, _, _, table = _generate(make_config, tmp_path / "row", "tests.stages.test_multiturn_tools:sees_row", ["a"])
+    _, _, _, table = _generate(
+        make_config, tmp_path / "row", "tests.stages.test_multiturn_tools:sees_row", ["a"]
+    )
     assert table["env_error"].to_pylist() == [None]
 
 
 @pytest.mark.parametrize("budget", [0, 1])
-def test_a_trajectory_exactly_at_the_token_budget_drops_the_observation(make_config, tmp_path, budget) -> None:
+def test_a_trajectory_exactly_at_the_token_budget_drops_the_observation(
+    make_config, tmp_path, budget
+) -> None:
     tok = load_tokenizer(make_config()[1].policy_model)
     # "a" + <|im_end|> (2 tokens), then the user message "ok" and the next turn's header
-    obs = len(tok("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"])
+    obs = len(
+        tok("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
     limit = 2 + obs + budget  # budget 0: the observation fills it exactly, no token left for a turn
     cfg, tok, engine, table = _generate(
         make_config,
@@ -189,10 +203,17 @@ def broken(row: dict) -> Broken:
 
 
 def test_an_environment_failing_on_most_trajectories_stops_the_stage(make_config, tmp_path: Path) -> None:
-    with pytest.raises(StageError, match=r"failed in 1 of 1 trajectories of part 0 .*first, rollout .*: raised KeyError: 'answer'"):
+    with pytest.raises(
+        StageError,
+        match=r"failed in 1 of 1 trajectories of part 0 .*first, rollout .*: raised KeyError: 'answer'",
+    ):
         _generate(make_config, tmp_path, "tests.stages.test_multiturn_tools:broken", ["a"])
     _, _, _, table = _generate(
-        make_config, tmp_path / "b", "tests.stages.test_multiturn_tools:broken", ["a"], "max_env_error_share = 1.0\n"
+        make_config,
+        tmp_path / "b",
+        "tests.stages.test_multiturn_tools:broken",
+        ["a"],
+        "max_env_error_share = 1.0\n",
     )
     assert table["env_error"].to_pylist() == ["raised KeyError: 'answer'"]
 
@@ -221,7 +242,9 @@ def test_rewards_read_messages_and_a_tool_output_is_not_the_answer(make_config, 
             {
                 "role": "assistant",
                 "content": "",
-                "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": a}} for a in CALLS],
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "calculator", "arguments": a}} for a in CALLS
+                ],
             },
             {"role": "tool", "content": "42", "name": "calculator"},
             {"role": "tool", "content": "3", "name": "calculator"},
@@ -249,16 +272,22 @@ def test_validate_checks_env_arguments_against_the_declared_reward_parts(make_co
     env = '[generate]\nenvironment = "rlhf_batch.envs.demo:ask_letter"\n'
     ok, _ = make_config(env + '[score]\nreward_functions = ["rlhf_batch.rewards.demo:ask_letter"]\n')
     res = cli("validate", ok)
-    assert res.exit_code == 0 and "generate.environment rlhf_batch.envs.demo:ask_letter (reward parts asked, answer)" in res.output
+    assert (
+        res.exit_code == 0
+        and "generate.environment rlhf_batch.envs.demo:ask_letter (reward parts asked, answer)" in res.output
+    )
     typo, _ = make_config(
-        env + '[score]\nreward_functions = ["tests.stages.test_multiturn_tools:typo_reward"]\n', name="typo.toml"
+        env + '[score]\nreward_functions = ["tests.stages.test_multiturn_tools:typo_reward"]\n',
+        name="typo.toml",
     )
     res = cli("validate", typo)
     assert res.exit_code == 1 and "needs argument 'env_answr', which no column" in res.output
     assert "env_answer" in res.output  # the columns there are: the declared parts
     bad, _ = make_config('[generate]\nenvironment = "tests.stages.nope:factory"\n', name="bad.toml")
     res = cli("validate", bad)
-    assert res.exit_code == 1 and "generate.environment: cannot load 'tests.stages.nope:factory'" in res.output
+    assert (
+        res.exit_code == 1 and "generate.environment: cannot load 'tests.stages.nope:factory'" in res.output
+    )
 
 
 class HalfBroken:
