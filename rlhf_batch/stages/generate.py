@@ -259,7 +259,6 @@ def _multi_turn_part(
     carried = prompts.carried.take(pa.array([i for i, _ in plan.rows], pa.int64())).to_pylist()
     rows = [env_row(c, prompts, i) for c, (i, _) in zip(carried, plan.rows, strict=True)]
     trajs = multiturn.sample_part(engine, pool, tok, cfg, plan, rows, where, n)
-    multiturn.check_errors(trajs, plan.rids, cfg.generate.max_env_error_share, n)
     results = [(t.ids, t.logps, t.finish) for t in trajs]
     table = part_table(plan, results, tok, prompts, n, cfg, policy)
     for name, col in multiturn.turn_columns(trajs).items():

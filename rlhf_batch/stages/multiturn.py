@@ -161,6 +161,11 @@ def sample_part(
         _env_turn(pool, tok, trajs, stepped, rows, plan.rids, turn + 1 == g.max_turns, fits)
         fault_point(f"rollouts:part-{n}:turn-{turn}")
         _save(path, plan.rids, turn + 1, trajs)
+    try:
+        check_errors(trajs, plan.rids, g.max_env_error_share, n)
+    except StageError:
+        fs.remove(path)  # a rerun with the environment fixed samples the part again
+        raise
     return trajs
 
 

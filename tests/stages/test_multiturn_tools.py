@@ -208,6 +208,7 @@ def test_an_environment_failing_on_most_trajectories_stops_the_stage(make_config
         match=r"failed in 1 of 1 trajectories of part 0 .*first, rollout .*: raised KeyError: 'answer'",
     ):
         _generate(make_config, tmp_path, "tests.stages.test_multiturn_tools:broken", ["a"])
+    assert not list((tmp_path / "turns").glob("part-*"))  # a rerun samples the part again
     _, _, _, table = _generate(
         make_config,
         tmp_path / "b",
