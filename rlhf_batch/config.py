@@ -191,6 +191,11 @@ class GenerateConfig:
     # the Python tool (envs/python_tool.py): "required" refuses to run its code where the sandbox
     # (PID, mount and network namespaces) cannot be made; "weak": a process-group kill only
     tool_sandbox: str = knob("required")
+    # the tool-call format the built-in tool environment and the completion messages read
+    # (envs/tool_calls.py): hermes (Qwen, Hermes), llama3_json (Llama 3.x), mistral
+    tool_parser: Literal["hermes", "llama3_json", "mistral"] = knob("hermes", "generate")
+    # a part whose trajectories end in env_error more often than this stops the stage (1: never)
+    max_env_error_share: float = knob(0.5)
 
     def validate(self) -> None:
         _need(self.num_generations >= 1, "generate.num_generations", "must be >= 1")
@@ -208,6 +213,7 @@ class GenerateConfig:
             "generate.tool_sandbox",
             f"must be required or weak, got {self.tool_sandbox!r}",
         )
+        _need(0 <= self.max_env_error_share <= 1, "generate.max_env_error_share", "must be in [0, 1]")
         _need(self.prompts_per_iteration >= 0, "generate.prompts_per_iteration", "must be >= 0 (0: all)")
         _need(self.max_new_tokens >= 1, "generate.max_new_tokens", "must be >= 1")
         if isinstance(self.prompts, list) and any(isinstance(x, dict) for x in self.prompts):
@@ -673,6 +679,8 @@ class Config:
                 if table.get("environment") == "":  # single-turn: older identities stay
                     for k in ("environment", "max_turns", "max_trajectory_tokens", "env_timeout_s"):
                         del table[k]
+                if table.get("tool_parser") == "hermes" or "environment" not in table:
+                    table.pop("tool_parser", None)  # recorded only when not the default: identities stay
                 if table:
                     out[f.name] = table
             elif stage in f.metadata["decides"]:

@@ -52,6 +52,8 @@ def validate(cfg: Any) -> tuple[list[str], list[str]]:
     for d in cfg.score.reward_paths:
         if not Path(d).is_dir():
             problems.append(f"score.reward_paths: {d}: directory not found")
+    if cfg.generate.environment:
+        check(lambda: _check_environment(cfg))
     check(lambda: _check_rewards(cfg, "score", columns["generate"]))
     if cfg.eval.prompts:  # eval's functions (default: score's) against the eval prompts' columns
         check(lambda: _check_rewards(cfg, "eval", columns["eval"]))
@@ -162,13 +164,31 @@ def _check_rewards(cfg: Any, stage: str, columns: list[str] | None) -> list[str]
     return [f"{stage} reward function {rf.path}" for rf in fns]
 
 
+def _check_environment(cfg: Any) -> str:
+    """generate.environment imports (a bad name: one line) and what reward parts it declares."""
+    from rlhf_batch.stages.multiturn import environment_factory
+
+    parts = getattr(environment_factory(cfg, cfg.generate.environment), "reward_parts", None)
+    said = f"reward parts {', '.join(parts)}" if parts is not None else "reward parts not declared"
+    return f"generate.environment {cfg.generate.environment} ({said})"
+
+
 def _env_parts(cfg: Any, rf: Any) -> list[str]:
-    """The function's arguments named env_<name>: with generate.environment, the environment's
-    reward parts, columns of the rollouts that only generate makes (docs/multi-turn.md)."""
+    """With generate.environment, the columns env_<name> of the reward parts its factory
+    declares (`factory.reward_parts`, docs/multi-turn.md), which only generate makes; a factory
+    that declares none: every env_<name> argument of the function (not checked)."""
     import inspect
+
+    from rlhf_batch.stages.multiturn import environment_factory
 
     if not cfg.generate.environment:
         return []
+    try:
+        parts = getattr(environment_factory(cfg, cfg.generate.environment), "reward_parts", None)
+    except UserError:  # _check_environment says so
+        parts = None
+    if parts is not None:
+        return [f"env_{p}" for p in parts]
     try:
         return [n for n in inspect.signature(rf.fn).parameters if n.startswith("env_")]
     except (TypeError, ValueError):

@@ -114,6 +114,8 @@ def _stage_runner(
             execute(stage, quiet=quiet, force=force)
         else:
             _run_child(config_path, overrides, stage.name, stage.iteration, quiet, stage.topup, python, force)
+        if stage.name == "generate" and cfg.generate.environment:
+            _say(f"iteration {stage.iteration}: trajectories: {trajectory_line(stage)}", quiet)
         if stage.name == "train":
             warn_health(cfg, stage.iteration)
             warn_reward_health(cfg, stage.iteration)
@@ -379,6 +381,17 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+def trajectory_line(stage: Any) -> str:
+    """The shares of a multi-turn generate's trajectories that were truncated and that ended in
+    env_error (its manifest's counts)."""
+    from rlhf_batch.observe.status import trajectory_details
+
+    m = manifests.manifest(stage.sdir) or {}
+    rows = m.get("rows") or 0
+    truncated = (m.get("counts") or {}).get("truncated", 0) / rows if rows else 0.0
+    return ", ".join([f"truncated {truncated:.3g}", *trajectory_details(m)])
 
 
 def warn_health(cfg: Config, it: int) -> None:

@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rlhf_batch.envs.tool_calls import HERMES, parse_tool_calls
+from rlhf_batch.envs.tool_calls import HERMES, ToolCallFormat, parse_tool_calls
 from rlhf_batch.errors import SchemaError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -233,12 +233,12 @@ def segment_texts(tok: Any, response_ids: list[int], starts: list[int]) -> list[
     return [_decode(tok, response_ids[s:e]) for s, e in zip(starts, ends, strict=True)]
 
 
-def assistant_message(text: str, specials: list[str]) -> dict[str, Any]:
-    """An assistant turn's text as a message: content and Hermes tool calls (arguments as
-    OpenAI's JSON strings); trailing special tokens (end of turn, EOS) dropped."""
+def assistant_message(text: str, specials: list[str], fmt: ToolCallFormat = HERMES) -> dict[str, Any]:
+    """An assistant turn's text as a message: content and tool calls in format `fmt` (arguments
+    as OpenAI's JSON strings); trailing special tokens (end of turn, EOS) dropped."""
     while any(s and text.endswith(s) for s in specials):
         text = text[: -len(next(s for s in specials if s and text.endswith(s)))]
-    content, calls = parse_tool_calls(text, HERMES)
+    content, calls = parse_tool_calls(text, fmt)
     if not calls or any(c.error for c in calls):
         return {"role": "assistant", "content": text, "tool_calls": None}
     tool_calls = [
@@ -258,6 +258,7 @@ def response_messages(
     turn_starts: list[int],
     turn_roles: list[str],
     where: str,
+    fmt: ToolCallFormat = HERMES,
 ) -> list[dict[str, Any]]:
     """The messages of a multi-turn response, one per segment, each read from its own tokens (so
     a message's text holding the template's markers stays in its message): an assistant
@@ -274,7 +275,7 @@ def response_messages(
         if role == "assistant":
             while ids and ids[-1] in special:
                 ids = ids[:-1]
-            out.append(assistant_message(_decode(tok, ids), []))
+            out.append(assistant_message(_decode(tok, ids), [], fmt))
             continue
         text = _decode(tok, ids)
         before = pieces[k]
@@ -292,3 +293,49 @@ def response_messages(
 
 def _decode(tok: Any, ids: list[int]) -> str:
     return str(tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+def completion_messages(tok: Any, row: dict[str, Any], fmt: ToolCallFormat = HERMES) -> list[dict[str, Any]]:
+    """A rollout's response as the messages a reward function reads (`completion_messages`,
+    TRL's conversational `completions`): each assistant turn `{"role": "assistant", "content"}`
+    with its `tool_calls` (`{"type": "function", "function": {"name", "arguments": {...}}}`)
+    when it made calls, each environment message `{"role": "tool" or "user", "content"}` (a tool
+    message answering call k of the turn before also has that call's `name`). `row`: the
+    rollouts row (`response`, `response_ids`, `turn_starts`, `turn_roles`, `prompt_messages`).
+    A single-turn row is one assistant message of its `response`. When the chat template does
+    not render the response's turns (no template, another one), each segment's text is its
+    message's content (template glue and all), assistant turns still split into content and calls."""
+    roles = row.get("turn_roles")
+    if not roles:
+        return [{"role": "assistant", "content": row["response"]}]
+    prompt_roles = [m["role"] for m in row.get("prompt_messages") or []] or ["user"]
+    try:
+        msgs = response_messages(tok, prompt_roles, row["response_ids"], row["turn_starts"], roles, "", fmt)
+    except Exception:  # noqa: BLE001 - any template failure: the segments' own texts
+        ids, bounds = row["response_ids"], [*row["turn_starts"], len(row["response_ids"])]
+        segs = [
+            tok.decode(ids[a:b], skip_special_tokens=True) for a, b in zip(bounds, bounds[1:], strict=False)
+        ]
+        msgs = [
+            assistant_message(t, [], fmt)
+            if r == "assistant"
+            else {"role": r, "content": t, "tool_calls": None}
+            for r, t in zip(roles, segs, strict=True)
+        ]
+    out, calls = [], []
+    for m in msgs:
+        msg: dict[str, Any] = {"role": m["role"], "content": m["content"]}
+        if m["role"] == "assistant":
+            calls = [c["function"] for c in m.get("tool_calls") or []]
+            if calls:
+                msg["tool_calls"] = [
+                    {
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": json.loads(c["arguments"])},
+                    }
+                    for c in calls
+                ]
+        elif m["role"] == "tool" and calls:
+            msg["name"] = calls.pop(0)["name"]
+        out.append(msg)
+    return out

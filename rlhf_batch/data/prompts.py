@@ -34,6 +34,10 @@ class Prompts:
     carried: pa.Table  # the other columns, one row per prompt
     counts: dict[str, int] = field(default_factory=dict)  # skipped / truncated prompts
     batch: dict[str, Any] = field(default_factory=dict)  # the batch index, epoch and positions taken
+    # the prompt file's own names of the id and chat columns ("": none), which an environment's
+    # row (generate.environment) holds beside `prompt_id` and `prompt_messages`
+    id_column: str = ""
+    chat_column: str = ""
 
 
 def check_path(spec: Any, key: str = "generate.prompts") -> list[Path]:
@@ -78,6 +82,9 @@ def load_prompts(cfg: GenerateConfig, tokenizer: Any, batch: int | None = None, 
     tokens = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
     out = _limit(Prompts(ids, texts, tokens, carried), cfg, tokenizer, where, rows)
     out.batch = taken
+    out.id_column = cfg.id_column if given is not None and cfg.id_column in table.column_names else ""
+    column = chat_column(table, cfg)
+    out.chat_column = column if column and column != cfg.prompt_column else ""
     return out
 
 
@@ -283,10 +290,19 @@ def no_prompt_column(table: pa.Table, cfg: GenerateConfig, where: str) -> StageE
 def _chat_texts(table: pa.Table, column: str, tokenizer: Any, where: str, rows: list[int]) -> list[str]:
     if not getattr(tokenizer, "chat_template", None):
         raise StageError(f"{where}: chat prompts ('{column}') need a tokenizer with a chat template")
-    return [  # the messages are checked: prompt_set_problems
-        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        for messages in table.column(column).to_pylist()
-    ]
+    from rlhf_batch.envs.tools import template_tools
+
+    tools = table.column("tools").to_pylist() if "tools" in table.column_names else [None] * table.num_rows
+    out = []
+    for k, (messages, tl) in enumerate(zip(table.column(column).to_pylist(), tools, strict=True)):
+        try:  # a row's tools (schemas, or built-in tool names) render in the template's tools block
+            schemas = template_tools(tl)
+        except ValueError as e:
+            raise StageError(f"{where}: row {rows[k] if k < len(rows) else k}: column 'tools': {e}") from None
+        out.append(  # the messages are checked: prompt_set_problems
+            tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+        )
+    return out
 
 
 def _limit(p: Prompts, cfg: GenerateConfig, tokenizer: Any, where: str, rows: list[int]) -> Prompts:

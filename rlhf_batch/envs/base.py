@@ -4,7 +4,8 @@
 once per trajectory with the prompt row (a dict of the prompt file's columns). The trajectory then
 alternates: the policy samples an assistant turn, `env.step(text)` answers it. A `Step` whose
 `observation` is None (or `done`) ends the trajectory; otherwise the observation is appended as a
-message of role `role` (through the policy's chat template) and the policy samples again.
+message of role `role` (through the policy's chat template; a list of strings: one message each,
+e.g. one tool result per call of the turn) and the policy samples again.
 `reward_parts` are columns score can read (`env_<name>`), summed over the trajectory's steps."""
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from typing import Protocol
 
 @dataclass(frozen=True)
 class Step:
-    observation: str | None = None
+    observation: str | list[str] | None = None
     role: str = "tool"  # "tool" or "user"
     done: bool = False
     reward_parts: dict[str, float] = field(default_factory=dict)
 
     @property
     def ends(self) -> bool:
-        return self.done or self.observation is None
+        return self.done or self.observation is None or self.observation == []
 
 
 class Environment(Protocol):

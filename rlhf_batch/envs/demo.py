@@ -43,3 +43,6 @@ class AskLetter:
 def ask_letter(row: dict[str, Any]) -> AskLetter:
     """The environment factory of the multi-turn demo task."""
     return AskLetter(row)
+
+
+ask_letter.reward_parts = ("asked", "answer")  # type: ignore[attr-defined]  # env_asked, env_answer

@@ -9,7 +9,7 @@ another turn (after a resume, or after its worker was replaced), is made again a
 earlier texts stepped again, their steps dropped. So an environment must be a function of its row
 and the assistant texts so far (deterministic), which also makes a resumed run identical.
 
-A call that raises, returns anything but a `Step` (an observation not a str, an unknown role, a
+A call that raises, returns anything but a `Step` (an observation not a str or a list of str, an unknown role, a
 reward part not a finite number), takes longer than `timeout` seconds (its worker is killed and
 replaced) or kills its worker gives an `Outcome` with `error` set, never an exception: the
 trajectory ends there with that reason.
@@ -75,8 +75,11 @@ def _check(step: Any) -> str | None:
     """What is wrong with an environment's answer (None: a good Step)."""
     if not isinstance(step, Step):
         return f"the environment returned {type(step).__name__}, not a Step"
-    if step.observation is not None and not isinstance(step.observation, str):
-        return f"observation is {type(step.observation).__name__}, not str"
+    obs = step.observation
+    if isinstance(obs, list) and not all(isinstance(o, str) for o in obs):
+        return f"observation holds {type(next(o for o in obs if not isinstance(o, str))).__name__}, not str"
+    if obs is not None and not isinstance(obs, str | list):
+        return f"observation is {type(obs).__name__}, not str"
     if step.role not in ROLES:
         return f"role {step.role!r} is not one of {', '.join(ROLES)}"
     parts = step.reward_parts
@@ -109,8 +112,11 @@ def _answer(factory: Any, envs: dict[str, Any], call: Call) -> tuple[Any, ...]:
     return ("ok", step.observation, step.role, bool(step.done), parts)
 
 
-def _worker(ref: str, tool_sandbox: str, conn: Any) -> None:
+def _worker(ref: str, tool_sandbox: str, conn: Any, tool_parser: str) -> None:
+    from rlhf_batch.envs.tool_calls import use_format
+
     own_group()
+    use_format(tool_parser)  # what a ToolEnvironment reads calls in (generate.tool_parser)
     factory = load_factory(ref, tool_sandbox)
     envs: dict[str, Any] = {}
     conn.send("ready")  # the time limit of a call starts when the worker can take it
@@ -143,12 +149,19 @@ def own_group() -> None:
 
 
 class EnvPool:
-    def __init__(self, ref: str, workers: int, timeout: float, tool_sandbox: str = "required"):
+    def __init__(
+        self,
+        ref: str,
+        workers: int,
+        timeout: float,
+        tool_sandbox: str = "required",
+        tool_parser: str = "hermes",
+    ):
         import multiprocessing as mp
 
         load_factory(ref, tool_sandbox)  # a bad name fails here, in one line, before any worker starts
         self.ref, self.timeout, self.ctx = ref, timeout, mp.get_context("spawn")
-        self.tool_sandbox = tool_sandbox
+        self.tool_sandbox, self.tool_parser = tool_sandbox, tool_parser
         self.procs: list[Any] = [None] * workers
         self.conns: list[Any] = [None] * workers
         for w in range(workers):
@@ -156,7 +169,9 @@ class EnvPool:
 
     def _start(self, w: int) -> None:
         parent, child = self.ctx.Pipe()
-        proc = self.ctx.Process(target=_worker, args=(self.ref, self.tool_sandbox, child), daemon=True)
+        proc = self.ctx.Process(
+            target=_worker, args=(self.ref, self.tool_sandbox, child, self.tool_parser), daemon=True
+        )
         proc.start()
         child.close()
         self.procs[w], self.conns[w] = proc, parent

@@ -1,9 +1,10 @@
 """Built-in tools and the tool-using environment (`generate.environment =
 "rlhf_batch.envs.tools:tool_environment"`).
 
-Each assistant turn is parsed for tool calls in the Hermes format (tool_calls.py); every call
-(at most `max_calls` a turn) is run and the results, in call order and separated by a blank
-line, come back as one message of role "tool". A turn without a call ends the trajectory. A
+Each assistant turn is parsed for tool calls in the format `generate.tool_parser` names
+(tool_calls.py; default Hermes); every call (at most `max_calls` a turn) is run and each result
+comes back as a message of role "tool" of its own, in call order, as Qwen's template and
+`import` take several calls of one turn. A turn without a call ends the trajectory. A
 call that cannot be read, names an unknown tool or has bad arguments is answered with an
 "Error: ..." result, and the trajectory goes on. Reward parts: `tool_calls` and `tool_errors`
 (summed over the trajectory, read by score as `env_tool_calls`, `env_tool_errors`).
@@ -25,7 +26,7 @@ from typing import Any, Protocol
 from rlhf_batch.envs.base import Step
 from rlhf_batch.envs.calculator import CalculatorError, calculate
 from rlhf_batch.envs.python_tool import Limits, run_python
-from rlhf_batch.envs.tool_calls import HERMES, ToolCall, ToolCallFormat, parse_tool_calls
+from rlhf_batch.envs.tool_calls import ToolCall, ToolCallFormat, configured_format, parse_tool_calls
 
 
 class Tool(Protocol):
@@ -79,7 +80,7 @@ BUILTIN: dict[str, Tool] = {"python": PythonTool(), "calculator": Calculator()}
 class ToolEnvironment:
     tools: dict[str, Tool] = field(default_factory=lambda: dict(BUILTIN))
     max_calls: int = 4  # calls run per assistant turn; more are answered with an error
-    fmt: ToolCallFormat = HERMES
+    fmt: ToolCallFormat = field(default_factory=configured_format)  # generate.tool_parser
 
     def step(self, assistant_text: str) -> Step:
         _, calls = parse_tool_calls(assistant_text, self.fmt)
@@ -90,7 +91,7 @@ class ToolEnvironment:
         ]
         errors = sum(r.startswith("Error: ") for r in results)
         return Step(
-            observation="\n\n".join(results),
+            observation=results,  # one tool message per call
             role="tool",
             reward_parts={"tool_calls": float(len(calls)), "tool_errors": float(errors)},
         )
@@ -128,6 +129,31 @@ def tool_schemas(names: list[str] | None = None) -> list[dict[str, Any]]:
     return [BUILTIN[n].schema() for n in (names or list(BUILTIN))]
 
 
+def template_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A prompt row's `tools` as `apply_chat_template(tools=...)` takes them: tool schemas (a
+    list of OpenAI function objects, or its JSON string) as they are; names (a list of names or
+    one comma-separated string) as the built-in tools' schemas; None when there are none.
+    ValueError for a name that is no built-in tool."""
+    if tools is None or (isinstance(tools, str) and not tools.strip()):
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            tools = [n.strip() for n in tools.split(",") if n.strip()]
+    if isinstance(tools, dict | str):
+        tools = [tools]
+    if not isinstance(tools, list) or not tools:
+        return None
+    if all(isinstance(t, dict) for t in tools):
+        return [{k: v for k, v in t.items() if v is not None} for t in tools]
+    names = tool_names(tools)
+    unknown = [n for n in names if n not in BUILTIN]
+    if unknown:
+        raise ValueError(f"unknown tool {unknown[0]!r} (built-in: {', '.join(BUILTIN)}; or give its schema)")
+    return tool_schemas(names)
+
+
 def tool_environment(row: dict[str, Any]) -> ToolEnvironment:
     """The environment of one trajectory: the row's `tools`, else every built-in tool."""
     names = tool_names(row.get("tools"))
@@ -145,6 +171,11 @@ def python_environment(row: dict[str, Any]) -> ToolEnvironment:
 
 def calculator_environment(row: dict[str, Any]) -> ToolEnvironment:
     return ToolEnvironment({"calculator": BUILTIN["calculator"]})
+
+
+# the reward parts every trajectory of these environments gets (validate checks env_<name> against them)
+for _factory in (tool_environment, python_environment, calculator_environment):
+    _factory.reward_parts = ("tool_calls", "tool_errors")  # type: ignore[attr-defined]
 
 
 def tool_names(tools: Any) -> list[str]:

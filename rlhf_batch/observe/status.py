@@ -131,6 +131,8 @@ def _stage_status(
             details.append(
                 f"prompt batch {b['batch']} (epoch {b['epoch']}, positions {b['positions'][0]}-{b['positions'][1]})"
             )
+    if stage == "rollouts" and m:
+        details += trajectory_details(m)
     if stage == "eval" and m:
         details += eval_details(m)
     if stage == "scores" and not topup and m and (warning := (flagged or {}).get(it)):
@@ -221,6 +223,18 @@ def timing_cells(m: dict[str, Any] | None) -> tuple[str, str, str]:
         return "-" if t.get(key) is None else format(t[key], spec)
 
     return cell("startup_s", ".1f"), cell("work_s", ".1f"), cell("tokens_per_s", ".0f")
+
+
+def trajectory_details(m: dict[str, Any]) -> list[str]:
+    """A multi-turn rollouts manifest's share of trajectories that ended in env_error, and the
+    observations left out for length (none: single-turn rollouts)."""
+    c, rows = m.get("counts") or {}, m.get("rows") or 0
+    if "env_errors" not in c or not rows:
+        return []
+    out = [f"env_error {_fmt(c['env_errors'] / rows)}"]
+    if c.get("dropped_observations"):
+        out.append(f"{c['dropped_observations']} observations dropped for length")
+    return out
 
 
 def eval_details(m: dict[str, Any]) -> list[str]:

@@ -7,7 +7,9 @@ A reward function is called once per batch of rollouts with keyword lists (TRL-l
 
 where ``columns`` are the prompt dataset's columns carried along in the rollouts table (every
 column not in ``schemas.ROLLOUTS``, e.g. ``answer``), each a list; functions should accept
-``**kwargs``. ``None`` means "cannot score this rollout". Its values go to the column
+``**kwargs``. A function that takes ``completion_messages`` (or ``**kwargs``) also gets each
+rollout's response as chat messages: assistant turns with their tool calls, the environment's
+messages as tool (or user) messages (data/chat_turns.completion_messages). ``None`` means "cannot score this rollout". Its values go to the column
 ``reward_<function name>`` (``"package.module:function as NAME"``: ``reward_NAME``; two
 functions of one name: ``reward_<module>_<function>``, see load_reward_functions). The weighted sum of all values is ``reward_raw``; a row where any
 value is ``None`` has no ``reward_raw``. Light module: no torch import.
@@ -167,9 +169,11 @@ def call_reward_function(
     prompt_ids: list[list[int]],
     response_ids: list[list[int]],
     columns: dict[str, list[Any]],
+    completion_messages: list[list[dict[str, Any]]] | None = None,
 ) -> list[float | None]:
     """Call `rf` on a batch; RewardError naming the function and the rollout when it raises,
-    returns the wrong number of values, a non-number, NaN or inf."""
+    returns the wrong number of values, a non-number, NaN or inf. `completion_messages` (each
+    rollout's response as messages) is passed to a function that takes it (by name or **kwargs)."""
     kwargs = {
         **columns,
         "prompts": prompts,
@@ -177,7 +181,20 @@ def call_reward_function(
         "prompt_ids": prompt_ids,
         "response_ids": response_ids,
     }
+    if completion_messages is not None and takes(rf.fn, "completion_messages"):
+        kwargs["completion_messages"] = completion_messages
     return call_batched(rf, rollout_ids, kwargs)
+
+
+def takes(fn: Callable[..., Any], name: str) -> bool:
+    """Whether `fn` takes keyword argument `name` (a parameter of that name, or **kwargs)."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin: give it only what it always got
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def call_batched(

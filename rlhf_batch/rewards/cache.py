@@ -149,9 +149,13 @@ class RewardCalls:
         concurrency: int = 8,
         rate_per_s: float = 0.0,
         cache: RewardCache | None = None,
+        policy: tuple[str, bool] | None = None,
+        tool_parser: str = "hermes",
     ):
         self.timeout, self.concurrency, self.rate_per_s, self.cache = timeout, concurrency, rate_per_s, cache
         self.counts: Counter[str] = Counter()
+        self.policy, self.tool_parser = policy, tool_parser  # the tokenizer of completion_messages
+        self._tok: Any = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> RewardCalls:
@@ -159,7 +163,26 @@ class RewardCalls:
 
         s = cfg.score
         cache = RewardCache(run_path(cfg.run_dir) / FOLDER) if s.reward_cache else None
-        return cls(s.reward_timeout, s.reward_concurrency, s.reward_rate_per_s, cache)
+        policy = (cfg.policy_model, cfg.trust_remote_code)
+        return cls(
+            s.reward_timeout,
+            s.reward_concurrency,
+            s.reward_rate_per_s,
+            cache,
+            policy,
+            cfg.generate.tool_parser,
+        )
+
+    def batch(
+        self, t: pa.Table, prompt_ids: list[list[int]], response_ids: list[list[int]]
+    ) -> dict[str, Any]:
+        """table_batch of `t`, its multi-turn rows' messages read with the policy's chat template
+        (its tokenizer loaded on the first multi-turn batch)."""
+        if self._tok is None and self.policy and "turn_roles" in t.column_names:
+            from rlhf_batch.models.load import load_tokenizer
+
+            self._tok = load_tokenizer(*self.policy)
+        return table_batch(t, prompt_ids, response_ids, self._tok, self.tool_parser)
 
     def take_counts(self) -> dict[str, int]:
         """The hit and miss counts since the last call (none with the cache off), then zero."""
@@ -215,16 +238,38 @@ class RewardCalls:
         return values, [dict(json.loads(x)) if x else {} for _, x in entries]
 
 
-def table_batch(t: pa.Table, prompt_ids: list[list[int]], response_ids: list[list[int]]) -> dict[str, Any]:
+def table_batch(
+    t: pa.Table,
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    tok: Any = None,
+    tool_parser: str = "hermes",
+) -> dict[str, Any]:
     """The keyword arguments of call_reward_function for the rollouts rows `t`: prompts,
-    responses, token ids, and every carried column (each not in schemas.ROLLOUTS) as `columns`."""
+    responses, token ids, every carried column (each not in schemas.ROLLOUTS) as `columns`,
+    and each row's `completion_messages` (data/chat_turns.completion_messages; multi-turn rows
+    need the policy's tokenizer `tok`: without it the batch has none)."""
+    from rlhf_batch.data.chat_turns import completion_messages
+    from rlhf_batch.envs.tool_calls import tool_format
     from rlhf_batch.store.schemas import ROLLOUTS
 
     columns = {c: t[c].to_pylist() for c in t.column_names if c not in ROLLOUTS.names}
-    return {
+    batch = {
         "prompts": t["prompt"].to_pylist(),
         "responses": t["response"].to_pylist(),
         "prompt_ids": prompt_ids,
         "response_ids": response_ids,
         "columns": columns,
     }
+    roles = columns.get("turn_roles") or [None] * t.num_rows
+    if tok is not None or not any(roles):
+        fmt, none = tool_format(tool_parser), [None] * t.num_rows
+        rows = zip(
+            batch["responses"], response_ids, roles, columns.get("turn_starts", none),
+            columns.get("prompt_messages", none), strict=True,
+        )  # fmt: skip
+        keys = ("response", "response_ids", "turn_roles", "turn_starts", "prompt_messages")
+        batch["completion_messages"] = [
+            completion_messages(tok, dict(zip(keys, r, strict=True)), fmt) for r in rows
+        ]
+    return batch

@@ -9,7 +9,10 @@
 
 For chat prompts (`prompt_messages` in the rollouts) ``prompts`` are the message lists and each
 completion is ``[{"role": "assistant", "content": response}]`` (prefixed with the prompt's last
-message when that is an assistant turn, as TRL does); for text prompts both are strings.
+message when that is an assistant turn, as TRL does); for text prompts both are strings. A
+multi-turn rollout's completion is its messages (`completion_messages`: assistant turns with
+their ``tool_calls``, tool results as ``{"role": "tool", "name", "content"}``), as TRL's tool
+loop gives them.
 
 ``"verl:package.module:compute_score"``: as verl's reward manager calls ``compute_score``, once
 per rollout::
@@ -52,7 +55,8 @@ def evaluate_rows(
     none), which `extra_columns` turns into columns over a whole batch."""
     prompts, responses, columns = batch["prompts"], batch["responses"], batch["columns"]
     if rf.convention == "trl":
-        return trl_call(rf, rollout_ids, prompts, responses, batch["response_ids"], columns), None
+        msgs = batch.get("completion_messages")
+        return trl_call(rf, rollout_ids, prompts, responses, batch["response_ids"], columns, msgs), None
     if rf.convention == "verl":
         return verl_rows(rf, rollout_ids, responses, columns)
     return call_reward_function(rf, rollout_ids, **batch), None
@@ -65,9 +69,11 @@ def trl_call(
     responses: list[str],
     response_ids: list[list[int]],
     columns: dict[str, list[Any]],
+    completion_messages: list[list[dict[str, Any]]] | None = None,
 ) -> list[float | None]:
     messages = columns.get(MESSAGES)
     kwargs: dict[str, Any] = {k: v for k, v in columns.items() if k != MESSAGES}
+    turns = columns.get("turn_roles") or [None] * len(responses)
     if messages is None:
         kwargs.update(prompts=prompts, completions=responses)
     else:
@@ -76,6 +82,10 @@ def trl_call(
             boot = msgs[-1]["content"] if msgs and msgs[-1].get("role") == "assistant" else ""
             completions.append([{"role": "assistant", "content": boot + response}])
         kwargs.update(prompts=messages, completions=completions)
+    if completion_messages is not None and any(turns):  # a trajectory: its messages, as TRL's tool loop
+        kwargs["completions"] = [
+            m if r else c for m, r, c in zip(completion_messages, turns, kwargs["completions"], strict=True)
+        ]
     kwargs["completion_ids"] = response_ids
     return call_batched(rf, rollout_ids, kwargs)
 
@@ -160,7 +170,7 @@ def _column(cells: list[Cell | None]) -> pa.Array:
 
 
 PASSED = {  # the keyword arguments each convention passes besides the data's columns
-    "": ("prompts", "responses", "prompt_ids", "response_ids"),
+    "": ("prompts", "responses", "prompt_ids", "response_ids"),  # and completion_messages, when taken
     "trl": ("prompts", "completions", "completion_ids"),
     "verl": ("solution_str",),
 }
@@ -184,6 +194,7 @@ def argument_problem(rf: RewardFunction, columns: Sequence[str]) -> str | None:
         passed = {*PASSED["verl"], *VERL_FIELDS}
     else:
         given = passed = {*PASSED[rf.convention], *(c for c in columns if c != MESSAGES or not rf.convention)}
+        given = given | ({"completion_messages"} if not rf.convention else set())
     have = ", ".join(c for c in columns if c != MESSAGES) or "none"
     if missing := [n for n in required if n not in given]:
         what = "verl field" if rf.convention == "verl" else "argument"

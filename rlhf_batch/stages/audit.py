@@ -26,7 +26,7 @@ from rlhf_batch.config import Config, reward_search_path
 from rlhf_batch.data.topup import rounds_taken
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.rewards import RewardFunction, load_reward_functions
-from rlhf_batch.rewards.cache import RewardCalls, table_batch
+from rlhf_batch.rewards.cache import RewardCalls
 from rlhf_batch.rewards.conventions import check_arguments
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.store import layout
@@ -94,7 +94,7 @@ class Audit(Stage):
         rows = self.cfg.score.rows_per_part
         t = self.rollouts.slice(n * rows, rows)
         rid = t["rollout_id"].to_pylist()
-        batch = table_batch(
+        batch = self.calls.batch(
             t.drop_columns(["topup"]), t["prompt_ids"].to_pylist(), t["response_ids"].to_pylist()
         )
         values, extra = self.calls.values(self.fns, rid, batch)

@@ -204,6 +204,7 @@ class Generate(Stage):
         counts = {"rollouts": table.num_rows, "with_special_tokens": _with_special(table, self.tok)}
         if self.cfg.generate.environment:
             counts |= _turn_counts(table)
+            counts[DROPPED] = int((table.schema.metadata or {}).get(DROPPED.encode(), 0))
         return Part(table, schema, counts, list_tokens(table, "prompt_ids", "response_ids"))
 
     def manifest_extra(self) -> dict[str, Any]:
@@ -263,10 +264,7 @@ def _multi_turn_part(
     from rlhf_batch.store.schemas import TURN_TEXTS
 
     carried = prompts.carried.take(pa.array([i for i, _ in plan.rows], pa.int64())).to_pylist()
-    rows = [
-        {**c, "prompt_id": prompts.ids[i], "prompt": prompts.texts[i]}
-        for c, (i, _) in zip(carried, plan.rows, strict=True)
-    ]
+    rows = [env_row(c, prompts, i) for c, (i, _) in zip(carried, plan.rows, strict=True)]
     trajs = multiturn.sample_part(engine, pool, tok, cfg, plan, rows, where, n)
     results = [(t.ids, t.logps, t.finish) for t in trajs]
     table = part_table(plan, results, tok, prompts, n, cfg, policy)
@@ -275,7 +273,22 @@ def _multi_turn_part(
     texts = [chat_turns.segment_texts(tok, t.ids, t.starts) for t in trajs]  # the turns view's text
     table = table.append_column("turn_texts", pa.array(texts, TURN_TEXTS))
     bar.update(len(trajs))
-    return table
+    dropped = sum(t.dropped for t in trajs)  # the manifest's count (Generate.part)
+    return table.replace_schema_metadata({DROPPED: str(dropped)})
+
+
+DROPPED = "dropped_observations"
+
+
+def env_row(carried: dict[str, Any], prompts: Prompts, i: int) -> dict[str, Any]:
+    """What an environment factory gets for prompt i: the prompt file's columns under their own
+    names (its id and chat columns too), `prompt_id` and `prompt` (the rendered text)."""
+    row = {**carried, "prompt_id": prompts.ids[i], "prompt": prompts.texts[i]}
+    if prompts.id_column:
+        row.setdefault(prompts.id_column, prompts.ids[i])
+    if prompts.chat_column:
+        row.setdefault(prompts.chat_column, carried.get("prompt_messages"))
+    return row
 
 
 @dataclass
@@ -344,6 +357,7 @@ def _turn_counts(table: pa.Table) -> dict[str, int]:
     return {
         "turns": int(pc.sum(table["turns"]).as_py() or 0),
         "env_errors": table.num_rows - table["env_error"].null_count,
+        "truncated": int(pc.sum(pc.equal(table["finish_reason"], "length")).as_py() or 0),
         "env_milliseconds": int(1000 * (pc.sum(table["env_seconds"]).as_py() or 0.0)),
     }
 

@@ -6,7 +6,9 @@ trajectory samples from its own generator seeded by the rollout's seed (t = 0) o
 row_seed(seed, "turn-t"), so its tokens depend only on its seed and its history. A trajectory ends
 when its environment ends it (done, no observation), fails (`env_error`), after
 `generate.max_turns` assistant turns, or at `generate.max_trajectory_tokens` response tokens (its
-last turn cut, or the observation that would not fit left out: finish_reason 'length').
+last turn cut, or the observation that would not fit left out: finish_reason 'length', counted
+as `dropped_observations` in the manifest). An environment's observation may be several
+messages (a list: one tool result per call), each a segment of its own.
 
 After each turn the state of every trajectory of the part is committed to
 `turns/part-NNNNN.json` in the stage's folder; a run killed mid-part resumes at its last complete
@@ -28,6 +30,7 @@ import pyarrow as pa
 from rlhf_batch.config import Config
 from rlhf_batch.envs.glue import observation_ids
 from rlhf_batch.envs.pool import Call, EnvPool
+from rlhf_batch.errors import StageError
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.store import fs
 from rlhf_batch.store.atomic import write_json_atomic
@@ -49,6 +52,7 @@ class Trajectory:
     error: str | None = None
     seconds: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)
+    dropped: int = 0  # 1: the environment's last answer was left out for length
 
     def add(self, ids: list[int], logps: list[float], role: str) -> None:
         self.starts.append(len(self.ids))
@@ -118,7 +122,7 @@ def environment_factory(cfg: Config, ref: str) -> Any:
 def open_pool(cfg: Config, g: Any) -> EnvPool:
     """The environments' worker processes for the sampling settings `g` (generate's or eval's)."""
     environment_factory(cfg, g.environment)
-    return EnvPool(g.environment, g.env_workers, g.env_timeout_s, cfg.generate.tool_sandbox)
+    return EnvPool(g.environment, g.env_workers, g.env_timeout_s, cfg.generate.tool_sandbox, g.tool_parser)
 
 
 def write_turn_parts(stage: Any, todo: list[int], out: Any, bar: Any) -> None:
@@ -171,6 +175,11 @@ def sample_part(
         _env_turn(pool, tok, trajs, stepped, rows, plan.rids, turn + 1 == g.max_turns, fits)
         fault_point(f"rollouts:part-{n}:turn-{turn}")
         _save(path, plan.rids, key, turn + 1, trajs)
+    try:
+        check_errors(trajs, plan.rids, g.max_env_error_share, n)
+    except StageError:
+        fs.remove(path)  # a rerun with the environment fixed samples the part again
+        raise
     return trajs
 
 
@@ -222,10 +231,24 @@ def _env_turn(
             continue
         stopped = t.finish == "stop"
         obs = observation_ids(tok, step.role, step.observation or "", t.ids[-1] if t.ids else None, stopped)
-        if not fits(i, len(obs)):
-            t.done, t.finish = True, "length"  # no room for the observation and another turn
+        if not fits(i, sum(map(len, obs))):
+            t.done, t.finish, t.dropped = True, "length", 1  # no room for the observation and another turn
             continue
-        t.add(obs, [0.0] * len(obs), step.role)
+        for ids in obs:  # one segment per message
+            t.add(ids, [0.0] * len(ids), step.role)
+
+
+def check_errors(trajs: list[Trajectory], rids: list[str], share: float, n: int) -> None:
+    """StageError (one line naming the first error) when more than `share` of part n's
+    trajectories ended in env_error (generate.max_env_error_share): a broken environment stops
+    the stage instead of filling the run with trajectories cut at their first turn."""
+    failed = [(rid, t.error) for rid, t in zip(rids, trajs, strict=True) if t.error is not None]
+    if trajs and len(failed) > share * len(trajs):
+        rid, error = failed[0]
+        raise StageError(
+            f"generate.environment failed in {len(failed)} of {len(trajs)} trajectories of part {n} "
+            f"(more than generate.max_env_error_share = {share:g}); first, rollout {rid}: {error}"
+        )
 
 
 def turn_columns(trajs: list[Trajectory]) -> dict[str, pa.Array]:

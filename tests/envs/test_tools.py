@@ -16,7 +16,15 @@ from rlhf_batch.envs import python_tool
 from rlhf_batch.envs.base import Step
 from rlhf_batch.envs.calculator import CalculatorError, calculate
 from rlhf_batch.envs.python_tool import Limits, run_python, sandbox_problem
-from rlhf_batch.envs.tool_calls import HERMES, declared_format, parse_tool_calls
+from rlhf_batch.envs.tool_calls import (
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    ToolCall,
+    declared_format,
+    parse_tool_calls,
+    use_format,
+)
 from rlhf_batch.envs.tools import ToolEnvironment, tool_environment, tool_schemas
 
 FAST = Limits(cpu_s=1, memory_mb=256, output_bytes=64_000, max_output=500, timeout_s=5.0)
@@ -173,8 +181,8 @@ def test_environment_steps():
         "<tool_call>not json</tool_call>"
     )
     assert step.role == "tool" and not step.ends
-    results = step.observation.split("\n\n")
-    assert results[0] == "42"
+    results = step.observation  # one tool message per call
+    assert len(results) == 3 and results[0] == "42"
     assert results[1] == "Error: unknown tool 'python' (tools: calculator)"
     assert results[2].startswith("Error: the tool call is not valid JSON")
     assert step.reward_parts == {"tool_calls": 3.0, "tool_errors": 2.0}
@@ -184,7 +192,7 @@ def test_environment_runs_python_and_caps_calls_per_turn():
     env = ToolEnvironment(max_calls=1)
     call = json.dumps({"name": "python", "arguments": {"code": "print(sum(range(10)))"}})
     step = env.step(f"<tool_call>{call}</tool_call><tool_call>{call}</tool_call>")
-    assert step.observation == "45\n" + "\n\n" + "Error: at most 1 tool calls are run per turn"
+    assert step.observation == ["45\n", "Error: at most 1 tool calls are run per turn"]
     assert tool_environment({"tools": "python, calculator"}).tools.keys() == {"python", "calculator"}
     assert [s["function"]["name"] for s in tool_schemas()] == ["python", "calculator"]
     schemas = json.dumps(tool_schemas(["calculator"]))  # the schemas an imported row carries
@@ -212,4 +220,106 @@ def test_tiny_template_renders_plain_chats_as_before_and_tool_results_as_qwen():
     tools = [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
     assert tok.apply_chat_template([*chat, *tools], tokenize=False) == plain + (
         "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n"
+    )
+
+
+def test_a_call_without_arguments_has_empty_arguments():
+    # {"name": "python"} with no "arguments" key: the call is read, its arguments {} (the tool
+    # then says what it takes), not refused as a malformed call
+    _, calls = parse_tool_calls('<tool_call>{"name": "python"}</tool_call>')
+    assert calls == [ToolCall(name="python", arguments={}, error="")]
+    _, calls = parse_tool_calls('{"name": "calculator"}', LLAMA3_JSON)
+    assert calls == [ToolCall(name="calculator", arguments={}, error="")]
+    step = ToolEnvironment().step('<tool_call>{"name": "calculator"}</tool_call>')
+    assert step.observation == ['Error: calculator takes {"expression": "<arithmetic>"}']
+
+
+# The tool-call parts of Llama 3.1's and Mistral-7B-Instruct-v0.3's chat templates (their
+# assistant tool calls and tool results), around the tiny character-level vocabulary.
+LLAMA31_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "{%- if not message.tool_calls|length == 1 %}"
+    "{{- raise_exception('This model only supports single tool-calls at once!') }}{%- endif %}"
+    "{%- set tool_call = message.tool_calls[0].function %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
+    "{{- '{\"name\": \"' + tool_call.name + '\", ' }}{{- '\"parameters\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}' }}{{- '<|eot_id|>' }}"
+    "{%- elif message.role == 'tool' or message.role == 'ipython' %}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- message.content }}{{- '<|eot_id|>' }}"
+    "{%- else %}{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content "
+    "| trim + '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{- '[INST] ' + message.content + '[/INST]' }}"
+    "{%- elif message.tool_calls is defined and message.tool_calls is not none %}"
+    "{{- '[TOOL_CALLS] [' }}{%- for tool_call in message.tool_calls %}"
+    "{%- set out = tool_call.function|tojson %}{{- out[:-1] }}"
+    "{%- if not tool_call.id is defined or tool_call.id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{- ', \"id\": \"' + tool_call.id + '\"}' }}"
+    "{%- if not loop.last %}{{- ', ' }}{%- else %}{{- ']' + eos_token }}{%- endif %}{%- endfor %}"
+    "{%- elif message.role == 'assistant' %}{{- ' ' + message.content + eos_token }}"
+    "{%- elif message.role == 'tool' %}"
+    '{{- \'[TOOL_RESULTS] {"content": \' + message.content|string + \', "call_id": "\' + message.tool_call_id'
+    " + '\"}[/TOOL_RESULTS]' }}{%- endif %}{%- endfor %}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "fmt", "n_calls"),
+    [(None, HERMES, 2), (LLAMA31_TEMPLATE, LLAMA3_JSON, 1), (MISTRAL_TEMPLATE, MISTRAL, 2)],
+)
+def test_each_parser_reads_its_templates_own_calls(template, fmt, n_calls):
+    from rlhf_batch.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    if template is not None:
+        tok.chat_template = template
+    assert declared_format(tok.chat_template) is fmt
+    want = [("calculator", {"expression": "6*7"}), ("python", {"code": "print('a; b')"})][:n_calls]
+    calls = [
+        {"id": f"call{i:05d}", "type": "function", "function": {"name": n, "arguments": a}}
+        for i, (n, a) in enumerate(want)
+    ]
+    user = {"role": "user", "content": "hi"}
+    before = tok.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+    full = tok.apply_chat_template(
+        [user, {"role": "assistant", "content": "", "tool_calls": calls}], tokenize=False
+    )
+    turn = full[len(before) :] if full.startswith(before) else full[full.index("[/INST]") + len("[/INST]") :]
+    turn = turn.removesuffix("<|eot_id|>")  # Llama's stop token: the environment gets the turn without it
+    assert fmt.start in turn or fmt is LLAMA3_JSON
+    content, got = parse_tool_calls(turn, fmt)
+    assert [(c.name, c.arguments, c.error) for c in got] == [(n, a, "") for n, a in want]
+    assert content.strip() == ""
+    # use_format makes it what a ToolEnvironment reads (as generate.tool_parser does in a worker)
+    try:
+        use_format(fmt.name)
+        step = ToolEnvironment().step(turn)
+    finally:
+        use_format("hermes")
+    assert step.observation[0] == "42" and len(step.observation) == n_calls
+
+
+def test_llama3_and_mistral_variants():
+    # Llama: <|python_tag|>, several calls separated by ';'; a turn not starting with a call has none
+    text = '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {}}'
+    assert [(c.name, c.arguments) for c in parse_tool_calls(text, LLAMA3_JSON)[1]] == [
+        ("a", {"x": 1}),
+        ("b", {}),
+    ]
+    assert parse_tool_calls('The call is {"name": "a"}', LLAMA3_JSON) == ('The call is {"name": "a"}', [])
+    assert parse_tool_calls('{"name": "a", ', LLAMA3_JSON)[1][0].error.startswith(
+        "the tool call is not valid JSON"
+    )
+    # Mistral: content before the calls; the newer tokenizers' name[ARGS]{...} form
+    content, calls = parse_tool_calls('Sure.[TOOL_CALLS]calculator[ARGS]{"expression": "1+2"}', MISTRAL)
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [
+        ("calculator", {"expression": "1+2"})
+    ]
+    assert parse_tool_calls("[TOOL_CALLS] [not json", MISTRAL)[1][0].error.startswith(
+        "the tool calls are not valid"
     )

@@ -119,6 +119,7 @@ def flaky(row: dict) -> Flaky:
 @pytest.mark.slow
 def test_a_failing_environment_ends_its_trajectory_not_the_stage(make_config) -> None:
     env = 'environment = "tests.stages.test_multiturn:flaky"\nmax_turns = 3\nenv_timeout_s = 1.5\n'
+    env += "max_env_error_share = 1.0\n"  # 3 of the 5 letters fail: the stage goes on
     _, cfg = make_config("[generate]\n" + env + "num_generations = 1\nprompts_per_part = 12\n")
     m = run_stage("generate", cfg, 0, quiet=True)
     rows = rollouts(cfg).to_pylist()

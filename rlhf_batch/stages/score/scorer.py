@@ -23,7 +23,7 @@ from rlhf_batch.rewards import (
     clip,
     weighted_sum,
 )
-from rlhf_batch.rewards.cache import RewardCalls, table_batch
+from rlhf_batch.rewards.cache import RewardCalls
 from rlhf_batch.runtime import dist
 from rlhf_batch.runtime.faults import fault_point
 from rlhf_batch.stages.loss_mask import flat_mask
@@ -112,7 +112,7 @@ class Scorer:
         if self.judge is not None:
             from rlhf_batch.stages.score.judge import SCORE, UNPARSED, VERDICT
 
-            batch = table_batch(t, prompt_ids, response_ids)
+            batch = self.calls.batch(t, prompt_ids, response_ids)
             values[SCORE], verdicts, judged[UNPARSED] = self.judge.score(batch, t["prompt_id"].to_pylist())
             extra = {**extra, VERDICT: pa.array(verdicts, pa.string())}
         weights = reward_parts(self.cfg, self.fns)
@@ -226,7 +226,7 @@ def reward_values(
     `timeout` seconds (score.reward_timeout; 0: no limit). `calls`: the cache and async settings
     (rewards.cache.RewardCalls; default: no cache, `timeout`)."""
     calls = calls or RewardCalls(timeout)
-    return calls.values(fns, rid, table_batch(t, prompt_ids, response_ids))
+    return calls.values(fns, rid, calls.batch(t, prompt_ids, response_ids))
 
 
 def reward_parts(cfg: Config, fns: list[RewardFunction]) -> dict[str, float]:
