@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from pathlib import Path
@@ -336,11 +335,8 @@ def export(
     """Write iteration K's rollouts with their rewards as a Hugging Face dataset of chat messages
     (OUT/data/train-00000-of-00001.parquet; multi-turn rollouts one message per turn, tool calls
     included), for SFT or rejection sampling."""
-    from rlhf_batch.errors import ConfigError
     from rlhf_batch.observe.export import export as write
 
-    if min_reward is not None and not math.isfinite(min_reward):  # nan: every comparison false
-        raise ConfigError(f"--min-reward must be a finite number, got {min_reward}")
     path, rows = write(_config(config, set_), iteration, out, min_reward)
     typer.echo(f"export: {rows} rows -> {path}")
 

@@ -119,6 +119,6 @@ def test_export_refuses_a_min_reward_that_is_not_finite(make_config, tmp_path: P
     path, _ = make_config()
     res = _cli(["export", str(path), "--out", str(tmp_path / "ds"), "--min-reward", "nan"], dict(os.environ))
     assert (
-        res.returncode == 1 and res.stderr.strip() == "error: --min-reward must be a finite number, got nan"
+        res.returncode == 1 and res.stderr.strip() == "error: --min-reward: must be a finite number, got nan"
     )
     assert not (tmp_path / "ds").exists()
