@@ -85,7 +85,7 @@ def _generate(make_config, tmp_path: Path, env: str, turns: list[str], more: str
     tok = load_tokenizer(cfg.policy_model)
     prompts = load_prompts(cfg.generate, tok)
     engine = Scripted(tok, turns)
-    pool = EnvPool(cfg.generate.environment, 1, 30.0, cfg.generate.tool_parser)
+    pool = EnvPool(cfg.generate.environment, 1, 30.0, tool_parser=cfg.generate.tool_parser)
     try:
         table = generate_part(
             engine, tok, prompts, 0, cfg, 0, cfg.policy_model, _Bar(), pool=pool, where=tmp_path
