@@ -45,6 +45,17 @@ def _torch_threads_restored():
         torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _store_state_restored(monkeypatch: pytest.MonkeyPatch):
+    """Each test starts with none of the process's store state (store/fs.py): no store used, none
+    silent, no retries counted by an earlier test in this worker."""
+    from rlhf_batch.store import fs
+
+    monkeypatch.setattr(fs, "_used", {})
+    monkeypatch.setattr(fs, "silent_since", None)
+    monkeypatch.setattr(fs, "retried", 0)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _own_model_cache(tmp_path_factory: pytest.TempPathFactory):
     """Model copies from an object store (and trackers' files of a run on one) go to this

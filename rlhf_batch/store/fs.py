@@ -99,18 +99,19 @@ def _bound(fsys: Any) -> None:
     by any answer), across requests and their retries: a store that stops answering ends the
     command within it (and a connect timeout per call made after it), not after each of its
     calls (and the probe that names it) waited a deadline of its own."""
-    if getattr(fsys, "_deadline", None) is not None:
+    if getattr(fsys, "_bounded", False):
         return
     import asyncio
 
     from fsspec.asyn import sync_wrapper
 
-    call, limit = fsys._call_s3, timeout("deadline")
+    call = fsys._call_s3
     fsys.retries = TRIES_PER_REQUEST
 
     async def bounded(*args: Any, **kwargs: Any) -> Any:
         global silent_since
-        since = silent_since
+        # read at each call: fsspec shares one filesystem among paths with the same options
+        since, limit = silent_since, timeout("deadline")
         began = time.monotonic()
         # past the deadline a request still has the connect timeout: a store that is back answers
         left = limit if since is None else max(limit - (began - since), min(timeout("connect"), limit))
@@ -126,7 +127,7 @@ def _bound(fsys: Any) -> None:
         silent_since = None
         return out
 
-    fsys._call_s3, fsys.call_s3, fsys._deadline = bounded, sync_wrapper(bounded, obj=fsys), limit
+    fsys._call_s3, fsys.call_s3, fsys._bounded = bounded, sync_wrapper(bounded, obj=fsys), True
 
 
 silent_since: float | None = None  # when the store last left a request unanswered (None: it answers)

@@ -75,6 +75,7 @@ class StageOutput:
         self.final = sdir  # where the output ends up (sdir: where it is written)
         self.clock = StageClock()  # execute() gives it the stage's start
         self.written: dict[str, tuple[int, dict]] = {}  # part name -> (rows, counts) written here
+        self.retried = fs.retried  # the process's store retries before this stage (see `finish`)
 
     def done(self) -> dict[str, Any] | None:
         """The manifest when the folder is complete with this identity; None when not complete;
@@ -231,8 +232,8 @@ class StageOutput:
                 record["command"] = self.command
             more = extra() if callable(extra) else extra
             record["timing"] = self.clock.record(tokens)
-            if fs.retried:  # transient store errors this process retried (store/fs.py retry)
-                record["store_retries"] = fs.retried
+            if fs.retried > self.retried:  # transient store errors this stage retried (store/fs.py retry)
+                record["store_retries"] = fs.retried - self.retried
             try:
                 result = write_manifest(
                     self.sdir,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rlhf_batch.store import layout, manifests, output
+from rlhf_batch.store import fs, layout, manifests, output
 from rlhf_batch.store.fs import run_path
 
 SCHEMA = pa.schema([("x", pa.int64())])
@@ -55,3 +55,21 @@ def test_the_writer_reads_no_footer_back(tmp_path: Path, monkeypatch: pytest.Mon
     (sdir / layout.MANIFEST).unlink()
     del out.written[layout.part_name(0, 1)]
     assert out.finish(3)["parts"] == m["parts"] and opened == [sdir / layout.part_name(0, 1)]
+
+
+def test_a_manifest_counts_its_own_stages_store_retries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`store_retries` is what this stage retried, not what the process retried before it (a
+    `run` executes every stage in one process)."""
+    monkeypatch.setattr(fs, "retried", 4)  # an earlier stage of this process retried 4 times
+    first = write_parts(layout.folder(tmp_path / "run", 0, "rollouts"), [3])
+    assert "store_retries" not in first.finish(1)
+    out = write_parts(layout.folder(tmp_path / "run", 1, "rollouts"), [3])
+    failures = iter([ConnectionError("reset"), ConnectionError("reset")])
+
+    def flaky() -> str:
+        if (e := next(failures, None)) is not None:
+            raise e
+        return "ok"
+
+    assert fs.retry("s3://b/x", flaky) == "ok"  # two transient errors retried in this stage
+    assert out.finish(1)["store_retries"] == 2
