@@ -57,7 +57,9 @@ def test_the_writer_reads_no_footer_back(tmp_path: Path, monkeypatch: pytest.Mon
     assert out.finish(3)["parts"] == m["parts"] and opened == [sdir / layout.part_name(0, 1)]
 
 
-def test_a_manifest_counts_its_own_stages_store_retries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_manifest_counts_its_own_stages_store_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`store_retries` is what this stage retried, not what the process retried before it (a
     `run` executes every stage in one process)."""
     monkeypatch.setattr(fs, "retried", 4)  # an earlier stage of this process retried 4 times
