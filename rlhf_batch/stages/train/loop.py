@@ -72,22 +72,35 @@ def _train(
 ) -> TrainResult:
     import torch
 
-    from rlhf_batch.stages.train.data import plan_steps
+    from rlhf_batch.stages.train.data import plan_pair_steps, plan_steps
 
     tc = cfg.train
     torch.manual_seed(cfg.seed * 1_000_003 + iteration)
     seed = (cfg.seed % 2**32, iteration)
-    steps = plan_steps(
-        data.trained_lens,  # the sampled tokens: the normaliser counts no environment token
-        data.seq_lens,
-        tc.tokens_per_step,
-        tc.max_tokens_per_batch,
-        tc.ppo_epochs,
-        seed,
-        tc.max_padding,
-        tc.sequences_per_step,
-        _active_rows(tc, data),
-    )
+    if data.pairs is not None:  # dpo: a pair's two rows in one micro-batch
+        steps = plan_pair_steps(
+            data.pairs,
+            data.trained_lens,
+            data.seq_lens,
+            tc.tokens_per_step,
+            tc.max_tokens_per_batch,
+            tc.ppo_epochs,
+            seed,
+            tc.max_padding,
+            tc.sequences_per_step,
+        )
+    else:
+        steps = plan_steps(
+            data.trained_lens,  # the sampled tokens: the normaliser counts no environment token
+            data.seq_lens,
+            tc.tokens_per_step,
+            tc.max_tokens_per_batch,
+            tc.ppo_epochs,
+            seed,
+            tc.max_padding,
+            tc.sequences_per_step,
+            _active_rows(tc, data),
+        )
     trainer = build_trainer(cfg, start, data, steps)
     if prev is not None:  # the run's AdamW state and step count, as iteration K-1 left them
         train_carry.restore(trainer, prev[0], tc.weight_decay)
@@ -135,8 +148,8 @@ def _train(
 def _active_rows(tc: TrainConfig, data: TrainRows) -> np.ndarray | None:
     """[N] bool, the rows whose loss gradient can be non-zero, or None (all): with no KL or
     entropy term in the loss, a row of advantage 0 adds exactly 0 to the gradient (its clipped,
-    dual-clipped and TIS-weighted objective terms are all multiples of its advantage)."""
-    if tc.kl_loss_coef or tc.kl_to_inference_coef or tc.entropy_coef:
+    dual-clipped and TIS-weighted objective terms are all multiples of its advantage). SFT: all."""
+    if tc.kl_loss_coef or tc.kl_to_inference_coef or tc.entropy_coef or data.objective != "grpo":
         return None
     if data.tok_adv is not None:  # per-token advantages (opd): a row is inactive when all are 0
         import numpy as np
