@@ -525,7 +525,9 @@ class TrainConfig:
         except ValueError as e:
             _fail(f"'train.objective' {e}")
         _need(
-            math.isfinite(self.dpo_beta) and self.dpo_beta > 0, "train.dpo_beta", "must be a finite number > 0"
+            math.isfinite(self.dpo_beta) and self.dpo_beta > 0,
+            "train.dpo_beta",
+            "must be a finite number > 0",
         )
 
     def _validate_objective(self) -> None:
@@ -800,7 +802,6 @@ class Config:
             "= 'per_part' normalises reward_raw's parts: it cannot be used with score.kl_in_reward "
             "(use train.kl_loss_coef for the KL)",
         )
-
 
     def _validate_objectives(self) -> None:
         """train.objective's SFT and DPO iterations against the advantage settings they use."""

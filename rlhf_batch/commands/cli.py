@@ -383,7 +383,7 @@ def sql(
     ] = 600.0,
 ) -> None:
     """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, health, eval, audit,
-    reward_health, prompt_stats, source_stats, turns, stages with an iter column (rollouts, scores,
+    reward_health, prompt_stats, source_stats, turns, objectives, stages with an iter column (rollouts, scores,
     stages: also topup, the dynamic-sampling round)."""
     from rlhf_batch.commands.runs import run_dir_of
     from rlhf_batch.observe.query import run_sql

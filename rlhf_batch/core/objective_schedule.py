@@ -31,7 +31,9 @@ def parse_schedule(value: str | list[str]) -> Schedule:
             raise ValueError(f"entry {entry!r}: the objective must be one of {', '.join(OBJECTIVES)}")
         if not colon:
             if i != len(entries) - 1:
-                raise ValueError(f"entry {entry!r} has no iteration count: only the last entry may (the rest)")
+                raise ValueError(
+                    f"entry {entry!r} has no iteration count: only the last entry may (the rest)"
+                )
             out.append((name, 0))
             continue
         if not count.isdigit() or int(count) < 1:

@@ -99,7 +99,9 @@ def dpo_loss(
     """The mean preference loss of pairs laid out as rows [chosen 0, rejected 0, chosen 1, ...]
     (B even), summed / denominator (the pairs here when None)."""
     if logprobs.shape[0] % 2:
-        raise ValueError(f"pairs need an even number of rows (chosen, rejected, ...), got {logprobs.shape[0]}")
+        raise ValueError(
+            f"pairs need an even number of rows (chosen, rejected, ...), got {logprobs.shape[0]}"
+        )
     logprobs = _float(logprobs, mask)
     ref = ref_logprobs.detach().to(logprobs.dtype)  # [B, T]
     pi, pi_ref = sequence_logps(logprobs, mask), sequence_logps(ref, mask)  # [B] each

@@ -33,6 +33,10 @@ Semantics (config [advantage]):
   `groups_dropped_small`), then `drop_zero_variance` (default on, DAPO's dynamic sampling:
   `groups_dropped_zero_variance`): the group's task scores (`score`, before any KL term) are all
   equal, or its rewards are; the KL term of a KL-shaped reward alone never keeps a group. n counts the rewards used.
+* SFT and DPO iterations (train.objective; stages/selection.py): only the rows the objective
+  learns from are written, chosen in DuckDB after the counts: advantage.select's rows (SFT, whose
+  zero-variance filter is off) or the preference pairs of advantage.pairs (DPO: two rows a pair,
+  columns `pair` and `chosen`, in pair order); `rows_out` counts them.
 * Output order: bucket b = len(input_ids) // bucket_tokens; buckets in a seeded shuffled order
   (md5 of '{seed}:{iter}:bucket:{b}'), rows inside a bucket in a seeded hash order (md5 of
   '{seed}:{iter}:row:{rollout_id}'). Part n (part-00000-NNNNN.parquet) holds rows
@@ -158,7 +162,12 @@ class Advantage(Stage):
         self.objective = self.cfg.objective(self.iteration)
         if self.objective != "grpo":  # SFT or DPO: only the rows it learns from (selection.py)
             selection.choose(
-                self.con, self.cfg, self.iteration, self.objective, self.params, _where(self.cfg, self.iteration)
+                self.con,
+                self.cfg,
+                self.iteration,
+                self.objective,
+                self.params,
+                _where(self.cfg, self.iteration),
             )
             self.counts |= selection.counts(self.con, self.objective, self.counts["rows_out"])
         self.replayed = None

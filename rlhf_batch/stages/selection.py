@@ -46,7 +46,13 @@ def settings(cfg: Config, objective: str) -> dict[str, Any]:
 
 
 def choose(
-    con: Any, cfg: Config, iteration: int, objective: str, values: dict[str, Any], where: str, kept: bool = True
+    con: Any,
+    cfg: Config,
+    iteration: int,
+    objective: str,
+    values: dict[str, Any],
+    where: str,
+    kept: bool = True,
 ) -> None:
     """Build the temp tables `candidates` and `selected` (module docstring) from the iteration's
     parts (`values`: rollout_files, score_files); `kept`: only rows whose group the filters keep
@@ -72,7 +78,9 @@ def choose(
             con.execute(sql_text("advantage_pairs"), params)
     except duckdb.Error as e:
         line = next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
-        what = "advantage.select's where cannot run over the scored rollouts" if objective == "sft" else "pairs"
+        what = (
+            "advantage.select's where cannot run over the scored rollouts" if objective == "sft" else "pairs"
+        )
         raise StageError(f"{where}: {what}: {line}") from None
 
 
@@ -87,7 +95,11 @@ def counts(con: Any, objective: str, rows_kept: int) -> dict[str, int]:
         "FROM selected s JOIN candidates c USING (rollout_id)"
     ).fetchall()[0]
     if objective == "sft":
-        return {"rows_out": int(rows), "rows_not_selected": rows_kept - int(rows), "groups_selected": int(groups)}
+        return {
+            "rows_out": int(rows),
+            "rows_not_selected": rows_kept - int(rows),
+            "groups_selected": int(groups),
+        }
     used = con.execute("SELECT count(DISTINCT rollout_id) FROM selected").fetchall()[0][0]
     return {
         "rows_out": int(rows),
@@ -114,5 +126,7 @@ def rows_query(query: str, objective: str) -> str:
     `pair` and `chosen`, in pair order, chosen first."""
     query = query.replace("/* selected */", "JOIN selected AS c ON c.rollout_id = r.rollout_id")
     if objective == "dpo":
-        query = query.replace("/* c.pair */", "c.pair, c.chosen,").replace("/* pair order */", "pair, chosen DESC,")
+        query = query.replace("/* c.pair */", "c.pair, c.chosen,").replace(
+            "/* pair order */", "pair, chosen DESC,"
+        )
     return query

@@ -53,14 +53,22 @@ def test_a_scheduled_run_shows_each_iterations_objective_and_rows(
     capfd.readouterr()
     print_status(cfg.run_dir)
     out = capfd.readouterr().out
-    lines = {tuple(line.split()[:2]): line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"], ["2"])}
+    lines = {
+        tuple(line.split()[:2]): line
+        for line in out.splitlines()
+        if line.split()[:1] in (["0"], ["1"], ["2"])
+    }
     assert "objective sft" in lines[("0", "train")] and f"sft: {sft_rows} of" in lines[("0", "advantages")]
-    assert "objective dpo" in lines[("1", "train")] and f"dpo: {got[1][3]} pairs" in lines[("1", "advantages")]
+    assert (
+        "objective dpo" in lines[("1", "train")] and f"dpo: {got[1][3]} pairs" in lines[("1", "advantages")]
+    )
     assert "objective" not in lines[("2", "train")]
     html = (Path(cfg.run_dir) / "report" / "report.html").read_text()
     assert "<th>objective</th>" in html and "<td>dpo</td>" in html and "<td>grpo</td>" in html
     # export --pairs: the pairs DPO trained on, as messages
-    code, err = cli(capfd, monkeypatch, ["export", str(path), "--iter", "1", "--pairs", "--out", str(tmp_path / "p")])
+    code, err = cli(
+        capfd, monkeypatch, ["export", str(path), "--iter", "1", "--pairs", "--out", str(tmp_path / "p")]
+    )
     assert code == 0, err
     rows = pq.read_table(tmp_path / "p" / "data" / "train-00000-of-00001.parquet").to_pylist()
     assert [(r["chosen_id"], r["rejected_id"]) for r in rows] == pairs

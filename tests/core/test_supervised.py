@@ -16,7 +16,9 @@ T_ = torch.tensor
 NAN = float("nan")
 
 
-def trl_dpo(pc: float, pr: float, rc: float, rr: float, beta: float, loss_type: str, nc: int, nr: int) -> float:
+def trl_dpo(
+    pc: float, pr: float, rc: float, rr: float, beta: float, loss_type: str, nc: int, nr: int
+) -> float:
     """TRL's DPOTrainer._compute_loss for one pair (f_divergence_type "reverse_kl", no label
     smoothing, no ld_alpha): sigmoid -logsigmoid(beta * delta); ipo (delta' - 1 / (2 beta))^2 with
     each side's log-ratio divided by its completion tokens."""

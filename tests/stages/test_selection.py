@@ -104,7 +104,13 @@ def test_a_where_naming_no_column_is_one_line_and_one_reading_a_file_is_refused(
         ({"advantage": {"select": {"best": 1}}}, "advantage.select' chooses the rows"),
         ({"train": {"objective": "sft"}, "advantage": {"select": {"best": 0}}}, "best = k >= 1"),
         ({"train": {"objective": "sft"}, "advantage": {"select": {"top": 1}}}, "has no key 'top'"),
-        ({"train": {"objective": ["dpo:2", "grpo"]}, "advantage": {"replay": {"iterations": 1, "max_share": 0.2}}}, "replays GRPO rows"),  # fmt: skip
+        (
+            {
+                "train": {"objective": ["dpo:2", "grpo"]},
+                "advantage": {"replay": {"iterations": 1, "max_share": 0.2}},
+            },
+            "replays GRPO rows",
+        ),  # fmt: skip
         ({"train": {"objective": ["sft:2", "dpo"]}}, "'sft' trains on the rows"),
         ({"train": {"objective": "ppo"}}, "must be one of grpo, sft, dpo"),
         ({"train": {"objective": "dpo", "dpo_beta": 0.0}}, "train.dpo_beta"),

@@ -68,7 +68,10 @@ def test_sft_step_loss_is_the_cross_entropy_of_the_sampled_tokens(make_config, t
     _, again = make_config(train=SFT, run_dir=cfg.run_dir + "-zero", **SELECT)
     write(again.run_dir, zero, "sft")
     run_stage("train", again, 0, quiet=True)
-    assert max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(again.run_dir, 0))) == 0
+    assert (
+        max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(again.run_dir, 0)))
+        == 0
+    )
     assert max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(tiny_model)) > 1e-4
 
 
@@ -95,7 +98,9 @@ def test_dpo_step_loss_from_the_stored_reference_log_probs(
     make_config, tiny_model: Path, loss: str, beta: float
 ) -> None:
     table, shift, n = pair_table(tiny_model)
-    _, cfg = make_config(train={"objective": "dpo", "dpo_loss": loss, "dpo_beta": beta, "tokens_per_step": 10_000})
+    _, cfg = make_config(
+        train={"objective": "dpo", "dpo_loss": loss, "dpo_beta": beta, "tokens_per_step": 10_000}
+    )
     write(cfg.run_dir, table, "dpo")
     run_stage("train", cfg, 0, quiet=True)
     # pi - ref over a row's sampled tokens = -shift x its sampled tokens n (pi = behaviour at step 0)
@@ -124,7 +129,9 @@ def test_a_pairs_two_rows_share_every_micro_batch(make_config, tiny_model: Path,
     real = train_step.micro_batch
 
     def micro_batch(data: Any, rows: Any, device: Any) -> Any:
-        seen.append([f"{int(table['pair'][i].as_py())}{'c' if table['chosen'][i].as_py() else 'r'}" for i in rows])
+        seen.append(
+            [f"{int(table['pair'][i].as_py())}{'c' if table['chosen'][i].as_py() else 'r'}" for i in rows]
+        )
         return real(data, rows, device)
 
     monkeypatch.setattr(train_step, "micro_batch", micro_batch)
@@ -141,7 +148,9 @@ def test_dpo_without_reference_log_probs_or_on_other_rows_is_refused(make_config
         run_stage("train", cfg, 0, quiet=True)
     _, other = make_config(train={"objective": "dpo"}, run_dir=cfg.run_dir + "-grpo")
     write(other.run_dir, make_table(tiny_model, [3] * 4, [3] * 4), "grpo")
-    with pytest.raises(StageError, match=r"written for objective 'grpo', train.objective gives iteration 0 'dpo'"):
+    with pytest.raises(
+        StageError, match=r"written for objective 'grpo', train.objective gives iteration 0 'dpo'"
+    ):
         run_stage("train", other, 0, quiet=True)
     assert manifests.manifest(layout.folder(other.run_dir, 0, "train")) is None
 
@@ -153,7 +162,9 @@ def test_dpo_resume_after_sigkill_matches_an_uninterrupted_run(
     # 12 pairs of 4-token rows, one pair a step, 2 epochs: 24 steps, a checkpoint every 3
     table = make_table(tiny_model, [3] * 24, [4] * 24)
     rng = np.random.default_rng(0)
-    ref = [(np.array(r) + rng.normal(0, 0.3, 4)).tolist() for r in table.column("behavior_logprobs").to_pylist()]
+    ref = [
+        (np.array(r) + rng.normal(0, 0.3, 4)).tolist() for r in table.column("behavior_logprobs").to_pylist()
+    ]
     table = table.set_column(5, "ref_logprobs", pa.array(ref, pa.list_(pa.float32())))
     table = table.append_column("pair", pa.array([i // 2 for i in range(24)], pa.int32()))
     table = table.append_column("chosen", pa.array([i % 2 == 0 for i in range(24)]))
@@ -179,5 +190,10 @@ def test_dpo_resume_after_sigkill_matches_an_uninterrupted_run(
     _, ref_cfg = make_config(train=keys, name="ref.toml", run_dir=str(tmp_path / "ref"))
     write(ref_cfg.run_dir, table, "dpo")
     run_stage("train", ref_cfg, 0, quiet=True)
-    assert max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(ref_cfg.run_dir, 0))) < 1e-6
-    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in metrics(ref_cfg.run_dir).to_pylist()])
+    assert (
+        max_diff(weights(layout.policy_dir(cfg.run_dir, 0)), weights(layout.policy_dir(ref_cfg.run_dir, 0)))
+        < 1e-6
+    )
+    assert [r["loss"] for r in rows] == pytest.approx(
+        [r["loss"] for r in metrics(ref_cfg.run_dir).to_pylist()]
+    )

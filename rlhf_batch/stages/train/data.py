@@ -331,7 +331,9 @@ def plan_pair_steps(
         micro = tuple(tuple(int(i) for p in mb for i in pairs[p]) for mb in u.micro)
         rows = [i for mb in micro for i in mb]
         lens = resp_lens[rows]  # [n]
-        out.append(Step(u.index, u.epoch, micro, int(lens.sum()), int((lens > 0).sum()), rows[int(np.argmin(lens))]))
+        out.append(
+            Step(u.index, u.epoch, micro, int(lens.sum()), int((lens > 0).sum()), rows[int(np.argmin(lens))])
+        )
     return out
 
 

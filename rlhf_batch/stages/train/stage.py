@@ -7,7 +7,10 @@
     iter=K/train/optimizer/             the AdamW state iteration K+1 starts from (carry.py)
 
 The policy of iteration K starts from iter=K-1/policy (cfg.policy_model for K = 0); the KL
-reference is the stored `ref_logprobs` column, so no reference model is loaded. With [lora]
+reference is the stored `ref_logprobs` column, so no reference model is loaded. On an SFT or DPO
+iteration (train.objective) the rows are the ones advantage chose (stages/selection.py) and the
+loss SFT's cross-entropy or DPO's over pairs (step.py); the advantages must have been written for
+that objective (their manifest's `objective`), and the manifest records it. With [lora]
 (lora.py) it loads the base (`policy_model`) with iteration K-1's adapter instead, trains the
 adapter only and writes the adapter into iter=K/policy/adapter next to the merged weights. Dropout is
 switched off (as TRL does), so that before the first update the importance ratio is 1.

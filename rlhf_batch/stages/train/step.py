@@ -187,7 +187,9 @@ class Trainer:
         ref = td.get("ref_logprobs", None)
         ent = ent.detach() if ent is not None else None
         if self.data.objective == "sft" or not weight:
-            return sft_loss(logp, td["old_logprobs"], mask, ref_logprobs=ref, entropy=ent, denominator=denominator)
+            return sft_loss(
+                logp, td["old_logprobs"], mask, ref_logprobs=ref, entropy=ent, denominator=denominator
+            )
         tc = self.tcfg
         return dpo_loss(
             logp,
