@@ -8,7 +8,6 @@ from pathlib import Path
 
 import duckdb
 import pyarrow.parquet as pq
-import pytest
 
 from rlhf_batch.observe import query as run_query
 from rlhf_batch.observe.status import print_status
@@ -23,7 +22,6 @@ SCHEDULE = {
 }
 
 
-@pytest.mark.slow
 def test_a_scheduled_run_shows_each_iterations_objective_and_rows(
     make_config, tmp_path: Path, capfd, monkeypatch
 ) -> None:

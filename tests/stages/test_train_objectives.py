@@ -5,12 +5,7 @@ reference log-probs read from the rows, and a resume after SIGKILL equal to an u
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +14,12 @@ import pyarrow as pa
 import pytest
 
 from rlhf_batch.errors import StageError
-from rlhf_batch.models import checkpoint
 from rlhf_batch.stages.registry import run_stage
 from rlhf_batch.stages.selection import PAIRS
 from rlhf_batch.stages.train import step as train_step
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import ADVANTAGES, LOSS_MASK, with_extra
-from tests.stages.test_train import make_table, max_diff, metrics, weights
+from tests.stages.test_train import kill_at_a_checkpoint, make_table, max_diff, metrics, weights
 
 SFT = {"objective": "sft", "lr": 1e-2, "tokens_per_step": 10_000}
 SELECT = {"advantage": {"select": {"best": 1}}}
@@ -155,7 +149,6 @@ def test_dpo_without_reference_log_probs_or_on_other_rows_is_refused(make_config
     assert manifests.manifest(layout.folder(other.run_dir, 0, "train")) is None
 
 
-@pytest.mark.slow
 def test_dpo_resume_after_sigkill_matches_an_uninterrupted_run(
     make_config, tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -171,19 +164,7 @@ def test_dpo_resume_after_sigkill_matches_an_uninterrupted_run(
     keys = {"objective": "dpo", "lr": 1e-2, "tokens_per_step": 8, "ppo_epochs": 2, "checkpoint_every": 3}
     path, cfg = make_config(train=keys)
     write(cfg.run_dir, table, "dpo")
-    ckpt = layout.folder(cfg.run_dir, 0, "train") / "checkpoint"
-    log = open(tmp_path / "killed.log", "w")  # noqa: SIM115
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
-    cmd = [sys.executable, "-m", "rlhf_batch", "train", str(path), "--iter", "0", "-q"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env)
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and not list(ckpt.glob("step-*")) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    proc.kill()
-    proc.wait()
-    saved = checkpoint.latest(ckpt)
-    assert saved is not None, (tmp_path / "killed.log").read_text()
-    before = json.loads((saved / "state.json").read_text())["metrics"]
+    before = kill_at_a_checkpoint(path, cfg.run_dir, tmp_path)
     run_stage("train", cfg, 0, quiet=True)
     rows = metrics(cfg.run_dir).to_pylist()
     assert len(rows) == 24 and rows[: len(before)] == before

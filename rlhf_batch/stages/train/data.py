@@ -23,7 +23,7 @@ replays exactly the same steps and the data position in a checkpoint is just a s
   KL, entropy, ESS, tokens/s) cover the rows run; a step that runs none records them null.
 * Objectives (train.objective, stages/selection.py): an SFT iteration's rows are planned as
   above, all of them active; a DPO iteration's parts hold preference pairs (columns `pair`,
-  `chosen`), which are planned as units (`plan_pair_steps`): a pair's two rows, chosen then
+  `chosen`), which are planned as units (`plan_steps`' `pairs`): a pair's two rows, chosen then
   rejected, are always in one micro-batch, its sampled tokens counting towards the budget of its
   step and its longer row, twice, towards the token budget of its micro-batch.
 * Ranks: micro-batch j of a step goes to rank j % world. A rank with fewer micro-batches than
@@ -280,9 +280,27 @@ def plan_steps(
     max_padding: float = 1.0,
     sequences_per_step: int = 0,
     active: np.ndarray | None = None,
+    pairs: np.ndarray | None = None,
 ) -> list[Step]:
     """Every optimizer step of the stage, in order (see the module docstring). `active` [N]
-    bool: the rows to compute (None: all)."""
+    bool: the rows to compute (None: all). `pairs` [P, 2] (dpo): the plan of the pairs as units,
+    each micro-batch then expanded to its pairs' rows, chosen 0, rejected 0, chosen 1, ..."""
+    if pairs is not None:
+        units_plan = plan_steps(
+            resp_lens[pairs].sum(1),  # [P]
+            seq_lens[pairs].max(1),  # [P]
+            tokens_per_step,
+            max(1, max_tokens_per_batch // 2),  # two rows of the longer one's length each
+            epochs,
+            seed,
+            max_padding,
+            max(1, sequences_per_step // 2) if sequences_per_step else 0,
+        )
+        expanded = [[tuple(int(i) for p in mb for i in pairs[p]) for mb in u.micro] for u in units_plan]
+        return [
+            _step(u.index, u.epoch, micro, resp_lens, None)
+            for u, micro in zip(units_plan, expanded, strict=True)
+        ]
     # what a step's budget counts: response tokens, or rows (sequences_per_step > 0)
     units = np.ones_like(resp_lens) if sequences_per_step else resp_lens  # [N]
     budget = sequences_per_step or tokens_per_step
@@ -299,42 +317,6 @@ def plan_steps(
         for group in cut_balanced(per_mb, budget):
             steps.append(_step(len(steps), epoch, [order[j] for j in group], resp_lens, active))
     return steps
-
-
-def plan_pair_steps(
-    pairs: np.ndarray,
-    resp_lens: np.ndarray,
-    seq_lens: np.ndarray,
-    tokens_per_step: int,
-    max_tokens_per_batch: int,
-    epochs: int,
-    seed: tuple[int, ...],
-    max_padding: float = 1.0,
-    sequences_per_step: int = 0,
-) -> list[Step]:
-    """`plan_steps` over the pairs [P, 2] as units (module docstring), each micro-batch then
-    expanded to its pairs' rows: chosen 0, rejected 0, chosen 1, ..."""
-    pair_resp = resp_lens[pairs].sum(1)  # [P]
-    pair_seq = seq_lens[pairs].max(1)  # [P]
-    units = plan_steps(
-        pair_resp,
-        pair_seq,
-        tokens_per_step,
-        max(1, max_tokens_per_batch // 2),  # two rows of the longer one's length each
-        epochs,
-        seed,
-        max_padding,
-        max(1, sequences_per_step // 2) if sequences_per_step else 0,
-    )
-    out = []
-    for u in units:
-        micro = tuple(tuple(int(i) for p in mb for i in pairs[p]) for mb in u.micro)
-        rows = [i for mb in micro for i in mb]
-        lens = resp_lens[rows]  # [n]
-        out.append(
-            Step(u.index, u.epoch, micro, int(lens.sum()), int((lens > 0).sum()), rows[int(np.argmin(lens))])
-        )
-    return out
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:

@@ -72,35 +72,23 @@ def _train(
 ) -> TrainResult:
     import torch
 
-    from rlhf_batch.stages.train.data import plan_pair_steps, plan_steps
+    from rlhf_batch.stages.train.data import plan_steps
 
     tc = cfg.train
     torch.manual_seed(cfg.seed * 1_000_003 + iteration)
     seed = (cfg.seed % 2**32, iteration)
-    if data.pairs is not None:  # dpo: a pair's two rows in one micro-batch
-        steps = plan_pair_steps(
-            data.pairs,
-            data.trained_lens,
-            data.seq_lens,
-            tc.tokens_per_step,
-            tc.max_tokens_per_batch,
-            tc.ppo_epochs,
-            seed,
-            tc.max_padding,
-            tc.sequences_per_step,
-        )
-    else:
-        steps = plan_steps(
-            data.trained_lens,  # the sampled tokens: the normaliser counts no environment token
-            data.seq_lens,
-            tc.tokens_per_step,
-            tc.max_tokens_per_batch,
-            tc.ppo_epochs,
-            seed,
-            tc.max_padding,
-            tc.sequences_per_step,
-            _active_rows(tc, data),
-        )
+    steps = plan_steps(
+        data.trained_lens,  # the sampled tokens: the normaliser counts no environment token
+        data.seq_lens,
+        tc.tokens_per_step,
+        tc.max_tokens_per_batch,
+        tc.ppo_epochs,
+        seed,
+        tc.max_padding,
+        tc.sequences_per_step,
+        _active_rows(tc, data),
+        data.pairs,  # dpo: a pair's two rows in one micro-batch
+    )
     trainer = build_trainer(cfg, start, data, steps)
     if prev is not None:  # the run's AdamW state and step count, as iteration K-1 left them
         train_carry.restore(trainer, prev[0], tc.weight_decay)
