@@ -116,7 +116,13 @@ def replay_problem(r: dict[str, Any]) -> str:
         return f"needs iterations = W >= 1 (the earlier iterations to replay from), got {w!r}"
     if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < 1:
         return f"needs max_share = f with 0 < f < 1 (the most replayed rows' share of the rows), got {f!r}"
-    where = r.get("where", "true")
+    return where_problem(r.get("where", "true"))
+
+
+def where_problem(where: Any) -> str:
+    """Why a `where` of advantage.replay or advantage.select is wrong ("" when right): one SQL
+    expression that reads nothing but its row's columns (their names are checked by advantage
+    against the scored rollouts)."""
     if not isinstance(where, str) or not where.strip():
         return f"where must be an SQL predicate over the scored rollouts' columns, got {where!r}"
     import duckdb
@@ -134,6 +140,24 @@ def replay_problem(r: dict[str, Any]) -> str:
     finally:
         con.close()
     return ""
+
+
+SELECT_KEYS = ("best", "min_reward", "where")  # of advantage.select
+
+
+def select_problem(s: dict[str, Any]) -> str:
+    """Why `advantage.select` is wrong ("" when right): best = k >= 1, min_reward a finite
+    number, where one SQL predicate (where_problem); at least one of them."""
+    if unknown := sorted(set(s) - set(SELECT_KEYS)):
+        return f"has no key '{unknown[0]}' (keys: {', '.join(SELECT_KEYS)})"
+    best, low = s.get("best"), s.get("min_reward")
+    if "best" in s and (isinstance(best, bool) or not isinstance(best, int) or best < 1):
+        return f"needs best = k >= 1 (the rows of highest reward kept per prompt), got {best!r}"
+    if "min_reward" in s and (
+        isinstance(low, bool) or not isinstance(low, int | float) or not math.isfinite(low)
+    ):
+        return f"needs min_reward = a finite number, got {low!r}"
+    return where_problem(s["where"]) if "where" in s else ""
 
 
 CPU_BATCH_SIZE = 64  # generate.batch_size = "auto" on a CPU (without RLHF_BATCH_GENERATE_MEMORY)
@@ -359,6 +383,16 @@ class AdvantageConfig:
     min_groups: int = knob(0, "advantage")
     max_topup_rounds: int = knob(2, "advantage")  # the cap on top-up rounds per iteration
     rows_per_part: int = knob(4096, "advantage")
+    # the rows of the iterations train.objective trains with "sft" (stages/advantage.py):
+    # {best = k, min_reward = x, where = "<SQL predicate>"}, any of them, all must hold: the k rows
+    # of highest reward per prompt, a reward >= x, the predicate over the scored rollout's columns
+    # (rollouts and scores). {}: off. Recorded in advantage's identity on SFT iterations
+    select: dict[str, Any] = field(default_factory=dict, metadata={"decides": ()})
+    # the preference pairs of "dpo" iterations, per prompt: "best_worst" (its best row against its
+    # worst) or "all" (every two rows); the chosen row's reward must exceed the rejected one's by
+    # more than pair_margin. Recorded in advantage's identity on DPO iterations
+    pairs: Literal["best_worst", "all"] = knob("best_worst")
+    pair_margin: float = knob(0.0)
     # replay (stages/replay.py): {iterations = W, where = "<SQL predicate>", max_share = f}: stored
     # training rows of up to W earlier iterations join this one's; {}: off. Recorded in advantage's
     # inputs when on (so off, identities stay as they were)
@@ -368,6 +402,14 @@ class AdvantageConfig:
         if self.replay:
             problem = replay_problem(self.replay)
             _need(not problem, "advantage.replay", problem)
+        if self.select:
+            problem = select_problem(self.select)
+            _need(not problem, "advantage.select", problem)
+        _need(
+            math.isfinite(self.pair_margin) and self.pair_margin >= 0,
+            "advantage.pair_margin",
+            "must be a finite number >= 0",
+        )
         _need(self.ddof in (0, 1), "advantage.ddof", "must be 0 or 1")
         _need(self.eps >= 0, "advantage.eps", "must be >= 0")
         _need(
@@ -395,6 +437,12 @@ class AdvantageConfig:
 
 @dataclass
 class TrainConfig:
+    # what train fits (core/objective_schedule.py): "grpo" (the policy-gradient loss below), "sft"
+    # (token cross-entropy on the rows advantage.select keeps), "dpo" (preference pairs,
+    # advantage.pairs); or a schedule, e.g. ["sft:3", "grpo"]. Recorded per iteration when not grpo
+    objective: str | list[str] = knob("grpo")
+    dpo_beta: float = knob(0.1)  # DPO's beta (TRL's DPOConfig.beta); IPO's tau
+    dpo_loss: Literal["sigmoid", "ipo"] = knob("sigmoid")  # TRL's DPOConfig.loss_type
     ppo_epochs: int = knob(1, "train")
     lr: float = knob(1e-5, "train")
     weight_decay: float = knob(0.0, "train")
@@ -470,6 +518,17 @@ class TrainConfig:
         _need(0 < self.max_padding <= 1, "train.max_padding", "must be in (0, 1]")
         self._validate_objective()
         _need_side(self.device, self.threads, "train")
+        from rlhf_batch.core.objective_schedule import parse_schedule
+
+        try:
+            parse_schedule(self.objective)
+        except ValueError as e:
+            _fail(f"'train.objective' {e}")
+        _need(
+            math.isfinite(self.dpo_beta) and self.dpo_beta > 0,
+            "train.dpo_beta",
+            "must be a finite number > 0",
+        )
 
     def _validate_objective(self) -> None:
         """GSPO, CISPO and the importance-sampling modes: their bounds and their bad combinations."""
@@ -660,6 +719,18 @@ class Config:
     def ref(self) -> str:
         return self.ref_model or self.policy_model
 
+    def objective(self, iteration: int) -> str:
+        """What train fits in `iteration`: train.objective's entry for it (grpo, sft, dpo)."""
+        from rlhf_batch.core.objective_schedule import objective_at, parse_schedule
+
+        return objective_at(parse_schedule(self.train.objective), iteration)
+
+    def uses_objective(self, objective: str) -> bool:
+        """Whether some iteration of train.objective is `objective`."""
+        from rlhf_batch.core.objective_schedule import parse_schedule, uses
+
+        return uses(parse_schedule(self.train.objective), objective)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -724,11 +795,42 @@ class Config:
             "advantage.estimator",
             "= 'opd' needs score.teacher_model (the teacher whose log-probs it distils)",
         )
+        self._validate_objectives()
         _need(
             self.advantage.reward_normalization == "sum" or not self.score.kl_in_reward,
             "advantage.reward_normalization",
             "= 'per_part' normalises reward_raw's parts: it cannot be used with score.kl_in_reward "
             "(use train.kl_loss_coef for the KL)",
+        )
+
+    def _validate_objectives(self) -> None:
+        """train.objective's SFT and DPO iterations against the advantage settings they use."""
+        from rlhf_batch.core.objective_schedule import parse_schedule, uses
+
+        try:
+            schedule = parse_schedule(self.train.objective)
+        except ValueError:
+            return  # TrainConfig.validate said why
+        sft, dpo = uses(schedule, "sft"), uses(schedule, "dpo")
+        _need(
+            not sft or bool(self.advantage.select),
+            "train.objective",
+            "'sft' trains on the rows advantage.select keeps: set it, e.g. {best = 1} (best-of-G per prompt)",
+        )
+        _need(
+            sft or not self.advantage.select,
+            "advantage.select",
+            "chooses the rows of train.objective's 'sft' iterations, and it has none",
+        )
+        _need(
+            not (sft or dpo) or self.advantage.estimator != "opd",
+            "train.objective",
+            "'sft' and 'dpo' learn from whole rows: they cannot be used with advantage.estimator = 'opd'",
+        )
+        _need(
+            not (sft or dpo) or not self.advantage.replay,
+            "advantage.replay",
+            "replays GRPO rows: it cannot be used with train.objective 'sft' or 'dpo'",
         )
 
 
@@ -772,7 +874,7 @@ FOREIGN: dict[str, tuple[str, str, dict[Any, str]]] = {
     "vllm_importance_sampling_cap": ("TRL", "train.tis_cap", {}),
     "vllm_importance_sampling_clip_max": ("TRL", "train.tis_cap", {}),
     "vllm_importance_sampling_clip_min": ("TRL", "train.tis_low", {}),
-    "beta": ("TRL", "train.kl_loss_coef", {}),
+    "beta": ("TRL", "train.kl_loss_coef (DPOConfig's beta: train.dpo_beta)", {}),
     "epsilon": ("TRL", "train.eps_low", {}),
     "epsilon_high": ("TRL", "train.eps_high (train.cispo_max with train.loss = 'cispo')", {}),
     "num_iterations": ("TRL", "train.ppo_epochs", {}),

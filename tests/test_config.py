@@ -82,8 +82,10 @@ def test_identity_holds_the_keys_each_field_declares() -> None:
     assert "max_tokens_per_batch" not in score["score"]  # a resume may lower the budget
     assert score["generate"] == {"temperature": 1.0} and score["reward_model"] == ""
     # advantage.replay decides nothing as a key: its settings and sources are advantage's inputs
-    # when it is on (stages/replay.py), so identities without it stay as they were
-    table = {k: v for k, v in dataclasses.asdict(cfg.advantage).items() if k != "replay"}
+    # when it is on (stages/replay.py), so identities without it stay as they were; likewise the
+    # rows of SFT and DPO iterations (stages/selection.py), recorded on those iterations only
+    unrecorded = ("replay", "select", "pairs", "pair_margin")
+    table = {k: v for k, v in dataclasses.asdict(cfg.advantage).items() if k not in unrecorded}
     assert cfg.identity("advantage") == {"seed": 0, "advantage": table}
     generate = cfg.identity("generate")
     assert "reward_model" not in generate and "ref_model" not in generate and "score" not in generate
@@ -253,8 +255,14 @@ def test_the_teacher_model_path_is_relative_to_the_config(
             "[train]\nvllm_importance_sampling_mode = 'token_mask'\n",
             "TRL's vllm_importance_sampling_mode = 'token_mask' is train.tis_mode = 'mask' here",
         ),
-        ("[train]\nbeta = 0.04\n", "unknown key 'train.beta': TRL's beta is train.kl_loss_coef here"),
-        ("beta = 0.04\n", "unknown key 'beta': TRL's beta is train.kl_loss_coef here"),  # any table
+        (
+            "[train]\nbeta = 0.04\n",
+            "unknown key 'train.beta': TRL's beta is train.kl_loss_coef (DPOConfig's beta: train.dpo_beta) here",
+        ),
+        (  # any table
+            "beta = 0.04\n",
+            "unknown key 'beta': TRL's beta is train.kl_loss_coef (DPOConfig's beta: train.dpo_beta) here",
+        ),
         ("[train]\nclip_ratio_low = 0.2\n", "verl's clip_ratio_low is train.eps_low here"),
         ("[train]\nclip_ratio_high = 0.28\n", "verl's clip_ratio_high is train.eps_high here"),
         (
@@ -293,9 +301,9 @@ def test_every_trl_and_verl_name_is_in_the_docs_table() -> None:
         "EXISTS (SELECT * FROM '/etc/hostname')",
     ],
 )
-def test_a_predicate_that_reads_a_file_is_refused_by_both_keys(subquery: str) -> None:
-    """generate.prompt_filter and advantage.replay.where pass through one guard: neither may read
-    a file, whichever connection would run it."""
+def test_a_predicate_that_reads_a_file_is_refused_by_every_key(subquery: str) -> None:
+    """generate.prompt_filter, advantage.replay.where and advantage.select.where pass through one
+    guard: none may read a file, whichever connection would run it."""
     with pytest.raises(ConfigError, match=r"generate.prompt_filter.*reads") as e:
         load_config(None, [f'generate.prompt_filter="{subquery}"'])
     assert "\n" not in str(e.value)
@@ -303,6 +311,12 @@ def test_a_predicate_that_reads_a_file_is_refused_by_both_keys(subquery: str) ->
     with pytest.raises(ConfigError, match=r"advantage.replay.*where reads") as e:
         load_config(None, ["train.recompute_old=true", replay])
     assert "\n" not in str(e.value)
+    select = f'advantage.select={{where = "{subquery}"}}'
+    with pytest.raises(ConfigError, match=r"advantage.select.*where reads") as e:
+        load_config(None, ["train.objective='sft'", select])
+    assert "\n" not in str(e.value)
     # a subquery over the scored rollouts themselves stays allowed
     ok = "advantage.replay={iterations = 1, max_share = 0.5, where = 'prompt_id IN (SELECT prompt_id FROM scored)'}"
     load_config(None, ["train.recompute_old=true", ok])
+    ok = "advantage.select={where = 'prompt_id IN (SELECT prompt_id FROM scored)'}"
+    load_config(None, ["train.objective='sft'", ok])

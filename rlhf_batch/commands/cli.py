@@ -330,14 +330,22 @@ def export(
             "--min-reward", help="Keep only rollouts whose score is at least this (rejection sampling)."
         ),
     ] = None,
+    pairs: Annotated[
+        bool,
+        typer.Option(
+            "--pairs",
+            help="Write preference pairs instead (prompt, chosen, rejected as messages), chosen per prompt "
+            "by advantage.pairs and advantage.pair_margin, for DPO in another trainer.",
+        ),
+    ] = False,
     set_: SetOpt = None,
 ) -> None:
     """Write iteration K's rollouts with their rewards as a Hugging Face dataset of chat messages
     (OUT/data/train-00000-of-00001.parquet; multi-turn rollouts one message per turn, tool calls
-    included), for SFT or rejection sampling."""
+    included), for SFT or rejection sampling; with --pairs, its preference pairs."""
     from rlhf_batch.observe.export import export as write
 
-    path, rows = write(_config(config, set_), iteration, out, min_reward)
+    path, rows = write(_config(config, set_), iteration, out, min_reward, pairs)
     typer.echo(f"export: {rows} rows -> {path}")
 
 
@@ -375,7 +383,7 @@ def sql(
     ] = 600.0,
 ) -> None:
     """DuckDB over the run (read-only): views rollouts, scores, advantages, metrics, health, eval, audit,
-    reward_health, prompt_stats, source_stats, turns, stages with an iter column (rollouts, scores,
+    reward_health, prompt_stats, source_stats, turns, objectives, stages with an iter column (rollouts, scores,
     stages: also topup, the dynamic-sampling round)."""
     from rlhf_batch.commands.runs import run_dir_of
     from rlhf_batch.observe.query import run_sql

@@ -11,6 +11,15 @@ prompt's text. A single-turn response is one assistant message; a multi-turn one
 `turn_roles`) one message per segment, read from its tokens with the policy's chat template
 (data/chat_turns.py). Assistant text is split into content and Hermes tool calls.
 `min_reward`: only rows whose `score` is at least that (null scores are dropped).
+
+`pairs` (`export --pairs`): preference pairs instead, one row per pair, in TRL's conversational
+preference format: `prompt` (messages), `chosen` and `rejected` (the response messages of each
+side: a multi-turn response's tool and user turns included, as the trajectory holds them), with
+`prompt_id`, `chosen_id`, `rejected_id`, `chosen_reward`, `rejected_reward` (score's `reward`),
+`iteration` (and `tools`). The pairs are those `advantage.pairs` and `advantage.pair_margin`
+choose (stages/selection.py, the same query and seeded order), among the iteration's scored
+rollouts (the group filters of advantage are not applied: a group whose rewards are all equal has
+no pair anyway).
 """
 
 from __future__ import annotations
@@ -39,10 +48,16 @@ MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_cal
 REWARDS = ("reward_raw", "score", "reward")
 
 
-def export(cfg: Config, iteration: int, out: Path, min_reward: float | None = None) -> tuple[Path, int]:
+def export(
+    cfg: Config, iteration: int, out: Path, min_reward: float | None = None, pairs: bool = False
+) -> tuple[Path, int]:
     """Write the dataset; returns its file and row count. DIR must not exist or be empty."""
     if min_reward is not None and not math.isfinite(min_reward):
         raise ConfigError(f"--min-reward: must be a finite number, got {min_reward}")
+    if pairs and min_reward is not None:
+        raise ConfigError(
+            "--min-reward: not with --pairs (the pairs are chosen by advantage.pairs and advantage.pair_margin)"
+        )
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise StageError(f"--out {out}: exists and is not an empty folder; remove it or give another")
     rollouts = read_complete(layout.folder(cfg.run_dir, iteration, layout.ROLLOUTS), ROLLOUTS)
@@ -51,6 +66,9 @@ def export(cfg: Config, iteration: int, out: Path, min_reward: float | None = No
     )
     by_id = {r["rollout_id"]: r for r in scores.to_pylist()}
     tok = load_tokenizer(cfg.policy_model, cfg.trust_remote_code)
+    if pairs:
+        table = _pair_table(cfg, iteration, tok, rollouts, by_id)
+        return _write(out, table), table.num_rows
     rows = []
     for r in rollouts.to_pylist():
         s = by_id.get(r["rollout_id"])
@@ -60,6 +78,10 @@ def export(cfg: Config, iteration: int, out: Path, min_reward: float | None = No
             continue
         rows.append(_row(tok, r, s, iteration, f"iter={iteration}/rollouts: rollout {r['rollout_id']}"))
     table = _table(rows, "tools" in rollouts.column_names)
+    return _write(out, table), table.num_rows
+
+
+def _write(out: Path, table: pa.Table) -> Path:
     from rlhf_batch.store.atomic import write_dir_atomic
 
     def write(tmp: Path) -> None:  # the folder appears whole or not at all
@@ -67,10 +89,83 @@ def export(cfg: Config, iteration: int, out: Path, min_reward: float | None = No
         pq.write_table(table, tmp / DATA_FILE)
 
     write_dir_atomic(out, write)
-    return out / DATA_FILE, table.num_rows
+    return out / DATA_FILE
+
+
+def _pair_table(
+    cfg: Config, iteration: int, tok: Any, rollouts: pa.Table, scores: dict[str, dict[str, Any]]
+) -> pa.Table:
+    """One row per preference pair (module docstring), in pair order."""
+    import duckdb
+
+    from rlhf_batch.stages import selection
+    from rlhf_batch.store import fs, manifests
+
+    values = {}
+    for key, folder in (("rollout_files", layout.ROLLOUTS), ("score_files", layout.SCORES)):
+        sdir = manifests.current(layout.folder(cfg.run_dir, iteration, folder))
+        values[key] = [str(sdir / p["file"]) for p in (manifests.manifest(sdir) or {})["parts"]]
+    con = duckdb.connect(":memory:")
+    try:
+        fs.register(con, fs.run_path(cfg.run_dir))
+        where = f"iter={iteration}"
+        selection.choose(con, cfg, iteration, "dpo", values, where, kept=False)
+        found = con.execute(
+            "SELECT c.rollout_id, r.rollout_id FROM selected c JOIN selected r USING (pair) "
+            "WHERE c.chosen AND NOT r.chosen ORDER BY pair"
+        ).fetchall()
+    finally:
+        con.close()
+    by_id = {r["rollout_id"]: r for r in rollouts.to_pylist()}
+    rows = []
+    for chosen_id, rejected_id in found:
+        c, r = by_id[chosen_id], by_id[rejected_id]
+        prompt, chosen = _messages(tok, c, f"iter={iteration}/rollouts: rollout {chosen_id}")
+        _, rejected = _messages(tok, r, f"iter={iteration}/rollouts: rollout {rejected_id}")
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": chosen,
+                "rejected": rejected,
+                "prompt_id": c["prompt_id"],
+                "chosen_id": chosen_id,
+                "rejected_id": rejected_id,
+                "chosen_reward": scores[chosen_id]["reward"],
+                "rejected_reward": scores[rejected_id]["reward"],
+                "iteration": iteration,
+                **({"tools": _json(c.get("tools"))} if "tools" in c else {}),
+            }
+        )
+    fields = [
+        ("prompt", pa.list_(MESSAGE)),
+        ("chosen", pa.list_(MESSAGE)),
+        ("rejected", pa.list_(MESSAGE)),
+        ("prompt_id", pa.string()),
+        ("chosen_id", pa.string()),
+        ("rejected_id", pa.string()),
+        ("chosen_reward", pa.float64()),
+        ("rejected_reward", pa.float64()),
+        ("iteration", pa.int32()),
+        *([("tools", pa.string())] if "tools" in rollouts.column_names else []),
+    ]
+    return pa.Table.from_pylist(rows, schema=pa.schema(fields))
 
 
 def _row(tok: Any, r: dict[str, Any], s: dict[str, Any], iteration: int, where: str) -> dict[str, Any]:
+    prompt, response = _messages(tok, r, where)
+    keep = ("rollout_id", "prompt_id", "sample_idx", "finish_reason")
+    tools = r.get("tools")  # as given (a JSON string), or names or schemas as JSON
+    return {
+        "messages": prompt + response,
+        **{k: r[k] for k in keep if k in r},
+        **({"tools": _json(tools)} if "tools" in r else {}),
+        "iteration": iteration,
+        **{k: s[k] for k in REWARDS},
+    }
+
+
+def _messages(tok: Any, r: dict[str, Any], where: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the prompt's messages, the response's) of rollout row `r`."""
     prompt = [
         {"role": m["role"], "content": m["content"], "tool_calls": None}
         for m in r.get("prompt_messages") or []
@@ -86,15 +181,7 @@ def _row(tok: Any, r: dict[str, Any], s: dict[str, Any], iteration: int, where: 
         )
     else:
         response = [chat_turns.assistant_message(r["response"], [])]
-    keep = ("rollout_id", "prompt_id", "sample_idx", "finish_reason")
-    tools = r.get("tools")  # as given (a JSON string), or names or schemas as JSON
-    return {
-        "messages": prompt + response,
-        **{k: r[k] for k in keep if k in r},
-        **({"tools": _json(tools)} if "tools" in r else {}),
-        "iteration": iteration,
-        **{k: s[k] for k in REWARDS},
-    }
+    return prompt, response
 
 
 def _json(v: Any) -> str | None:

@@ -1,6 +1,6 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
-`connect(run_dir)` opens an in-memory DuckDB with fourteen views over every iteration, each with
+`connect(run_dir)` opens an in-memory DuckDB with fifteen views over every iteration, each with
 an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
@@ -23,6 +23,9 @@ an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
                 `source`, null without one), prompts, rollouts, mean_score, mean_reward, pass_rate
     turns       over rollouts: one row per segment of a multi-turn trajectory (TURNS_VIEW); empty
                 when no rollout has turns
+    objectives  RUN_DIR/iter=*/train/_manifest.json: one row per trained iteration, the objective
+                that trained it (train.objective: grpo, sft, dpo) and on how many rows (OBJECTIVES_VIEW);
+                the rows themselves are the advantages view's (DPO's with `pair` and `chosen`)
 
 rollouts, scores and stages also have a `topup` INTEGER column: 0 for an iteration's own rows,
 r for those of its dynamic-sampling top-up round r (RUN_DIR/iter=0003/topup=01/...; topup.py).
@@ -126,6 +129,15 @@ SELECT iter, regexp_extract(filename, '([^/]+)/_manifest\\.json$', 1) AS stage, 
 FROM (SELECT *, json_merge_patch(json, coalesce(json->'prompt_counts', '{}'), coalesce(json->'counts', '{}'))
       AS flat FROM {source})
 """
+# What trained each iteration (train.objective): `objective` (grpo for trains written before it
+# was recorded), `rows` (the advantages rows trained on: the selected ones of an SFT iteration,
+# two per pair of a DPO one), `pairs` (DPO; null otherwise), `steps`.
+OBJECTIVES_GLOB = f"{layout.ITER_GLOB}/{layout.TRAIN}/{layout.MANIFEST}"
+OBJECTIVES_VIEW = """
+SELECT iter, coalesce(json->>'objective', 'grpo') AS objective, (json->'counts'->>'sequences')::BIGINT AS rows,
+       (json->'counts'->>'pairs')::BIGINT AS pairs, (json->'counts'->>'steps')::BIGINT AS steps
+FROM {source}
+"""
 # The held-out metrics of every eval manifest, long form: one row per (iter, data_source, metric),
 # metric `mean@n`, `best@n`, `pass@k` or `prompts`.
 EVAL_METRICS_GLOB = f"{layout.ITER_GLOB}/{layout.EVAL}/{layout.MANIFEST}"
@@ -208,6 +220,7 @@ def _views(con: Any, root: Path) -> None:
             con.unregister("_empty")
     _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
     _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
+    _manifest_view(con, root, "objectives", OBJECTIVES_GLOB, OBJECTIVES_VIEW)
     trained = {int(p.parent.name.split("=")[1]) for p in root.glob(f"{layout.ITER_GLOB}/{layout.TRAIN}")}
     create_view(con, sequence_iterations(root, sorted(trained)))  # health, over metrics
     _prompt_stats_view(con)
@@ -420,7 +433,7 @@ def _repl(con: Any) -> None:
     interactive = sys.stdin.isatty()
     if interactive:
         print(
-            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health', REWARD_VIEW, 'prompt_stats', 'source_stats', 'turns'])} (column iter). End a query with ';'. .quit to leave.",
+            f"views: {', '.join([*VIEWS, 'stages', 'eval_metrics', 'health', REWARD_VIEW, 'prompt_stats', 'source_stats', 'turns', 'objectives'])} (column iter). End a query with ';'. .quit to leave.",
             file=sys.stderr,
         )
     buf: list[str] = []

@@ -4,7 +4,7 @@ Reads only complete stages: scores and rollouts per iteration (with the stalenes
 that sampled them, and for multi-turn rollouts the assistant turns per trajectory, the
 trajectories an environment failure ended and the seconds spent in the environment, from the
 rollouts manifest), the advantage manifests (the
-share of groups filtered), the train metrics (iter=K/train/metrics.parquet) and the eval
+share of groups filtered, and the objective of an SFT or DPO iteration), the train metrics (iter=K/train/metrics.parquet) and the eval
 manifests and parts (held-out metrics per data source, example completions), and every stage
 manifest's `timing` (start-up and work seconds; top-up rounds added to their stage).
 """
@@ -60,6 +60,8 @@ def collect(run_dir: Path) -> dict[str, Any]:
             total = c.get("groups_total", 0)
             dropped = c.get("groups_dropped_zero_variance", 0) + c.get("groups_dropped_small", 0)
             row["filtered"] = dropped / total if total else None
+            if adv.get("objective", "grpo") != "grpo":  # train.objective: what trained it
+                row["objective"] = adv["objective"]
         metrics = layout.folder(run_dir, it, layout.TRAIN) / layout.METRICS_FILE
         if metrics.exists() and manifests.manifest(metrics.parent) is not None:
             m = manifests.read_part(metrics, METRICS)
@@ -384,8 +386,14 @@ def _html(run_dir: Path, data: dict[str, Any], plots: list[str], examples: list[
 
     keys = ["iter", "staleness", "score", "reward", "kl", "length", "filtered"]
     keys += [k for k in TURN_KEYS if any(k in r for r in data["iters"])]  # multi-turn runs
+    if any("objective" in r for r in data["iters"]):  # SFT or DPO iterations: the objective of each
+        keys.append("objective")
+
+    def value(r: dict[str, Any], k: str) -> Any:  # an iteration with advantages and no objective: grpo
+        return r.get(k, "grpo" if k == "objective" and "filtered" in r else None)
+
     table = "".join(
-        "<tr>" + "".join(f"<td>{cell(r.get(k))}</td>" for k in keys) + "</tr>" for r in data["iters"]
+        "<tr>" + "".join(f"<td>{cell(value(r, k))}</td>" for k in keys) + "</tr>" for r in data["iters"]
     )
     ex = "".join(
         f"<tr><td>{e['kind']}</td><td>{cell(e['score'])}</td><td><pre>{html.escape(e['prompt'])}</pre></td>"

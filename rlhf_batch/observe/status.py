@@ -1,5 +1,6 @@
 """`rlhf-batch status`: per iteration and stage, complete / stale / partial / missing, rows, timing, the
-staleness of the policy that sampled the rollouts and headline numbers, read from the manifests
+staleness of the policy that sampled the rollouts and headline numbers (on an SFT or DPO iteration
+its objective and the rows it chose), read from the manifests
 and the stage folders; train's health (`health ok` or `HEALTH: ...`) on its train row and the
 reward_health warning (`REWARD HEALTH: ...`) on the scores row of a flagged iteration."""
 
@@ -123,6 +124,7 @@ def _stage_status(
         details.append(f"kept {c.get('groups_out', '?')}/{c.get('groups_total', '?')} groups")
         if m.get("topup_rounds"):
             details.append(f"with top-up rounds {', '.join(map(str, m['topup_rounds']))}")
+        details += objective_details(m)
     if stage == "rollouts" and topup and m and (b := m.get("prompt_batch") or {}).get("batch") is not None:
         if "sources" in b:  # a weighted mixture: each source's quota (data/mixtures.py)
             quotas = ", ".join(f"{n} {t['quota']}" for n, t in b["sources"].items())
@@ -139,6 +141,8 @@ def _stage_status(
         details.append(f"REWARD HEALTH: {warning}")
     if stage == "train" and m and it in (warnings := _health(con) if health is None else health):
         details.append(f"HEALTH: {warnings[it]}" if warnings[it] else "health ok")
+    if stage == "train" and m and m.get("objective", "grpo") != "grpo":  # train.objective
+        details.insert(0, f"objective {m['objective']}")
     if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
         details.append("policy saved")
     elif stage == "train" and (layout.iter_dir(root, it) / layout.POLICY_REMOVED).exists():
@@ -223,6 +227,17 @@ def timing_cells(m: dict[str, Any] | None) -> tuple[str, str, str]:
         return "-" if t.get(key) is None else format(t[key], spec)
 
     return cell("startup_s", ".1f"), cell("work_s", ".1f"), cell("tokens_per_s", ".0f")
+
+
+def objective_details(m: dict[str, Any]) -> list[str]:
+    """An advantages manifest of an SFT or DPO iteration (train.objective): the rows it chose."""
+    c = m.get("counts") or {}
+    if m.get("objective") == "sft":
+        kept = c.get("rows_out", 0) + c.get("rows_not_selected", 0)
+        return [f"sft: {c.get('rows_out', 0)} of {kept} rows selected"]
+    if m.get("objective") == "dpo":
+        return [f"dpo: {c.get('pairs', 0)} pairs from {c.get('groups_paired', 0)} groups"]
+    return []
 
 
 def trajectory_details(m: dict[str, Any]) -> list[str]:

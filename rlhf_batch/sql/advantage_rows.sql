@@ -19,6 +19,10 @@
 -- `signal` is what the advantage is of: the reward; with advantage.reward_normalization =
 -- 'per_part' the stage joins the GDPO sum of the normalised parts instead (table `gdpo`,
 -- advantage_parts.sql), and `reward` stays the row's reward.
+-- An iteration train.objective trains with 'sft' or 'dpo' (stages/selection.py): the stage
+-- replaces `/* selected */` by a join with the temp table `selected`, and for 'dpo' also
+-- `/* c.pair */` by `c.pair, c.chosen,` and `/* pair order */` by `pair, chosen DESC,` (a row
+-- per pair it is in, in pair order); for 'grpo' the query is this text.
 -- Multi-turn rollouts (a `loss_mask` column in a rollouts part): the stage replaces
 -- `/* loss_mask */` by `loss_mask,` and `/* r.loss_mask */` by `r.loss_mask,` (null in a part
 -- without the column: all ones); without one the query is this text.
@@ -39,6 +43,7 @@ WITH r AS (
         r.behavior_logprobs,
         /* teacher_logprobs */ s.ref_logprobs,
         /* r.loss_mask */
+        /* c.pair */
         CAST(CASE
             WHEN g.constant THEN 0.0
             WHEN r.truncated AND $zero_truncated THEN 0.0
@@ -55,11 +60,13 @@ WITH r AS (
     FROM r
     JOIN s USING (rollout_id)
     JOIN groups AS g ON g.prompt_id = r.prompt_id
+    /* selected */
     WHERE NOT (r.truncated AND $drop_truncated) AND g.dropped IS NULL
 )
 SELECT * EXCLUDE (bucket)
 FROM rows
 ORDER BY
+    /* pair order */
     md5_number(concat_ws(':', $seed, $iter, 'bucket', bucket)),
     bucket,
     md5_number(concat_ws(':', $seed, $iter, 'row', rollout_id)),

@@ -33,6 +33,10 @@ Semantics (config [advantage]):
   `groups_dropped_small`), then `drop_zero_variance` (default on, DAPO's dynamic sampling:
   `groups_dropped_zero_variance`): the group's task scores (`score`, before any KL term) are all
   equal, or its rewards are; the KL term of a KL-shaped reward alone never keeps a group. n counts the rewards used.
+* SFT and DPO iterations (train.objective; stages/selection.py): only the rows the objective
+  learns from are written, chosen in DuckDB after the counts: advantage.select's rows (SFT, whose
+  zero-variance filter is off) or the preference pairs of advantage.pairs (DPO: two rows a pair,
+  columns `pair` and `chosen`, in pair order); `rows_out` counts them.
 * Output order: bucket b = len(input_ids) // bucket_tokens; buckets in a seeded shuffled order
   (md5 of '{seed}:{iter}:bucket:{b}'), rows inside a bucket in a seeded hash order (md5 of
   '{seed}:{iter}:row:{rollout_id}'). Part n (part-00000-NNNNN.parquet) holds rows
@@ -77,7 +81,7 @@ from rlhf_batch.core.batching import aligned_chunks
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.runtime import faults
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
-from rlhf_batch.stages import loss_mask, replay
+from rlhf_batch.stages import loss_mask, replay, selection
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.store import fs, layout, manifests
 from rlhf_batch.store.output import StageOutput
@@ -115,6 +119,8 @@ class Advantage(Stage):
             ident["advantage"].pop("opd_baseline", None)
         if self.cfg.advantage.reward_normalization == "sum":  # likewise
             ident["advantage"].pop("reward_normalization", None)
+        # an SFT or DPO iteration (train.objective): its objective and what chooses its rows
+        ident["advantage"] |= selection.settings(self.cfg, self.cfg.objective(self.iteration))
         return ident
 
     def prepare(self) -> None:
@@ -153,6 +159,17 @@ class Advantage(Stage):
         self.params = _prepare(self.con, self.cfg, self.iteration, self.window, self.rounds, inputs)
         faults.fault_point("advantages:pool")
         self.counts = _counts(self.con, self.cfg, self.iteration)
+        self.objective = self.cfg.objective(self.iteration)
+        if self.objective != "grpo":  # SFT or DPO: only the rows it learns from (selection.py)
+            selection.choose(
+                self.con,
+                self.cfg,
+                self.iteration,
+                self.objective,
+                self.params,
+                _where(self.cfg, self.iteration),
+            )
+            self.counts |= selection.counts(self.con, self.objective, self.counts["rows_out"])
         self.replayed = None
         if replay.enabled(self.cfg):  # stored rows of earlier iterations, after the own ones
             self.replayed = replay.choose(self.con, self.cfg, self.iteration, self.counts["rows_out"])
@@ -164,7 +181,7 @@ class Advantage(Stage):
 
     def write_parts(self, todo: list[int], out: StageOutput, bar: Any) -> None:
         own = [n for n in todo if n < self.own_parts]
-        _write_parts(self.con, out, self.cfg, self.iteration, self.params, own, bar)
+        _write_parts(self.con, out, self.cfg, self.iteration, self.params, own, bar, self.objective)
         if self.replayed is not None:
             replay.write_parts(
                 self.con, self.cfg, self.iteration, self.replayed, self.own_parts, todo, out, bar
@@ -173,6 +190,7 @@ class Advantage(Stage):
     def manifest_extra(self) -> dict[str, Any]:
         extra = {"counts": self.counts, "window_iters": self.window, "batch_std": self.params["batch_std"]}
         extra |= self.params.get("opd", {})  # opd: its baseline and reverse KL to the teacher
+        extra |= selection.settings(self.cfg, self.objective)  # sft, dpo: the objective and its rows
         if self.params["reward_parts"]:
             extra["reward_parts"] = self.params["reward_parts"]
         if self.cfg.advantage.min_groups:
@@ -180,7 +198,8 @@ class Advantage(Stage):
         if self.replayed is not None:
             extra["replay"] = replay.record(self.cfg, self.iteration, self.replayed)
         if self.counts["rows_out"] == 0:  # train takes zero steps and says why
-            extra["no_trainable_rows"] = f"every training row was filtered out: {_why(self.counts, self.cfg)}"
+            why = selection.why(self.objective, self.counts, self.cfg) or _why(self.counts, self.cfg)
+            extra["no_trainable_rows"] = f"every training row was filtered out: {why}"
         return extra
 
     def close(self) -> None:
@@ -347,8 +366,11 @@ def _prepare(
             "iter": iteration,
             "ddof": a.ddof,
             "min_group_size": a.min_group_size,
-            # opd: every rollout carries the teacher's signal, equal rewards or not
-            "drop_zero_variance": a.drop_zero_variance and a.estimator != "opd",
+            # opd: every rollout carries the teacher's signal, equal rewards or not; sft: a group
+            # whose rows are all right still shows what to imitate (selection.py)
+            "drop_zero_variance": a.drop_zero_variance
+            and a.estimator != "opd"
+            and cfg.objective(iteration) != "sft",
         },
     )
     batch_std = None
@@ -508,7 +530,14 @@ def _why(c: dict[str, int], cfg: Config) -> str:
 
 
 def _write_parts(
-    con: Any, out: StageOutput, cfg: Config, iteration: int, params: dict[str, Any], todo: list[int], bar: Any
+    con: Any,
+    out: StageOutput,
+    cfg: Config,
+    iteration: int,
+    params: dict[str, Any],
+    todo: list[int],
+    bar: Any,
+    objective: str = "grpo",
 ) -> None:
     """Stream the ordered rows out of DuckDB and write the parts `todo` (those not on disk yet)."""
     a = cfg.advantage
@@ -540,6 +569,9 @@ def _write_parts(
     if params["loss_mask"]:
         query = query.replace("/* loss_mask */", "loss_mask,").replace("/* r.loss_mask */", "r.loss_mask,")
         schema = with_extra(schema, LOSS_MASK)
+    if objective != "grpo":  # SFT or DPO: the chosen rows (selection.py)
+        query = selection.rows_query(query, objective)
+        schema = with_extra(schema, selection.PAIRS) if objective == "dpo" else schema
     baseline = params["opd"]["opd_baseline"] if a.estimator == "opd" else 0.0
     reader = con.sql(query, params=values).to_arrow_reader(min(a.rows_per_part, 65536))
     wanted = set(todo)

@@ -174,10 +174,13 @@ def validate(actual: pa.Schema, expected: pa.Schema, where: str) -> None:
 
 ENUMS = {"finish_reason": ("stop", "length")}  # columns that hold one of a few strings
 UNIQUE = "rollout_id"  # one row per rollout in every stage table
+# but preference pairs (train.objective "dpo"): a row per pair a rollout is in, one per (pair, chosen)
+PAIR_KEY = ("pair", "chosen")
 
 
 def check_values(t: pa.Table, where: str) -> None:
-    """What a schema cannot say: enum columns hold only their values, no rollout_id repeats."""
+    """What a schema cannot say: enum columns hold only their values, no rollout_id repeats (in
+    preference pairs no (pair, chosen) repeats)."""
     import pyarrow.compute as pc
 
     for name, allowed in ENUMS.items():
@@ -189,7 +192,11 @@ def check_values(t: pa.Table, where: str) -> None:
                 raise SchemaError(
                     f"{where}: column '{name}' holds {value!r} in row {i}; expected one of {', '.join(allowed)}"
                 )
-    if UNIQUE in t.column_names and pc.count_distinct(t[UNIQUE]).as_py() < t.num_rows:
+    if all(k in t.column_names for k in PAIR_KEY):
+        key = pc.add(pc.multiply(pc.cast(t["pair"], pa.int64()), 2), pc.cast(t["chosen"], pa.int64()))
+        if pc.count_distinct(key).as_py() < t.num_rows:
+            raise SchemaError(f"{where}: a (pair, chosen) occurs more than once")
+    elif UNIQUE in t.column_names and pc.count_distinct(t[UNIQUE]).as_py() < t.num_rows:
         counts = pc.value_counts(t[UNIQUE])
         dup = counts.filter(pc.greater(counts.field("counts"), 1))[0]["values"].as_py()
         raise SchemaError(f"{where}: rollout_id {dup} occurs more than once")

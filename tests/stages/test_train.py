@@ -763,15 +763,10 @@ def test_missing_or_bad_advantages_are_named(make_config, tiny_model: Path) -> N
         run_stage("train", cfg, 0, quiet=True)
 
 
-def test_resume_after_sigkill_matches_an_uninterrupted_run(
-    make_config, tiny_model: Path, tmp_path: Path
-) -> None:
-    # 24 rows x 4 tokens, 4 tokens per step, 2 epochs: 48 steps; a checkpoint every 4 steps
-    table = make_table(tiny_model, [3] * 24, [4] * 24)
-    keys = dict(lr=1e-2, tokens_per_step=4, ppo_epochs=2, checkpoint_every=4)
-    path, cfg = make_config(train_toml(**keys))
-    write_advantages(cfg.run_dir, table)
-    ckpt = layout.folder(cfg.run_dir, 0, "train") / "checkpoint"
+def kill_at_a_checkpoint(path: Path, run_dir: str, tmp_path: Path) -> list[dict]:
+    """`rlhf-batch train CONFIG --iter 0` in a subprocess, SIGKILLed once it has written a
+    checkpoint; returns the metrics that checkpoint holds."""
+    ckpt = layout.folder(run_dir, 0, "train") / "checkpoint"
     log = open(tmp_path / "killed.log", "w")  # noqa: SIM115
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.Popen(
@@ -788,7 +783,18 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(
     saved = checkpoint.latest(ckpt)
     assert saved is not None, (tmp_path / "killed.log").read_text()
     assert manifests.manifest(ckpt.parent) is None  # killed before the end
-    before = json.loads((saved / "state.json").read_text())["metrics"]
+    return json.loads((saved / "state.json").read_text())["metrics"]
+
+
+def test_resume_after_sigkill_matches_an_uninterrupted_run(
+    make_config, tiny_model: Path, tmp_path: Path
+) -> None:
+    # 24 rows x 4 tokens, 4 tokens per step, 2 epochs: 48 steps; a checkpoint every 4 steps
+    table = make_table(tiny_model, [3] * 24, [4] * 24)
+    keys = dict(lr=1e-2, tokens_per_step=4, ppo_epochs=2, checkpoint_every=4)
+    path, cfg = make_config(train_toml(**keys))
+    write_advantages(cfg.run_dir, table)
+    before = kill_at_a_checkpoint(path, cfg.run_dir, tmp_path)
 
     run_stage("train", cfg, 0, quiet=True)
     rows = metrics(cfg.run_dir).to_pylist()

@@ -39,9 +39,12 @@ from rlhf_batch.store.schemas import SCORES, with_extra
 
 
 def kl_used(cfg: Config) -> bool:
-    """KL to the reference enters the reward or the loss, so score computes reference log-probs."""
+    """KL to the reference enters the reward or the loss, or DPO's loss reads the reference
+    log-probs (train.objective "dpo"), so score computes them."""
     s = cfg.score
-    return (s.kl_in_reward and s.kl_reward_coef > 0) or cfg.train.kl_loss_coef > 0
+    return (
+        (s.kl_in_reward and s.kl_reward_coef > 0) or cfg.train.kl_loss_coef > 0 or cfg.uses_objective("dpo")
+    )
 
 
 class Scorer:

@@ -21,6 +21,11 @@ replays exactly the same steps and the data position in a checkpoint is just a s
   (`active`): a step of such rows alone runs no forward pass and still takes its optimizer
   step (on zero gradients), as it would had they been computed. Diagnostics (clip fraction,
   KL, entropy, ESS, tokens/s) cover the rows run; a step that runs none records them null.
+* Objectives (train.objective, stages/selection.py): an SFT iteration's rows are planned as
+  above, all of them active; a DPO iteration's parts hold preference pairs (columns `pair`,
+  `chosen`), which are planned as units (`plan_steps`' `pairs`): a pair's two rows, chosen then
+  rejected, are always in one micro-batch, its sampled tokens counting towards the budget of its
+  step and its longer row, twice, towards the token budget of its micro-batch.
 * Ranks: micro-batch j of a step goes to rank j % world. A rank with fewer micro-batches than
   the others runs the step's shortest row with weight 0, so that every rank does the same
   number of forward/backward passes (DDP needs it). The global batch of a step, and hence its
@@ -65,6 +70,8 @@ class TrainRows:
     behavior: np.ndarray | None = None  # [sum T] the engine's log-probs, kept when `old` is recomputed
     tok_adv: np.ndarray | None = None  # [sum T] float32, per-token advantages (opd); None: `adv` per row
     loss_mask: np.ndarray | None = None  # [sum T] bool, sampled by the policy (multi-turn); None: all
+    objective: str = "grpo"  # what the rows are for (train.objective): grpo, sft, dpo
+    pairs: np.ndarray | None = None  # [P, 2] int64, dpo: the rows of each pair, chosen then rejected
 
     @property
     def trained_lens(self) -> np.ndarray:
@@ -101,12 +108,14 @@ def _flat(arr: pa.ListArray, dtype: Any) -> np.ndarray:
     return np.asarray(arr.flatten().to_numpy(zero_copy_only=False), dtype=dtype)
 
 
-def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
+def load_rows(sdir: Path, need_ref: bool = False, objective: str = "grpo") -> TrainRows:
     """Read and check a complete advantages stage; errors name the directory, rollout and column.
-    `ref_logprobs` may be null in every row (score used no KL) unless `need_ref`."""
+    `ref_logprobs` may be null in every row (score used no KL) unless `need_ref` or the
+    `objective` is dpo (its loss reads them); dpo's parts hold pairs (`pair`, `chosen`)."""
     per_token = _has_token_advantages(sdir)  # advantage.estimator = "opd"
     masked = _has_column(sdir, "loss_mask")  # multi-turn rollouts
-    columns = COLUMNS + ["token_advantages"] * per_token + ["loss_mask"] * masked
+    dpo = objective == "dpo"
+    columns = COLUMNS + ["token_advantages"] * per_token + ["loss_mask"] * masked + ["pair", "chosen"] * dpo
     table = read_stage(sdir, ADVANTAGES, columns=columns).combine_chunks()
     if table.num_rows == 0:
         raise StageError(
@@ -114,6 +123,11 @@ def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
         )
     rids = table.column("rollout_id").to_pylist()
     no_ref = table.column("ref_logprobs").null_count == table.num_rows  # score used no KL
+    if no_ref and dpo:
+        raise StageError(
+            f"{sdir}: train.objective 'dpo' needs the reference log-probs (ref_logprobs), but they are null; "
+            "score the iteration again (score computes them when train.objective has 'dpo')"
+        )
     if no_ref and need_ref:
         raise StageError(
             f"{sdir}: train.kl_loss_coef > 0 needs ref_logprobs, but they are null (scored without KL); "
@@ -161,7 +175,24 @@ def load_rows(sdir: Path, need_ref: bool = False) -> TrainRows:
         adv=adv,
         tok_adv=tok_adv,
         loss_mask=flat_mask(table, resp) if masked else None,
+        objective=objective,
+        pairs=_pairs(sdir, table) if dpo else None,
     )
+
+
+def _pairs(sdir: Path, table: pa.Table) -> np.ndarray:
+    """[P, 2] the rows of each pair, chosen then rejected (pairs in their order); pairs that are
+    not one chosen and one rejected row each are a StageError naming the columns."""
+    pair = table.column("pair").to_numpy().astype(np.int64)  # [N]
+    chosen = table.column("chosen").to_numpy(zero_copy_only=False).astype(bool)  # [N]
+    order = np.lexsort((~chosen, pair))  # [N] by pair, its chosen row first
+    p, c = pair[order], chosen[order]  # [N] each
+    if len(order) % 2 or (p[0::2] != p[1::2]).any() or not c[0::2].all() or c[1::2].any():
+        raise StageError(
+            f"{sdir}: columns 'pair' and 'chosen' do not give each pair one chosen and one rejected row; "
+            "redo advantage"
+        )
+    return order.reshape(-1, 2)  # [P, 2]
 
 
 def _has_column(sdir: Path, name: str) -> bool:
@@ -249,9 +280,27 @@ def plan_steps(
     max_padding: float = 1.0,
     sequences_per_step: int = 0,
     active: np.ndarray | None = None,
+    pairs: np.ndarray | None = None,
 ) -> list[Step]:
     """Every optimizer step of the stage, in order (see the module docstring). `active` [N]
-    bool: the rows to compute (None: all)."""
+    bool: the rows to compute (None: all). `pairs` [P, 2] (dpo): the plan of the pairs as units,
+    each micro-batch then expanded to its pairs' rows, chosen 0, rejected 0, chosen 1, ..."""
+    if pairs is not None:
+        units_plan = plan_steps(
+            resp_lens[pairs].sum(1),  # [P]
+            seq_lens[pairs].max(1),  # [P]
+            tokens_per_step,
+            max(1, max_tokens_per_batch // 2),  # two rows of the longer one's length each
+            epochs,
+            seed,
+            max_padding,
+            max(1, sequences_per_step // 2) if sequences_per_step else 0,
+        )
+        expanded = [[tuple(int(i) for p in mb for i in pairs[p]) for mb in u.micro] for u in units_plan]
+        return [
+            _step(u.index, u.epoch, micro, resp_lens, None)
+            for u, micro in zip(units_plan, expanded, strict=True)
+        ]
     # what a step's budget counts: response tokens, or rows (sequences_per_step > 0)
     units = np.ones_like(resp_lens) if sequences_per_step else resp_lens  # [N]
     budget = sequences_per_step or tokens_per_step

@@ -87,6 +87,7 @@ def _train(
         tc.max_padding,
         tc.sequences_per_step,
         _active_rows(tc, data),
+        data.pairs,  # dpo: a pair's two rows in one micro-batch
     )
     trainer = build_trainer(cfg, start, data, steps)
     if prev is not None:  # the run's AdamW state and step count, as iteration K-1 left them
@@ -135,8 +136,8 @@ def _train(
 def _active_rows(tc: TrainConfig, data: TrainRows) -> np.ndarray | None:
     """[N] bool, the rows whose loss gradient can be non-zero, or None (all): with no KL or
     entropy term in the loss, a row of advantage 0 adds exactly 0 to the gradient (its clipped,
-    dual-clipped and TIS-weighted objective terms are all multiples of its advantage)."""
-    if tc.kl_loss_coef or tc.kl_to_inference_coef or tc.entropy_coef:
+    dual-clipped and TIS-weighted objective terms are all multiples of its advantage). SFT: all."""
+    if tc.kl_loss_coef or tc.kl_to_inference_coef or tc.entropy_coef or data.objective != "grpo":
         return None
     if data.tok_adv is not None:  # per-token advantages (opd): a row is inactive when all are 0
         import numpy as np

@@ -50,7 +50,8 @@ def build_trainer(cfg: Config, start: str, data: TrainRows, steps: list[Step]) -
     trainer = Trainer(
         model, net, optimizer, data, tc, _loss_kwargs(cfg), len(steps), str(device), world, rank, bf16, tok
     )
-    if tc.recompute_old or tc.tis_cap:  # tis_cap weighs the recomputed log-probs against the engine's
+    # tis_cap weighs the recomputed log-probs against the engine's; SFT and DPO weigh nothing
+    if (tc.recompute_old or tc.tis_cap) and data.objective == "grpo":
         recompute_old(trainer, steps)  # on the full model, before it is sharded
     if tc.fsdp and dist.in_group():  # under torchrun, a group of one included
         sharded = _fsdp(model, net, str(device), world)

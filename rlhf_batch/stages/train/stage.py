@@ -7,7 +7,10 @@
     iter=K/train/optimizer/             the AdamW state iteration K+1 starts from (carry.py)
 
 The policy of iteration K starts from iter=K-1/policy (cfg.policy_model for K = 0); the KL
-reference is the stored `ref_logprobs` column, so no reference model is loaded. With [lora]
+reference is the stored `ref_logprobs` column, so no reference model is loaded. On an SFT or DPO
+iteration (train.objective) the rows are the ones advantage chose (stages/selection.py) and the
+loss SFT's cross-entropy or DPO's over pairs (step.py); the advantages must have been written for
+that objective (their manifest's `objective`), and the manifest records it. With [lora]
 (lora.py) it loads the base (`policy_model`) with iteration K-1's adapter instead, trains the
 adapter only and writes the adapter into iter=K/policy/adapter next to the merged weights. Dropout is
 switched off (as TRL does), so that before the first update the importance ratio is 1.
@@ -74,6 +77,7 @@ class Train(Stage):
         self.changed: dict[str, Any]  # load(): schedule settings that differ from the carried state's
         self.schedule_record: dict[str, Any] | None = None  # the schedule record to write once complete
         self.result: TrainResult  # write_parts(): what the manifest records
+        self.objective: str  # prepare(): what train.objective fits in this iteration
 
     @property
     def progress_desc(self) -> str:
@@ -90,6 +94,11 @@ class Train(Stage):
         for key, default in OBJECTIVE_DEFAULTS.items():  # and for the token-level PPO objective
             if ident["train"].get(key) == default:
                 ident["train"].pop(key)
+        objective = self.cfg.objective(self.iteration)  # train.objective: this iteration's, if not grpo
+        if objective != "grpo":
+            ident["train"]["objective"] = objective
+        if objective == "dpo":
+            ident["train"] |= {"dpo_beta": self.cfg.train.dpo_beta, "dpo_loss": self.cfg.train.dpo_loss}
         ident["train"]["total_steps"] = self.total_steps
         return ident
 
@@ -102,6 +111,13 @@ class Train(Stage):
             raise StageError(
                 f"{self.adv_dir}: advantages are missing or incomplete (no {layout.MANIFEST}); "
                 f"run `rlhf-batch advantage --iter {it}` first"
+            )
+        self.objective = cfg.objective(it)
+        if adv.get("objective", "grpo") != self.objective:  # written under another train.objective
+            raise StageError(
+                f"{self.adv_dir}: advantages were written for objective '{adv.get('objective', 'grpo')}', "
+                f"train.objective gives iteration {it} '{self.objective}'; redo them with "
+                f"`rlhf-batch advantage --iter {it} --force`"
             )
         self.start = start_policy(cfg, it)
         if it == 0:
@@ -127,7 +143,8 @@ class Train(Stage):
         if adapter is not None:  # an adapter of another shape: refused before anything is written
             lora.check_adapter(self.cfg, adapter)
         rows = (manifests.manifest(self.adv_dir) or {}).get("rows")
-        self.data = load_rows(self.adv_dir, need_ref=self.cfg.train.kl_loss_coef > 0) if rows != 0 else None
+        need_ref = self.cfg.train.kl_loss_coef > 0 and self.objective == "grpo"
+        self.data = load_rows(self.adv_dir, need_ref, self.objective) if rows != 0 else None
         self.prev = train_carry.previous(self.cfg, self.iteration)
         self.changed = train_carry.changes(
             self.cfg, self.iteration, self.prev[1] if self.prev else None, self.force
@@ -180,7 +197,10 @@ class Train(Stage):
 
     def manifest_extra(self) -> dict[str, Any]:
         train_schedule.write(self.cfg, self.schedule_record)  # the run's schedule, fixed or changed
-        return self.result.manifest_extra()
+        extra = {**self.result.manifest_extra(), "objective": self.objective}
+        if self.data is not None and self.data.pairs is not None:  # dpo: the pairs trained on
+            extra["counts"]["pairs"] = len(self.data.pairs)
+        return extra
 
     def on_complete(self) -> None:
         checkpoint.remove(layout.checkpoint_dir(self.cfg.run_dir, self.iteration))

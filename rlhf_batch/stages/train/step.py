@@ -15,7 +15,11 @@ weights, on every rank). A micro-batch reads nothing back from the device: the m
 there and read once a step.
 
 The loss is `core.losses.grpo_loss` (its per-token objectives: core/objectives.py), called with
-the config's settings as `_loss_kwargs` (the end of this module) gives them.
+the config's settings as `_loss_kwargs` (the end of this module) gives them. On an SFT or DPO
+iteration (train.objective) it is `core.supervised.sft_loss` over the step's trained tokens, or
+`dpo_loss` over the step's pairs (`train.dpo_beta`, `train.dpo_loss`), reading the stored
+reference log-probs; the clip, KL, entropy and importance-sampling settings are GRPO's and do
+not apply there (a rank's weight-0 filler row of a DPO step runs `sft_loss`, times 0).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from rlhf_batch.config import Config, TrainConfig
 from rlhf_batch.core.losses import grpo_loss
+from rlhf_batch.core.supervised import dpo_loss, sft_loss
 from rlhf_batch.errors import StageError
 from rlhf_batch.models.forward import padded_logprobs
 from rlhf_batch.stages.train.data import Step, TrainRows, lr_factor, micro_batch
@@ -174,11 +179,38 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.device).type, enabled=False)
 
+    def _supervised_loss(
+        self, td: Any, logp: torch.Tensor, mask: torch.Tensor, ent: Any, denominator: float, weight: float
+    ) -> Any:
+        """SFT's or DPO's loss of a micro-batch (a DPO micro-batch holds whole pairs; a filler
+        row of weight 0 runs SFT's, whose gradient the weight zeroes)."""
+        ref = td.get("ref_logprobs", None)
+        ent = ent.detach() if ent is not None else None
+        if self.data.objective == "sft" or not weight:
+            return sft_loss(
+                logp, td["old_logprobs"], mask, ref_logprobs=ref, entropy=ent, denominator=denominator
+            )
+        tc = self.tcfg
+        return dpo_loss(
+            logp,
+            td["old_logprobs"],
+            ref,
+            mask,
+            beta=tc.dpo_beta,
+            loss_type=tc.dpo_loss,
+            entropy=ent,
+            denominator=denominator,
+        )
+
     def step(self, step: Step) -> dict[str, Any]:
         """Run one optimizer step; returns its metrics row (schemas.METRICS)."""
         t0 = time.perf_counter()
-        tc = self.tcfg
+        tc, objective = self.tcfg, self.data.objective
         denominator = float(max(1, step.tokens if tc.aggregation == "token_mean" else step.sequences))
+        if objective == "sft":  # the step's trained tokens
+            denominator = float(max(1, step.tokens))
+        elif objective == "dpo":  # the step's pairs
+            denominator = float(max(1, sum(len(mb) for mb in step.micro) // 2))
         metrics = StepMetrics(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         work = step.for_rank(self.rank, self.world)
@@ -187,20 +219,25 @@ class Trainer:
                 td = micro_batch(self.data, rows, self.device)
                 # the entropy: for the loss when it has a term, else for the metric, sampled from
                 # the step's first micro-batch (rank 0's first, whatever the number of ranks)
-                entropy = bool(tc.entropy_coef) or (self.rank == 0 and j == 0 and weight > 0)
+                entropy = bool(tc.entropy_coef and objective == "grpo") or (
+                    self.rank == 0 and j == 0 and weight > 0
+                )
                 with self._accumulate(j == len(work) - 1):
                     logp, mask, ent = self.forward(td, entropy)  # [B, T] each
-                    out = grpo_loss(
-                        logp,
-                        td["old_logprobs"],
-                        td["advantages"],
-                        mask,
-                        ref_logprobs=td.get("ref_logprobs", None),
-                        entropy=ent if tc.entropy_coef or ent is None else ent.detach(),
-                        denominator=denominator,
-                        behavior_logprobs=td.get("behavior_logprobs", None),
-                        **self.loss_kwargs,
-                    )
+                    if objective == "grpo":
+                        out = grpo_loss(
+                            logp,
+                            td["old_logprobs"],
+                            td["advantages"],
+                            mask,
+                            ref_logprobs=td.get("ref_logprobs", None),
+                            entropy=ent if tc.entropy_coef or ent is None else ent.detach(),
+                            denominator=denominator,
+                            behavior_logprobs=td.get("behavior_logprobs", None),
+                            **self.loss_kwargs,
+                        )
+                    else:
+                        out = self._supervised_loss(td, logp, mask, ent, denominator, weight)
                     (out.loss * (weight * self.world)).backward()  # type: ignore[no-untyped-call]
                 metrics.add(out, mask, logp, td["old_logprobs"], weight, entropy)
                 if self.stats is not None and weight:
