@@ -17,7 +17,7 @@ preference format: `prompt` (messages), `chosen` and `rejected` (the response me
 side: a multi-turn response's tool and user turns included, as the trajectory holds them), with
 `prompt_id`, `chosen_id`, `rejected_id`, `chosen_reward`, `rejected_reward` (score's `reward`),
 `iteration` (and `tools`). The pairs are those `advantage.pairs` and `advantage.pair_margin`
-choose (stages/selection.py, the same query and seeded order), among the iteration's scored
+choose (data/selection.py, the same query and seeded order), among the iteration's scored
 rollouts (the group filters of advantage are not applied: a group whose rewards are all equal has
 no pair anyway).
 """
@@ -98,7 +98,7 @@ def _pair_table(
     """One row per preference pair (module docstring), in pair order."""
     import duckdb
 
-    from rlhf_batch.stages import selection
+    from rlhf_batch.data import selection
     from rlhf_batch.store import fs, manifests
 
     values = {}

@@ -1,4 +1,4 @@
--- advantage, step 5b (an iteration train.objective trains with 'sft' or 'dpo'; stages/selection.py):
+-- advantage, step 5b (an iteration train.objective trains with 'sft' or 'dpo'; data/selection.py):
 -- the rows the objective may learn from, as the temp table `candidates`: the current
 -- iteration's rows with a reward (NaN is none), not dropped as truncated ($drop_truncated), and,
 -- where the stage writes `JOIN groups ... dropped IS NULL` in place of `/* kept */`, whose group the

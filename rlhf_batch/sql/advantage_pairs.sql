@@ -1,4 +1,4 @@
--- advantage, step 5c (train.objective 'dpo'; stages/selection.py): the preference pairs, as the
+-- advantage, step 5c (train.objective 'dpo'; data/selection.py): the preference pairs, as the
 -- temp table `selected`: two rows per pair, (rollout_id, pair, chosen) for its chosen row (true)
 -- and its rejected row (false), from `candidates` (advantage_candidates.sql). Per prompt, a pair
 -- is two rows whose rewards differ by more than $margin (advantage.pair_margin), the higher one

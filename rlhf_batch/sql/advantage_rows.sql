@@ -19,7 +19,7 @@
 -- `signal` is what the advantage is of: the reward; with advantage.reward_normalization =
 -- 'per_part' the stage joins the GDPO sum of the normalised parts instead (table `gdpo`,
 -- advantage_parts.sql), and `reward` stays the row's reward.
--- An iteration train.objective trains with 'sft' or 'dpo' (stages/selection.py): the stage
+-- An iteration train.objective trains with 'sft' or 'dpo' (data/selection.py): the stage
 -- replaces `/* selected */` by a join with the temp table `selected`, and for 'dpo' also
 -- `/* c.pair */` by `c.pair, c.chosen,` and `/* pair order */` by `pair, chosen DESC,` (a row
 -- per pair it is in, in pair order); for 'grpo' the query is this text.

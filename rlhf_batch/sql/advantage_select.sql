@@ -1,4 +1,4 @@
--- advantage, step 5c (train.objective 'sft'; stages/selection.py): the rows SFT trains on, as the
+-- advantage, step 5c (train.objective 'sft'; data/selection.py): the rows SFT trains on, as the
 -- temp table `selected` (rollout_id; pair and chosen null), from `candidates`
 -- (advantage_candidates.sql): those whose reward is at least $min_reward (advantage.select's
 -- min_reward; null: any) and whose scored rollout satisfies advantage.select's `where` (the stage

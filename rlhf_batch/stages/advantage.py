@@ -33,7 +33,7 @@ Semantics (config [advantage]):
   `groups_dropped_small`), then `drop_zero_variance` (default on, DAPO's dynamic sampling:
   `groups_dropped_zero_variance`): the group's task scores (`score`, before any KL term) are all
   equal, or its rewards are; the KL term of a KL-shaped reward alone never keeps a group. n counts the rewards used.
-* SFT and DPO iterations (train.objective; stages/selection.py): only the rows the objective
+* SFT and DPO iterations (train.objective; data/selection.py): only the rows the objective
   learns from are written, chosen in DuckDB after the counts: advantage.select's rows (SFT, whose
   zero-variance filter is off) or the preference pairs of advantage.pairs (DPO: two rows a pair,
   columns `pair` and `chosen`, in pair order); `rows_out` counts them.
@@ -78,10 +78,11 @@ import pyarrow as pa
 
 from rlhf_batch.config import Config, check_groups
 from rlhf_batch.core.batching import aligned_chunks
+from rlhf_batch.data import selection
 from rlhf_batch.errors import SchemaError, StageError
 from rlhf_batch.runtime import faults
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
-from rlhf_batch.stages import loss_mask, replay, selection
+from rlhf_batch.stages import loss_mask, replay
 from rlhf_batch.stages.base import Part, Stage, list_tokens
 from rlhf_batch.store import fs, layout, manifests
 from rlhf_batch.store.output import StageOutput

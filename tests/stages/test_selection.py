@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from rlhf_batch.data.selection import PAIRS
 from rlhf_batch.errors import ConfigError, StageError
 from rlhf_batch.stages.advantage import Advantage
 from rlhf_batch.stages.registry import run_stage
-from rlhf_batch.stages.selection import PAIRS
 from rlhf_batch.stages.train.stage import Train
 from rlhf_batch.store import layout, manifests
 from rlhf_batch.store.schemas import ADVANTAGES, SCORES, with_extra

@@ -13,9 +13,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from rlhf_batch.data.selection import PAIRS
 from rlhf_batch.errors import StageError
 from rlhf_batch.stages.registry import run_stage
-from rlhf_batch.stages.selection import PAIRS
 from rlhf_batch.stages.train import step as train_step
 from rlhf_batch.store import layout, manifests, output
 from rlhf_batch.store.schemas import ADVANTAGES, LOSS_MASK, with_extra

@@ -21,7 +21,7 @@ replays exactly the same steps and the data position in a checkpoint is just a s
   (`active`): a step of such rows alone runs no forward pass and still takes its optimizer
   step (on zero gradients), as it would had they been computed. Diagnostics (clip fraction,
   KL, entropy, ESS, tokens/s) cover the rows run; a step that runs none records them null.
-* Objectives (train.objective, stages/selection.py): an SFT iteration's rows are planned as
+* Objectives (train.objective, data/selection.py): an SFT iteration's rows are planned as
   above, all of them active; a DPO iteration's parts hold preference pairs (columns `pair`,
   `chosen`), which are planned as units (`plan_steps`' `pairs`): a pair's two rows, chosen then
   rejected, are always in one micro-batch, its sampled tokens counting towards the budget of its

@@ -8,7 +8,7 @@
 
 The policy of iteration K starts from iter=K-1/policy (cfg.policy_model for K = 0); the KL
 reference is the stored `ref_logprobs` column, so no reference model is loaded. On an SFT or DPO
-iteration (train.objective) the rows are the ones advantage chose (stages/selection.py) and the
+iteration (train.objective) the rows are the ones advantage chose (data/selection.py) and the
 loss SFT's cross-entropy or DPO's over pairs (step.py); the advantages must have been written for
 that objective (their manifest's `objective`), and the manifest records it. With [lora]
 (lora.py) it loads the base (`policy_model`) with iteration K-1's adapter instead, trains the
