@@ -27,7 +27,7 @@ and 1,024 prompts: with the built-in tool environment and calculator (pipelines/
 column) and without tools (pipelines/calc_no_tools.toml, single-turn, baseline column), the same
 budget; rows marked "(calculator)" by iteration: the mean score, the answer score (the product's
 digits the last assistant message got right), the share of exact answers and of right calls;
-the answer curves go to learning_calculator.png. `--iterations` defaults to the configs' (40).
+the answer curves go to learning_calculator.png. `--iterations` defaults to the configs' (60).
 
 TRL runs in its own venv, `.venv-trl` (`make trl`, pinned by constraints-trl.txt with the same
 torch); without it (as in the smoke test) only rlhf-batch runs and the TRL cells read '-'.
@@ -56,7 +56,7 @@ ASK = common.ROOT / "pipelines" / "ask.toml"  # the multi-turn task's config
 ASK_ITERATIONS = 60  # pipelines/ask.toml's
 CALC = common.ROOT / "pipelines" / "calc.toml"  # the calculator task, with the tool
 CALC_NO_TOOLS = common.ROOT / "pipelines" / "calc_no_tools.toml"  # the same without it
-CALC_ITERATIONS = 40  # theirs
+CALC_ITERATIONS = 60  # theirs
 CONFIGS = {"demo": DEMO, "ask": ASK, "calc": CALC, "calc-no-tools": CALC_NO_TOOLS}
 # The settings both sides share: pipelines/demo.toml's (tests/benchmarks/test_smoke.py checks them).
 SHARED = {
@@ -180,9 +180,7 @@ def calc_figures(run_dir: str) -> dict[str, list[float]]:
         call = float(f"{CALL_OPEN}{expression}{CALL_CLOSE}" in turns[0])
         by_iter.setdefault(it, []).append((digits(turns[-1], answer), float(turns[-1] == answer), call))
     rows = [list(zip(*v, strict=True)) for _, v in sorted(by_iter.items())]
-    return {
-        k: [sum(r[j]) / len(r[j]) for r in rows] for j, k in enumerate(("answer", "exact", "called"))
-    }
+    return {k: [sum(r[j]) / len(r[j]) for r in rows] for j, k in enumerate(("answer", "exact", "called"))}
 
 
 def turn_figures(run_dir: str) -> dict[str, list[float]]:
@@ -452,7 +450,7 @@ def run_calc_seed(seed: int, iterations: int, b: int, threads: int, sets: list[s
     return runs[0], runs[1]
 
 
-def record_calc(results: Path, what: str, workload: str, tools: dict, alone: dict) -> None:
+def record_calc(results: Path, what: str, workload: str, tools: dict, alone: dict, note: str = "") -> None:
     """The rows of one comparison: with the tool (ours column) against without (baseline)."""
     cells = lambda r, k: " ".join(f"{s:.3f}" for s in r[k])  # noqa: E731
     for key, name, unit in (
@@ -482,7 +480,8 @@ def record_calc(results: Path, what: str, workload: str, tools: dict, alone: dic
         met=tb > ab,
     )
     times = lambda r: f"whole process {r['process_s']:.0f}s (CPU {r['process_cpu_s']:.0f}s)"  # noqa: E731
-    common.append_row(results, f"learning: wall time{what}", "as above", "wall time", times(tools), times(alone))
+    where = f"as above; {note}" if note else "as above"
+    common.append_row(results, f"learning: wall time{what}", where, "wall time", times(tools), times(alone))
 
 
 def main_calc(args: Any, seeds: list[int]) -> None:
@@ -510,15 +509,18 @@ def main_calc(args: Any, seeds: list[int]) -> None:
 
     runs = [run_calc_seed(seed, iterations, b, args.threads, args.set) for seed in seeds]
     for seed, (tools, alone) in zip(seeds, runs, strict=True):
-        record_calc(args.results, " (calculator)", workload(f"seed {seed}"), tools, alone)
+        record_calc(args.results, " (calculator)", workload(f"seed {seed}"), tools, alone, args.note)
     if len(seeds) > 1:
         tools, alone = mean_of([r[0] for r in runs]), mean_of([r[1] for r in runs])
-        record_calc(args.results, " (calculator), mean over seeds", workload(f"seeds {args.seeds}"), tools, alone)
+        what = " (calculator), mean over seeds"
+        record_calc(args.results, what, workload(f"seeds {args.seeds}"), tools, alone, args.note)
     png = args.png or args.results.parent / "learning_calculator.png"
     title = f"calculator task, answer score, {b} prompts x 8 per iteration" + (
         f", mean of seeds {args.seeds}" if len(seeds) > 1 else f", seed {seeds[0]}"
     )
-    plot(png, tools["answer"], alone["answer"], title, ("with the calculator", "without tools"), "answer score")
+    plot(
+        png, tools["answer"], alone["answer"], title, ("with the calculator", "without tools"), "answer score"
+    )
     print(f"plot: {png}")
 
 
