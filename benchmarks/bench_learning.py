@@ -21,6 +21,14 @@ it, the model answers; score = 0.2 x asking with "?" + 0.8 x the answer's letter
 generate.max_turns 2), ours only (TRL's side would need an environment of its own), rows marked
 "(multi-turn)"; `--iterations` defaults to the config's (60).
 
+`--task calc` runs the calculator task (docs/multi-turn.md, "The calculator task": the prompt
+"37*58=", the product is the answer) twice from the same tiny model (with the calculator's tokens)
+and 1,024 prompts: with the built-in tool environment and calculator (pipelines/calc.toml, ours
+column) and without tools (pipelines/calc_no_tools.toml, single-turn, baseline column), the same
+budget; rows marked "(calculator)" by iteration: the mean score, the answer score (the product's
+digits the last assistant message got right), the share of exact answers and of right calls;
+the answer curves go to learning_calculator.png. `--iterations` defaults to the configs' (60).
+
 TRL runs in its own venv, `.venv-trl` (`make trl`, pinned by constraints-trl.txt with the same
 torch); without it (as in the smoke test) only rlhf-batch runs and the TRL cells read '-'.
 
@@ -46,6 +54,10 @@ TRL_PYTHON = common.ROOT / ".venv-trl" / "bin" / "python"
 DEMO = common.ROOT / "pipelines" / "demo.toml"
 ASK = common.ROOT / "pipelines" / "ask.toml"  # the multi-turn task's config
 ASK_ITERATIONS = 60  # pipelines/ask.toml's
+CALC = common.ROOT / "pipelines" / "calc.toml"  # the calculator task, with the tool
+CALC_NO_TOOLS = common.ROOT / "pipelines" / "calc_no_tools.toml"  # the same without it
+CALC_ITERATIONS = 60  # theirs
+CONFIGS = {"demo": DEMO, "ask": ASK, "calc": CALC, "calc-no-tools": CALC_NO_TOOLS}
 # The settings both sides share: pipelines/demo.toml's (tests/benchmarks/test_smoke.py checks them).
 SHARED = {
     "num_generations": 8,
@@ -106,12 +118,15 @@ def overrides(spec: dict[str, Any]) -> list[str]:
 
 def seed_inputs(tmp: Path, seed: int, task: str = "demo") -> dict[str, str]:
     """The tiny model initialised with `seed` and the 256 demo prompts (the multi-turn task's
-    with the letter hidden), written below `tmp`."""
-    from rlhf_batch.data.demo import write_prompts
-    from rlhf_batch.models.tiny import init_model
+    with the letter hidden; the calculator task's: its 1,024 prompts and the model with the
+    calculator's tokens), written below `tmp`."""
+    from rlhf_batch.data.demo import write_calc_prompts, write_prompts
+    from rlhf_batch.models.tiny import CALCULATOR_TOKENS, init_model
 
-    model = init_model(Path(tmp, "model"), seed=seed)
-    prompts = write_prompts(Path(tmp, "prompts.jsonl"), 256, hidden=task == "ask")
+    calc = task.startswith("calc")
+    model = init_model(Path(tmp, "model"), seed=seed, extra_tokens=CALCULATOR_TOKENS if calc else ())
+    where = Path(tmp, "prompts.jsonl")
+    prompts = write_calc_prompts(where, 1024) if calc else write_prompts(where, 256, hidden=task == "ask")
     return {"model": str(model), "prompts": str(prompts)}
 
 
@@ -123,7 +138,8 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
     from rlhf_batch.stages.executor import execute
     from rlhf_batch.stages.registry import pipeline
 
-    cfg = load_config(ASK if spec.get("task") == "ask" else DEMO, overrides(spec))
+    task = spec.get("task", "demo")
+    cfg = load_config(CONFIGS[task], overrides(spec))
     setup_process(cfg.threads)
     pipeline()  # imports (torch, duckdb) before the clock, as TRL's before its loop
     known: list[float] = []
@@ -138,7 +154,33 @@ def worker_ours(spec: dict[str, Any]) -> dict[str, Any]:
         run_iteration(cfg, it, run_stage, settle_heap=True)
     loop = time.perf_counter() - t0
     out = {"loop_s": loop, "known_s": known, "scores": [r["score"] for r in reward_by_iteration(cfg)]}
-    return {**out, **(turn_figures(cfg.run_dir) if spec.get("task") == "ask" else {})}
+    if task.startswith("calc"):
+        return {**out, **calc_figures(cfg.run_dir)}
+    return {**out, **(turn_figures(cfg.run_dir) if task == "ask" else {})}
+
+
+def calc_figures(run_dir: str) -> dict[str, list[float]]:
+    """The calculator task by iteration: the mean answer score (the product's digits that the last
+    assistant turn got right, as the reward's answer part), the share of exact answers, and the
+    share of rollouts whose first turn called the calculator on the prompt's expression exactly."""
+    import re
+
+    from rlhf_batch.models.tiny import CALL_CLOSE, CALL_OPEN
+    from rlhf_batch.observe.query import connect
+    from rlhf_batch.rewards.demo import digits
+
+    con = connect(run_dir)
+    q = """SELECT r.iter, r.answer, r.expression, r.response,
+        (SELECT list(t.text ORDER BY t.segment) FROM turns t
+         WHERE t.rollout_id = r.rollout_id AND t.role = 'assistant') AS said
+        FROM rollouts r WHERE r.topup = 0 ORDER BY r.iter"""
+    by_iter: dict[int, list[tuple[float, float, float]]] = {}
+    for it, answer, expression, response, said in con.execute(q).fetchall():
+        turns = [re.sub(r"(<\|[a-z_]+\|>)+$", "", t) for t in (said or [response])]
+        call = float(f"{CALL_OPEN}{expression}{CALL_CLOSE}" in turns[0])
+        by_iter.setdefault(it, []).append((digits(turns[-1], answer), float(turns[-1] == answer), call))
+    rows = [list(zip(*v, strict=True)) for _, v in sorted(by_iter.items())]
+    return {k: [sum(r[j]) / len(r[j]) for r in rows] for j, k in enumerate(("answer", "exact", "called"))}
 
 
 def turn_figures(run_dir: str) -> dict[str, list[float]]:
@@ -264,17 +306,24 @@ def best(scores: list[float]) -> tuple[float, int]:
     return scores[i], i
 
 
-def plot(path: Path, ours: list[float], trl: list[float] | None, title: str) -> None:
+def plot(
+    path: Path,
+    ours: list[float],
+    trl: list[float] | None,
+    title: str,
+    labels: tuple[str, str] = ("rlhf-batch", "TRL GRPOTrainer"),
+    ylabel: str = "mean score of the iteration's rollouts",
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(len(ours)), ours, marker=".", label="rlhf-batch")
+    ax.plot(range(len(ours)), ours, marker=".", label=labels[0])
     if trl:
-        ax.plot(range(len(trl)), trl, marker=".", label="TRL GRPOTrainer")
-    ax.set(xlabel="iteration", ylabel="mean score of the iteration's rollouts", title=title)
+        ax.plot(range(len(trl)), trl, marker=".", label=labels[1])
+    ax.set(xlabel="iteration", ylabel=ylabel, title=title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -378,9 +427,101 @@ def mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "scores": avg("scores"),
         "known_s": avg("known_s") if "known_s" in runs[0] else [],
-        **{k: avg(k) for k in ("answer", "first_ok") if k in runs[0]},
+        **{k: avg(k) for k in ("answer", "first_ok", "exact", "called") if k in runs[0]},
         **{k: sum(r[k] for r in runs) / len(runs) for k in ("process_s", "process_cpu_s", "loop_s")},
     }
+
+
+def run_calc_seed(seed: int, iterations: int, b: int, threads: int, sets: list[str]) -> tuple[dict, dict]:
+    """The calculator task from the model initialised with `seed`: with the tool, then without."""
+    with tempfile.TemporaryDirectory(dir=common.CACHE) as tmp:
+        spec = {
+            **seed_inputs(Path(tmp), seed, "calc"),
+            "iterations": iterations,
+            "prompts_per_iteration": b,
+            "seed": seed,
+            "threads": threads,
+            "set": sets,
+        }
+        runs = [
+            run_side(Path(sys.executable), "ours", {**spec, "run_dir": str(Path(tmp, task)), "task": task})
+            for task in ("calc", "calc-no-tools")
+        ]
+    return runs[0], runs[1]
+
+
+def record_calc(results: Path, what: str, workload: str, tools: dict, alone: dict, note: str = "") -> None:
+    """The rows of one comparison: with the tool (ours column) against without (baseline)."""
+    cells = lambda r, k: " ".join(f"{s:.3f}" for s in r[k])  # noqa: E731
+    for key, name, unit in (
+        ("scores", "mean score", "mean score"),
+        ("answer", "answer score (digits of the product right)", "share"),
+        ("exact", "exact answers", "share"),
+        ("called", "right calls (the prompt's expression)", "share"),
+    ):
+        common.append_row(
+            results,
+            f"learning: {name} by iteration{what}",
+            workload if key == "scores" else "as above",
+            unit,
+            cells(tools, key),
+            cells(alone, key),
+        )
+    (tb, ti), (ab, ai) = best(tools["answer"]), best(alone["answer"])
+    common.append_row(
+        results,
+        f"learning: best answer score{what}",
+        "as above",
+        "best answer score (iteration)",
+        f"{tb:.3f} at iteration {ti}",
+        f"{ab:.3f} at iteration {ai}",
+        f"{tb / ab:.1f}x" if ab else "-",
+        target="with the tool above without it",
+        met=tb > ab,
+    )
+    times = lambda r: f"whole process {r['process_s']:.0f}s (CPU {r['process_cpu_s']:.0f}s)"  # noqa: E731
+    where = f"as above; {note}" if note else "as above"
+    common.append_row(results, f"learning: wall time{what}", where, "wall time", times(tools), times(alone))
+
+
+def main_calc(args: Any, seeds: list[int]) -> None:
+    """--task calc: per seed, the calculator task with the tool and without (module docstring)."""
+    from rlhf_batch.config import load_config
+
+    iterations = 2 if args.tiny else args.iterations or CALC_ITERATIONS
+    b = 16 if args.tiny else SHARED["prompts_per_iteration"]
+    common.CACHE.mkdir(parents=True, exist_ok=True)
+    c = load_config(CALC, [])
+    g, t = c.generate, c.train
+
+    def workload(seed_text: str) -> str:
+        return (
+            f"calculator task, 1,024 prompts 'a*b=' (a, b in 32-99), {b} per iteration x G 8, "
+            f"{iterations} iterations, tiny Qwen2 (2 layers, {seed_text}, the calculator's 4 added "
+            f"tokens), {args.threads} torch thread(s); ours: pipelines/calc.toml (built-in tool "
+            f"environment, calculator, hermes calls, max_turns {g.max_turns}); baseline: "
+            f"pipelines/calc_no_tools.toml (single-turn); both max_new_tokens {g.max_new_tokens} per turn, "
+            f"lr {t.lr:g} {t.lr_schedule} over {t.total_steps} steps, ppo_epochs {t.ppo_epochs}, "
+            f"sequences_per_step {t.sequences_per_step}, entropy_coef {t.entropy_coef}, no KL; "
+            "score 0.2 x call + 0.8 x answer (rlhf_batch.rewards.demo:calculator)"
+            + (f"; both with {', '.join(args.set)}" if args.set else "")
+        )
+
+    runs = [run_calc_seed(seed, iterations, b, args.threads, args.set) for seed in seeds]
+    for seed, (tools, alone) in zip(seeds, runs, strict=True):
+        record_calc(args.results, " (calculator)", workload(f"seed {seed}"), tools, alone, args.note)
+    if len(seeds) > 1:
+        tools, alone = mean_of([r[0] for r in runs]), mean_of([r[1] for r in runs])
+        what = " (calculator), mean over seeds"
+        record_calc(args.results, what, workload(f"seeds {args.seeds}"), tools, alone, args.note)
+    png = args.png or args.results.parent / "learning_calculator.png"
+    title = f"calculator task, answer score, {b} prompts x 8 per iteration" + (
+        f", mean of seeds {args.seeds}" if len(seeds) > 1 else f", seed {seeds[0]}"
+    )
+    plot(
+        png, tools["answer"], alone["answer"], title, ("with the calculator", "without tools"), "answer score"
+    )
+    print(f"plot: {png}")
 
 
 def main() -> None:
@@ -405,13 +546,21 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch threads of each side (default 1, as the demo)"
     )
     p.add_argument("--note", default="", help="appended to the wall-time row (e.g. the machine's load)")
-    p.add_argument("--task", choices=["demo", "ask"], default="demo", help="ask: the multi-turn demo task")
+    p.add_argument(
+        "--task",
+        choices=["demo", "ask", "calc"],
+        default="demo",
+        help="ask: the multi-turn demo task; calc: the calculator task, with the tool and without",
+    )
     args = p.parse_args()
     if args.worker:
         spec = json.loads(args.spec)
         common.emit(worker_ours(spec) if args.worker == "ours" else worker_trl(spec))
         return
     seeds = [int(x) for x in args.seeds.split(",")]
+    if args.task == "calc":
+        main_calc(args, seeds)
+        return
     iterations = (
         2
         if args.tiny

@@ -49,6 +49,13 @@ CHAT_TEMPLATE = (
     + "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 ).replace("%}\n", "%}{{ '\\n' }}")  # transformers renders with trim_blocks: a newline after a tag is dropped
+# The calculator task's vocabulary (init_model(extra_tokens=CALCULATOR_TOKENS)): a calculator call
+# in the hermes format the template renders, and the tool result's markup, each a single token
+# (added tokens, matched in the text before the character-level split), so that a call of
+# "37*58" is 7 tokens, not 81: the opening up to the expression, its characters, the closing.
+CALL_OPEN = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
+CALL_CLOSE = '"}}\n</tool_call>'
+CALCULATOR_TOKENS = (CALL_OPEN, CALL_CLOSE, "<tool_response>\n", "\n</tool_response>")
 PadMode = Literal["separate", "eos", "none"]
 DTYPES = ("float32", "bfloat16", "float16")  # init-model --dtype
 # Named shapes for init-model --shape: the size options of init_model. qwen2.5-0.5b is the
@@ -67,9 +74,13 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 
 
-def build_tokenizer(pad: PadMode = "separate", vocab_size: int = 0):  # noqa: ANN201
-    """A char-level fast tokenizer; `vocab_size` > base pads the vocabulary with unused tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def build_tokenizer(  # noqa: ANN201
+    pad: PadMode = "separate", vocab_size: int = 0, extra_tokens: tuple[str, ...] = ()
+):
+    """A char-level fast tokenizer; `vocab_size` > base pads the vocabulary with unused tokens;
+    `extra_tokens`: strings that become one token each (added after the padding, not special:
+    matched in any text, kept when decoding with skip_special_tokens)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_char = {ord(c): c for c in pre_tokenizers.ByteLevel.alphabet()}
@@ -83,6 +94,7 @@ def build_tokenizer(pad: PadMode = "separate", vocab_size: int = 0):  # noqa: AN
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in extra_tokens])
     kw = {"eos_token": "<|endoftext|>", "unk_token": "<|unk|>"}
     if pad != "none":
         kw["pad_token"] = "<|pad|>" if pad == "separate" else "<|endoftext|>"
@@ -112,10 +124,12 @@ def init_model(
     seed: int = 0,
     max_positions: int = 2048,
     dtype: str = "float32",
+    extra_tokens: tuple[str, ...] = (),
 ) -> Path:
     """Build a random-initialised causal LM (or a 1-label reward model) and its tokenizer. The
     weights are drawn in float32 and saved in `dtype` (float32, bfloat16 or float16: rounded
-    from the float32 draw), which config.json records; train saves its policies in it."""
+    from the float32 draw), which config.json records; train saves its policies in it.
+    `extra_tokens`: build_tokenizer's (e.g. CALCULATOR_TOKENS)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
@@ -123,7 +137,7 @@ def init_model(
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a one-file model
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    tok = build_tokenizer(pad, vocab_size)
+    tok = build_tokenizer(pad, vocab_size, extra_tokens)
     cfg = model_config(tok, arch, hidden, layers, heads, kv_heads, intermediate, reward, max_positions)
     torch.manual_seed(seed)
     cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM

@@ -45,3 +45,63 @@ def ask_letter(*, env_answer: list[float], env_asked: list[float], **_: Any) -> 
     """
     w = ASKED_WEIGHT
     return [w * q + (1 - w) * a for a, q in zip(env_answer, env_asked, strict=True)]
+
+
+CALL_WEIGHT = 0.2  # the calculator task: calling the calculator is worth a little, the answer the rest
+CALL_OPEN = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'  # models/tiny.py's
+CALL_CLOSE = '"}}\n</tool_call>'
+TURN_END = "<|im_end|>"  # ChatML's end of turn: the first assistant turn ends there
+
+
+def digits(text: str, want: str) -> float:
+    """letter_count's score for a string: the share of `want` that `text` got right, position by
+    position, over max(len(want), len(text))."""
+    return units_share(list(text), list(want))
+
+
+def units_share(got: list[str], want: list[str]) -> float:
+    return sum(a == b for a, b in zip(got, want, strict=False)) / max(len(want), len(got), 1)
+
+
+def call_units(text: str) -> list[str]:
+    """A turn's text as the tiny calculator model's tokens: the call's opening and closing are one
+    unit each (as they are one token each, models/tiny.py CALCULATOR_TOKENS), any other character one."""
+    out: list[str] = []
+    while text:
+        marker = next((m for m in (CALL_OPEN, CALL_CLOSE) if text.startswith(m)), text[0])
+        out.append(marker)
+        text = text[len(marker) :]
+    return out
+
+
+def calculator(
+    *,
+    responses: list[str],
+    completion_messages: list[list[dict[str, Any]]],
+    answer: list[str],
+    expression: list[str],
+    **_: Any,
+) -> list[float | None]:
+    """Reward function of the calculator task (prompt "37*58=", answer "2146"), for the tiny model
+    with the calculator's tokens and the ChatML template:
+
+        0.2 x call + 0.8 x answer
+
+    answer: the digits of the product that the last assistant message got right (`digits`),
+    never a tool's output; call: the share of the right call (its opening, the prompt's
+    expression character by character, its closing: 7 tokens for "37*58") that the first
+    assistant turn (the response up to its first <|im_end|>) got right, token by token, so that
+    GRPO has a signal on the call before the model writes one whole. Without tools (single-turn)
+    the same: a call written then is text, which no tool answers.
+
+    >>> calculator(responses=["2146"], completion_messages=[[{"role": "assistant", "content": "2146"}]], answer=["2146"], expression=["37*58"])
+    [0.8]
+    """
+    out: list[float | None] = []
+    for response, msgs, want, expr in zip(responses, completion_messages, answer, expression, strict=True):
+        first = response.split(TURN_END, 1)[0].removesuffix("<|endoftext|>")
+        call = units_share(call_units(first), [CALL_OPEN, *expr, CALL_CLOSE])
+        said = [m for m in msgs if m["role"] == "assistant"]
+        text = said[-1]["content"] if said else ""
+        out.append(CALL_WEIGHT * call + (1 - CALL_WEIGHT) * digits(text, want))
+    return out

@@ -141,6 +141,51 @@ def test_learning_benchmark_with_two_seeds_and_an_override(tmp_path: Path) -> No
     assert bad.returncode != 0 and "nope" in bad.stderr
 
 
+@pytest.mark.slow
+def test_learning_benchmark_of_the_calculator_task_runs_with_the_tool_and_without(tmp_path: Path) -> None:
+    """--task calc: per seed, the calculator task with the built-in tool environment (ours
+    column) and without tools (baseline column), from the same model: rows by iteration, the best
+    answer score and the wall time, and the answer curves' plot."""
+    results, png = tmp_path / "results.md", tmp_path / "calc.png"
+    args = ["--tiny", "--task", "calc", "--seeds", "0", "--png", str(png)]
+    proc = bench("bench_learning.py", args, results, tmp_path / "bench-cache")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [r.split(" | ") for r in results.read_text().splitlines() if r.startswith("| 20")]
+    assert [r[2] for r in rows] == [
+        f"learning: {b} (calculator)"
+        for b in (
+            "mean score by iteration",
+            "answer score (digits of the product right) by iteration",
+            "exact answers by iteration",
+            "right calls (the prompt's expression) by iteration",
+            "best answer score",
+            "wall time",
+        )
+    ]
+    assert "pipelines/calc.toml (built-in tool environment" in rows[0][3] and "seed 0" in rows[0][3]
+    for r in rows[:4]:  # two iterations, with the tool and without
+        values = [float(x) for x in (r[5] + " " + r[6]).split()]
+        assert len(values) == 4 and all(0.0 <= v <= 1.0 for v in values), r
+    assert png.stat().st_size > 0
+
+
+def test_the_calculator_task_without_tools_has_the_same_budget() -> None:
+    """pipelines/calc_no_tools.toml is pipelines/calc.toml without the environment, key by key."""
+    from dataclasses import asdict
+
+    from rlhf_batch.config import load_config
+
+    same = ["run_dir=/runs/x"]  # the paths below the run directory then agree too
+    tools, alone = (load_config(ROOT / "pipelines" / f, same) for f in ("calc.toml", "calc_no_tools.toml"))
+    assert tools.generate.environment == "rlhf_batch.envs.tools:calculator_environment"
+    assert alone.generate.environment == "" and tools.generate.max_turns == 2
+    a, b = asdict(tools), asdict(alone)
+    for cfg in (a, b):
+        for key in ("environment", "max_turns", "tool_parser"):
+            cfg["generate"].pop(key)
+    assert a == b
+
+
 def test_learning_worker_runs_iterations_as_run_does(tmp_path: Path) -> None:
     """Ours' loop in bench_learning is `run`'s (pipeline.run_iteration): top-up rounds included."""
     sys.path.insert(0, str(BENCH))
