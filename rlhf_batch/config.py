@@ -371,6 +371,12 @@ class AdvantageConfig:
     # reward_raw (reward function, reward model, judge) normalised within its group, then weighed
     # and summed (stages/advantage.py)
     reward_normalization: Literal["sum", "per_part"] = knob("sum", "advantage")
+    # multi-turn rows: "trajectory" (every sampled token gets the trajectory's advantage, as TRL
+    # and verl do) or "to_go" (an assistant turn's tokens get the advantage of what the trajectory
+    # earned from that turn on: its reward minus the environment's `turn_rewards` of the turns
+    # before, normalised among the group's rows that reached the turn; core/turn_credit.py).
+    # Recorded in advantage's identity when "to_go"
+    turn_credit: Literal["trajectory", "to_go"] = knob("trajectory")
     ddof: int = knob(1, "advantage")  # std: 1 sample (stddev_samp, as TorchRL's MCAdvantage), 0 population
     eps: float = knob(1e-6, "advantage")  # added to the std (TorchRL's MCAdvantage default)
     window: int = knob(1, "advantage")  # pool groups over the last W iterations
@@ -411,6 +417,18 @@ class AdvantageConfig:
             "must be a finite number >= 0",
         )
         _need(self.ddof in (0, 1), "advantage.ddof", "must be 0 or 1")
+        if self.turn_credit == "to_go":
+            for ok, key, why in (
+                (self.estimator != "opd", "advantage.estimator", "'opd' has per-token advantages of its own"),
+                (
+                    self.reward_normalization == "sum",
+                    "advantage.reward_normalization",
+                    "'per_part' is not per turn",
+                ),
+                (self.window == 1, "advantage.window", "turns are normalised within this iteration's groups"),
+                (not self.replay, "advantage.replay", "replayed rows carry no turn credit"),
+            ):
+                _need(ok, key, f"cannot be used with advantage.turn_credit = 'to_go': {why}")
         _need(self.eps >= 0, "advantage.eps", "must be >= 0")
         _need(
             self.scale == "group" or self.estimator in ("grpo", "opd"),

@@ -21,6 +21,8 @@ from typing import Any
 
 from rlhf_batch.envs.base import Step
 
+ASKED_WEIGHT = 0.2  # asking first is worth a little of the score, the answer the rest (ask_letter)
+
 
 def share(text: str, letter: str, count: int) -> float:
     """letter_count's score: the share of `letter` x `count` that `text` got right."""
@@ -35,7 +37,9 @@ class AskLetter:
         self.turn += 1
         if self.turn == 1:
             asked = share(assistant_text, "?", 1)
-            return Step(self.letter, role="user", reward_parts={"asked": asked, "answer": 0.0})
+            # the share of ask_letter's score this turn earns (advantage.turn_credit = "to_go")
+            earned = ASKED_WEIGHT * asked
+            return Step(self.letter, role="user", reward_parts={"asked": asked, "answer": 0.0}, reward=earned)
         answer = share(assistant_text, self.letter, self.count)
         return Step(done=True, reward_parts={"asked": 0.0, "answer": answer})
 

@@ -87,11 +87,17 @@ def _check(step: Any) -> str | None:
         isinstance(k, str) and isinstance(v, int | float) and math.isfinite(v) for k, v in parts.items()
     ):
         return "reward_parts must map names to finite numbers"
+    if (
+        isinstance(step.reward, bool)
+        or not isinstance(step.reward, int | float)
+        or not math.isfinite(step.reward)
+    ):
+        return f"reward is {step.reward!r}, not a finite number"
     return None
 
 
 def _answer(factory: Any, envs: dict[str, Any], call: Call) -> tuple[Any, ...]:
-    """One call in the worker: ("ok", observation, role, done, parts) or ("error", message)."""
+    """One call in the worker: ("ok", observation, role, done, parts, reward) or ("error", message)."""
     held = envs.get(call.key)
     try:
         if held is None or held[1] != len(call.texts) - 1:  # made again, earlier texts replayed
@@ -109,7 +115,7 @@ def _answer(factory: Any, envs: dict[str, Any], call: Call) -> tuple[Any, ...]:
     if bad:
         return ("error", bad)
     parts = {k: float(v) for k, v in step.reward_parts.items()}
-    return ("ok", step.observation, step.role, bool(step.done), parts)
+    return ("ok", step.observation, step.role, bool(step.done), parts, float(step.reward))
 
 
 def _worker(ref: str, tool_sandbox: str, conn: Any, tool_parser: str) -> None:
@@ -239,8 +245,8 @@ class EnvPool:
             return Outcome(error=f"the environment's process died (exit code {code})", seconds=waited)
         if msg[0] == "error":
             return Outcome(error=msg[1], seconds=msg[-1])
-        _, obs, role, done, parts, seconds = msg
-        return Outcome(Step(obs, role, done, parts), seconds=seconds, reward_parts=parts)
+        _, obs, role, done, parts, reward, seconds = msg
+        return Outcome(Step(obs, role, done, parts, reward), seconds=seconds, reward_parts=parts)
 
     def close(self) -> None:
         for w, proc in enumerate(self.procs):

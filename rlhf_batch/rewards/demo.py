@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlhf_batch.envs.demo import ASKED_WEIGHT
+
 
 def letter_count(
     *, prompts: list[str], responses: list[str], letter: list[str], count: list[int], **_: Any
@@ -30,9 +32,6 @@ def letter_count(
         hits = sum(ch == c for ch in response[:n])
         out.append(hits / max(n, len(response)))
     return out
-
-
-ASKED_WEIGHT = 0.2  # the multi-turn demo: asking first is worth a little, the answer the rest
 
 
 def ask_letter(*, env_answer: list[float], env_asked: list[float], **_: Any) -> list[float | None]:

@@ -120,6 +120,8 @@ class Advantage(Stage):
             ident["advantage"].pop("opd_baseline", None)
         if self.cfg.advantage.reward_normalization == "sum":  # likewise
             ident["advantage"].pop("reward_normalization", None)
+        if self.cfg.advantage.turn_credit != "trajectory":  # recorded when on only
+            ident["advantage"]["turn_credit"] = self.cfg.advantage.turn_credit
         # an SFT or DPO iteration (train.objective): its objective and what chooses its rows
         ident["advantage"] |= selection.settings(self.cfg, self.cfg.objective(self.iteration))
         return ident
@@ -574,6 +576,11 @@ def _write_parts(
         query = selection.rows_query(query, objective)
         schema = with_extra(schema, selection.PAIRS) if objective == "dpo" else schema
     baseline = params["opd"]["opd_baseline"] if a.estimator == "opd" else 0.0
+    turns = None
+    if a.turn_credit == "to_go" and objective == "grpo" and params["loss_mask"]:
+        unused = ("bucket_tokens", "iter", "seed")
+        turns = _turn_advantages(con, {k: v for k, v in values.items() if k not in unused} | {"ddof": a.ddof})
+        schema = with_extra(schema, TOKEN_ADVANTAGES)
     reader = con.sql(query, params=values).to_arrow_reader(min(a.rows_per_part, 65536))
     wanted = set(todo)
     for n, table in enumerate(_chunks(reader, a.rows_per_part)):
@@ -583,11 +590,48 @@ def _write_parts(
                     "token_advantages",
                     token_advantages(table, a.opd_task_weight, _where(cfg, iteration), baseline),
                 )
+            if turns is not None:
+                table = table.append_column("token_advantages", _per_turn(table, turns))
             out.write(n, Part(table, schema, tokens=list_tokens(table, "input_ids")))
             bar.update(1)
         if n >= max(todo):
             break
     reader.close()
+
+
+def _turn_advantages(con: Any, values: dict[str, Any]) -> dict[str, tuple[list, list, list]]:
+    """advantage.turn_credit = "to_go": rollout_id -> (turn_starts, turn_roles, the advantages of
+    turns 2, 3, ...) of the iteration's multi-turn training rows (sql/advantage_turns.sql)."""
+    query = sql_text("advantage_turns")
+    have = con.execute(
+        "DESCRIBE SELECT * FROM read_parquet($f, union_by_name = true)", {"f": values["rollout_files"]}
+    ).fetchall()
+    if "turn_rewards" not in {c[0] for c in have}:  # imported trajectories: nothing earned per turn
+        query = query.replace("turns, turn_rewards,", "turns, NULL::DOUBLE[] AS turn_rewards,")
+    con.execute(query, values)
+    rows = con.execute(
+        "SELECT t.rollout_id, r.turn_starts, r.turn_roles, t.later FROM turn_advantages AS t "
+        "JOIN read_parquet($rollout_files, union_by_name = true) AS r USING (rollout_id)",
+        {"rollout_files": values["rollout_files"]},
+    ).fetchall()
+    return {rid: (starts, roles, later) for rid, starts, roles, later in rows}
+
+
+def _per_turn(table: pa.Table, turns: dict[str, tuple[list, list, list]]) -> pa.ListArray:
+    """The per-token advantages of a part's rows under advantage.turn_credit = "to_go"
+    (core/turn_credit.py); a row without turns (single-turn, or not in `turns`) has its
+    advantage on every token."""
+    from rlhf_batch.core.turn_credit import turn_token_advantages
+
+    lens = [len(b) for b in table.column("behavior_logprobs").to_pylist()]
+    adv = table.column("advantage").to_pylist()
+    out = []
+    for rid, n, a in zip(table.column("rollout_id").to_pylist(), lens, adv, strict=True):
+        starts, roles, later = turns.get(rid, ([0], ["assistant"], []))
+        out.append(turn_token_advantages(n, starts or [0], roles or ["assistant"], a, later))
+    flat = np.concatenate(out) if out else np.zeros(0, np.float32)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.float32()))
 
 
 _OPD_FROM = (

@@ -36,7 +36,7 @@ from rlhf_batch.store import fs
 from rlhf_batch.store.atomic import write_json_atomic
 from rlhf_batch.store.ids import row_seed
 from rlhf_batch.store.layout import STARTED, TURNS_DIR
-from rlhf_batch.store.schemas import TURNS
+from rlhf_batch.store.schemas import TURN_REWARDS, TURNS
 
 
 @dataclass
@@ -52,6 +52,7 @@ class Trajectory:
     error: str | None = None
     seconds: float = 0.0
     parts: dict[str, float] = field(default_factory=dict)
+    rewards: list[float] = field(default_factory=list)  # Step.reward of each assistant turn answered
     dropped: int = 0  # 1: the environment's last answer was left out for length
 
     def add(self, ids: list[int], logps: list[float], role: str) -> None:
@@ -222,6 +223,8 @@ def _env_turn(
         t.seconds += out.seconds
         for k, v in out.reward_parts.items():
             t.parts[k] = t.parts.get(k, 0.0) + v
+        if out.step is not None:
+            t.rewards.append(out.step.reward)
         if out.error is not None:
             t.error, t.done = out.error, True
             continue
@@ -261,8 +264,13 @@ def turn_columns(trajs: list[Trajectory]) -> dict[str, pa.Array]:
         "turns": [t.roles.count("assistant") for t in trajs],
         "env_error": [t.error for t in trajs],
         "env_seconds": [t.seconds for t in trajs],
+        # one per assistant turn: what the environment's answer to it said the turn earned
+        "turn_rewards": [
+            (t.rewards + [0.0] * t.roles.count("assistant"))[: t.roles.count("assistant")] for t in trajs
+        ],
     }
-    out = {k: pa.array(v, TURNS.field(k).type) for k, v in cols.items()}
+    types = pa.unify_schemas([TURNS, TURN_REWARDS])
+    out = {k: pa.array(v, types.field(k).type) for k, v in cols.items()}
     for name in sorted({k for t in trajs for k in t.parts}):
         out[f"env_{name}"] = pa.array([t.parts.get(name, 0.0) for t in trajs], pa.float64())
     return out

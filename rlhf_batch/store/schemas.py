@@ -84,6 +84,9 @@ TURNS = pa.schema(
         ("env_seconds", pa.float64()),  # time spent in the environment's calls
     ]
 )
+# `turn_rewards`: one per assistant turn, what the environment said the turn earned (Step.reward);
+# generated multi-turn rollouts only (advantage.turn_credit = "to_go" reads it, null: all 0.0)
+TURN_REWARDS = pa.schema([("turn_rewards", pa.list_(pa.float64()))])
 TURN_TEXTS = pa.list_(pa.string())  # `turn_texts`: each segment's tokens decoded (special tokens kept)
 
 METRICS = pa.schema(

@@ -1,0 +1,125 @@
+"""advantage.turn_credit = "to_go": an assistant turn's tokens carry the advantage of what the
+trajectory earned from that turn on (core/turn_credit.py, sql/advantage_turns.sql), checked on
+what the loss receives (train's micro-batch), with the expected numbers worked out here."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rlhf_batch.core.turn_credit import turn_token_advantages
+from rlhf_batch.envs.base import Step
+from rlhf_batch.errors import ConfigError
+from rlhf_batch.stages.registry import run_stage
+from rlhf_batch.stages.train.data import load_rows, micro_batch
+from rlhf_batch.store import layout, manifests
+from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES
+
+
+def test_each_assistant_segment_gets_its_turns_advantage() -> None:
+    # segments: assistant [0, 3), tool [3, 5), assistant [5, 6), user [6, 8), assistant [8, 10)
+    out = turn_token_advantages(
+        10, [0, 3, 5, 6, 8], ["assistant", "tool", "assistant", "user", "assistant"], 0.7, [None, -0.25]
+    )
+    # turn 1: the trajectory's 0.7; the tool's tokens 0; turn 2 has no baseline (None): 0.7;
+    # the user's 0; turn 3: -0.25
+    assert out.tolist() == pytest.approx([0.7, 0.7, 0.7, 0, 0, 0.7, 0, 0, -0.25, -0.25])
+    assert out.dtype == np.float32
+
+
+class Earns:
+    """Two turns: turn 1 earns (its length mod 4) / 4, turn 2 (its length mod 3) / 3; each said as
+    the step's reward and as a reward part (env_first, env_second)."""
+
+    def __init__(self, row: dict[str, Any]) -> None:
+        self.turn = 0
+
+    def step(self, text: str) -> Step:
+        self.turn += 1
+        if self.turn == 1:
+            x = (len(text) % 4) / 4
+            return Step("go on", role="user", reward_parts={"first": x, "second": 0.0}, reward=x)
+        y = (len(text) % 3) / 3
+        return Step(done=True, reward_parts={"first": 0.0, "second": y}, reward=y)
+
+
+def earns(row: dict[str, Any]) -> Earns:
+    return Earns(row)
+
+
+earns.reward_parts = ("first", "second")  # type: ignore[attr-defined]
+
+
+def both(*, env_first: list[float], env_second: list[float], **_: Any) -> list[float]:
+    return [a + b for a, b in zip(env_first, env_second, strict=True)]
+
+
+CONFIG = """
+[generate]
+environment = "tests.stages.test_turn_credit:earns"
+max_turns = 2
+max_new_tokens = 5
+[score]
+reward_functions = ["tests.stages.test_turn_credit:both"]
+[advantage]
+turn_credit = "to_go"
+drop_zero_variance = false
+"""
+
+
+def test_a_later_turn_is_credited_with_what_it_earned_from_there_on(make_config) -> None:
+    _, cfg = make_config(CONFIG)
+    for stage in ("generate", "score", "advantage"):
+        run_stage(stage, cfg, 0, quiet=True)
+    folder = lambda f: layout.folder(cfg.run_dir, 0, f)  # noqa: E731
+    rolls = {r["rollout_id"]: r for r in manifests.read_complete(folder("rollouts"), ROLLOUTS).to_pylist()}
+    reward = {
+        s["rollout_id"]: s["reward"] for s in manifests.read_complete(folder("scores"), SCORES).to_pylist()
+    }
+    for r in rolls.values():  # what the environment said each turn earned
+        assert r["turn_rewards"] == pytest.approx([r["env_first"], r["env_second"]][: r["turns"]])
+    # turn 2's return: the reward minus turn 1's earning (= env_second), normalised over the
+    # group's rows that reached turn 2: (x - mean) / (sample std + 1e-6), 0 when all are equal
+    returns: dict[str, dict[str, float]] = {}
+    for rid, r in rolls.items():
+        if r["turns"] == 2:
+            returns.setdefault(r["prompt_id"], {})[rid] = reward[rid] - r["turn_rewards"][0]
+    want2: dict[str, float] = {}
+    for group in returns.values():
+        vals = list(group.values())
+        for rid, x in group.items():
+            if len(vals) < 2:
+                continue
+            sd = statistics.stdev(vals)
+            want2[rid] = 0.0 if max(vals) == min(vals) else (x - statistics.fmean(vals)) / (sd + 1e-6)
+    rows = load_rows(folder("advantages"))
+    batch = micro_batch(rows, range(len(rows.rollout_ids)), "cpu")  # what the loss receives
+    adv_col = {
+        a["rollout_id"]: a["advantage"]
+        for a in manifests.read_complete(folder("advantages"), ADVANTAGES).to_pylist()
+    }
+    differ = 0
+    for k, rid in enumerate(rows.rollout_ids):
+        r = rolls[rid]
+        ends = [*r["turn_starts"][1:], len(r["response_ids"])]
+        got = batch["advantages"][k].tolist()
+        turn = 0
+        for start, end, role in zip(r["turn_starts"], ends, r["turn_roles"], strict=True):
+            if role != "assistant":
+                assert not batch["mask"][k, start:end].any()  # the environment's tokens: not trained
+                continue
+            turn += 1
+            want = adv_col[rid] if turn == 1 or rid not in want2 else want2[rid]
+            assert got[start:end] == pytest.approx([want] * (end - start), abs=1e-5), (rid, turn)
+            differ += turn == 2 and abs(want - adv_col[rid]) > 1e-3
+    assert differ > 0  # turn 2 is credited differently from the whole trajectory somewhere
+
+
+def test_to_go_refuses_what_it_cannot_credit_per_turn(make_config) -> None:
+    with pytest.raises(
+        ConfigError, match="'advantage.window' cannot be used with advantage.turn_credit = 'to_go'"
+    ):
+        make_config('[advantage]\nturn_credit = "to_go"\nwindow = 2\n')
