@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 
 from rlhf_batch.config import Config
 from rlhf_batch.data import chat_turns
+from rlhf_batch.envs.tool_calls import ToolCallFormat, tool_format
 from rlhf_batch.errors import ConfigError, SchemaError, StageError
 from rlhf_batch.models.load import load_tokenizer
 from rlhf_batch.store import layout
@@ -66,6 +67,7 @@ def export(
     )
     by_id = {r["rollout_id"]: r for r in scores.to_pylist()}
     tok = load_tokenizer(cfg.policy_model, cfg.trust_remote_code)
+    fmt = tool_format(cfg.generate.tool_parser)  # how the policy wrote its tool calls
     if pairs:
         table = _pair_table(cfg, iteration, tok, rollouts, by_id)
         return _write(out, table), table.num_rows
@@ -76,7 +78,7 @@ def export(
             raise StageError(f"iter={iteration}: rollout {r['rollout_id']} has no score; redo score")
         if min_reward is not None and (s["score"] is None or s["score"] < min_reward):
             continue
-        rows.append(_row(tok, r, s, iteration, f"iter={iteration}/rollouts: rollout {r['rollout_id']}"))
+        rows.append(_row(tok, fmt, r, s, iteration, f"iter={iteration}/rollouts: rollout {r['rollout_id']}"))
     table = _table(rows, "tools" in rollouts.column_names)
     return _write(out, table), table.num_rows
 
@@ -96,6 +98,7 @@ def _pair_table(
     cfg: Config, iteration: int, tok: Any, rollouts: pa.Table, scores: dict[str, dict[str, Any]]
 ) -> pa.Table:
     """One row per preference pair (module docstring), in pair order."""
+    fmt = tool_format(cfg.generate.tool_parser)
     import duckdb
 
     from rlhf_batch.data import selection
@@ -120,8 +123,8 @@ def _pair_table(
     rows = []
     for chosen_id, rejected_id in found:
         c, r = by_id[chosen_id], by_id[rejected_id]
-        prompt, chosen = _messages(tok, c, f"iter={iteration}/rollouts: rollout {chosen_id}")
-        _, rejected = _messages(tok, r, f"iter={iteration}/rollouts: rollout {rejected_id}")
+        prompt, chosen = _messages(tok, fmt, c, f"iter={iteration}/rollouts: rollout {chosen_id}")
+        _, rejected = _messages(tok, fmt, r, f"iter={iteration}/rollouts: rollout {rejected_id}")
         rows.append(
             {
                 "prompt": prompt,
@@ -151,8 +154,10 @@ def _pair_table(
     return pa.Table.from_pylist(rows, schema=pa.schema(fields))
 
 
-def _row(tok: Any, r: dict[str, Any], s: dict[str, Any], iteration: int, where: str) -> dict[str, Any]:
-    prompt, response = _messages(tok, r, where)
+def _row(
+    tok: Any, fmt: ToolCallFormat, r: dict[str, Any], s: dict[str, Any], iteration: int, where: str
+) -> dict[str, Any]:
+    prompt, response = _messages(tok, fmt, r, where)
     keep = ("rollout_id", "prompt_id", "sample_idx", "finish_reason")
     tools = r.get("tools")  # as given (a JSON string), or names or schemas as JSON
     return {
@@ -164,8 +169,11 @@ def _row(tok: Any, r: dict[str, Any], s: dict[str, Any], iteration: int, where: 
     }
 
 
-def _messages(tok: Any, r: dict[str, Any], where: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the prompt's messages, the response's) of rollout row `r`."""
+def _messages(
+    tok: Any, fmt: ToolCallFormat, r: dict[str, Any], where: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the prompt's messages, the response's) of rollout row `r`, tool calls read in `fmt`
+    (generate.tool_parser's format)."""
     prompt = [
         {"role": m["role"], "content": m["content"], "tool_calls": None}
         for m in r.get("prompt_messages") or []
@@ -177,10 +185,10 @@ def _messages(tok: Any, r: dict[str, Any], where: str) -> tuple[list[dict[str, A
             raise SchemaError(f"{where}: has 'turn_roles' but no 'turn_starts'; redo its generate or import")
         roles = [m["role"] for m in prompt]
         response = chat_turns.response_messages(
-            tok, roles, r["response_ids"], r["turn_starts"], r["turn_roles"], where
+            tok, roles, r["response_ids"], r["turn_starts"], r["turn_roles"], where, fmt
         )
     else:
-        response = [chat_turns.assistant_message(r["response"], [])]
+        response = [chat_turns.assistant_message(r["response"], [], fmt)]
     return prompt, response
 
 

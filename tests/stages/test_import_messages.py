@@ -437,3 +437,27 @@ def test_export_refuses_each_bad_case_in_one_line(make_config, tmp_path: Path, c
         assert code != 0 and err.strip().count("\n") == 0 and "Traceback" not in err, (extra, err)
         assert words in err, (extra, err)
     assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral"])
+def test_export_reads_tool_calls_in_the_configured_format(
+    parser: str, make_config, tmp_path: Path, capfd, monkeypatch
+) -> None:
+    """`export` reads a response's tool calls in `generate.tool_parser`'s format, as generate's
+    tool environment does (a Llama 3.x or Mistral call is not text to a hermes reader)."""
+    text = {
+        "llama3_json": '{"name": "calculator", "parameters": {"expression": "6*7"}}',
+        "mistral": '[TOOL_CALLS][{"name": "calculator", "arguments": {"expression": "6*7"}}]',
+    }[parser]
+    cfg_path, cfg = make_config(generate={"tool_parser": parser})
+    src = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "6*7=", "response": text, "letter": "a", "count": 1}]), src)
+    run_stage("import", cfg, 0, src)
+    run_stage("score", cfg, 0, quiet=True)
+    code, err = cli(capfd, monkeypatch, ["export", str(cfg_path), "--out", str(tmp_path / "ds")])
+    assert code == 0, err
+    (row,) = pq.read_table(tmp_path / "ds" / "data" / "train-00000-of-00001.parquet").to_pylist()
+    (answer,) = [m for m in row["messages"] if m["role"] == "assistant"]
+    assert answer["content"] == ""
+    assert [c["function"]["name"] for c in answer["tool_calls"]] == ["calculator"]
+    assert json.loads(answer["tool_calls"][0]["function"]["arguments"]) == {"expression": "6*7"}
