@@ -116,6 +116,8 @@ def test_a_later_turn_is_credited_with_what_it_earned_from_there_on(make_config)
             assert got[start:end] == pytest.approx([want] * (end - start), abs=1e-5), (rid, turn)
             differ += turn == 2 and abs(want - adv_col[rid]) > 1e-3
     assert differ > 0  # turn 2 is credited differently from the whole trajectory somewhere
+    # the setting decides the stage's rows: recorded in its identity (absent when "trajectory")
+    assert manifests.manifest(folder("advantages"))["config"]["advantage"]["turn_credit"] == "to_go"
 
 
 def test_to_go_refuses_what_it_cannot_credit_per_turn(make_config) -> None:
