@@ -377,6 +377,9 @@ class AdvantageConfig:
     # before, normalised among the group's rows that reached the turn; core/turn_credit.py).
     # Recorded in advantage's identity when "to_go"
     turn_credit: Literal["trajectory", "to_go"] = knob("trajectory")
+    # to_go: turn k's return is sum over j >= k of turn_discount^(j - k) x what turn j earned
+    # (1: everything from turn k on; 0: turn k's own earning). Recorded with turn_credit
+    turn_discount: float = knob(1.0)
     ddof: int = knob(1, "advantage")  # std: 1 sample (stddev_samp, as TorchRL's MCAdvantage), 0 population
     eps: float = knob(1e-6, "advantage")  # added to the std (TorchRL's MCAdvantage default)
     window: int = knob(1, "advantage")  # pool groups over the last W iterations
@@ -417,6 +420,11 @@ class AdvantageConfig:
             "must be a finite number >= 0",
         )
         _need(self.ddof in (0, 1), "advantage.ddof", "must be 0 or 1")
+        _need(
+            math.isfinite(self.turn_discount) and 0 <= self.turn_discount <= 1,
+            "advantage.turn_discount",
+            "must be a number in [0, 1]",
+        )
         if self.turn_credit == "to_go":
             for ok, key, why in (
                 (self.estimator != "opd", "advantage.estimator", "'opd' has per-token advantages of its own"),

@@ -85,7 +85,7 @@ def test_identity_holds_the_keys_each_field_declares() -> None:
     # when it is on (stages/replay.py), so identities without it stay as they were; likewise the
     # rows of SFT and DPO iterations (data/selection.py), recorded on those iterations only, and
     # turn_credit (the advantage stage records it when "to_go")
-    unrecorded = ("replay", "select", "pairs", "pair_margin", "turn_credit")
+    unrecorded = ("replay", "select", "pairs", "pair_margin", "turn_credit", "turn_discount")
     table = {k: v for k, v in dataclasses.asdict(cfg.advantage).items() if k not in unrecorded}
     assert cfg.identity("advantage") == {"seed": 0, "advantage": table}
     generate = cfg.identity("generate")

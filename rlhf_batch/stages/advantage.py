@@ -122,6 +122,7 @@ class Advantage(Stage):
             ident["advantage"].pop("reward_normalization", None)
         if self.cfg.advantage.turn_credit != "trajectory":  # recorded when on only
             ident["advantage"]["turn_credit"] = self.cfg.advantage.turn_credit
+            ident["advantage"]["turn_discount"] = self.cfg.advantage.turn_discount
         # an SFT or DPO iteration (train.objective): its objective and what chooses its rows
         ident["advantage"] |= selection.settings(self.cfg, self.cfg.objective(self.iteration))
         return ident
@@ -579,7 +580,8 @@ def _write_parts(
     turns = None
     if a.turn_credit == "to_go" and objective == "grpo" and params["loss_mask"]:
         unused = ("bucket_tokens", "iter", "seed")
-        turns = _turn_advantages(con, {k: v for k, v in values.items() if k not in unused} | {"ddof": a.ddof})
+        given = {k: v for k, v in values.items() if k not in unused}
+        turns = _turn_advantages(con, given | {"ddof": a.ddof, "discount": a.turn_discount})
         schema = with_extra(schema, TOKEN_ADVANTAGES)
     reader = con.sql(query, params=values).to_arrow_reader(min(a.rows_per_part, 65536))
     wanted = set(todo)
@@ -600,8 +602,8 @@ def _write_parts(
 
 
 def _turn_advantages(con: Any, values: dict[str, Any]) -> dict[str, tuple[list, list, list]]:
-    """advantage.turn_credit = "to_go": rollout_id -> (turn_starts, turn_roles, the advantages of
-    turns 2, 3, ...) of the iteration's multi-turn training rows (sql/advantage_turns.sql)."""
+    """advantage.turn_credit = "to_go": rollout_id -> (turn_starts, turn_roles, the advantage of
+    each turn) of the iteration's multi-turn training rows (sql/advantage_turns.sql)."""
     query = sql_text("advantage_turns")
     have = con.execute(
         "DESCRIBE SELECT * FROM read_parquet($f, union_by_name = true)", {"f": values["rollout_files"]}
@@ -610,11 +612,11 @@ def _turn_advantages(con: Any, values: dict[str, Any]) -> dict[str, tuple[list, 
         query = query.replace("turns, turn_rewards,", "turns, NULL::DOUBLE[] AS turn_rewards,")
     con.execute(query, values)
     rows = con.execute(
-        "SELECT t.rollout_id, r.turn_starts, r.turn_roles, t.later FROM turn_advantages AS t "
+        "SELECT t.rollout_id, r.turn_starts, r.turn_roles, t.per_turn FROM turn_advantages AS t "
         "JOIN read_parquet($rollout_files, union_by_name = true) AS r USING (rollout_id)",
         {"rollout_files": values["rollout_files"]},
     ).fetchall()
-    return {rid: (starts, roles, later) for rid, starts, roles, later in rows}
+    return {rid: (starts, roles, per_turn) for rid, starts, roles, per_turn in rows}
 
 
 def _per_turn(table: pa.Table, turns: dict[str, tuple[list, list, list]]) -> pa.ListArray:
@@ -627,8 +629,8 @@ def _per_turn(table: pa.Table, turns: dict[str, tuple[list, list, list]]) -> pa.
     adv = table.column("advantage").to_pylist()
     out = []
     for rid, n, a in zip(table.column("rollout_id").to_pylist(), lens, adv, strict=True):
-        starts, roles, later = turns.get(rid, ([0], ["assistant"], []))
-        out.append(turn_token_advantages(n, starts or [0], roles or ["assistant"], a, later))
+        starts, roles, per_turn = turns.get(rid, ([0], ["assistant"], []))
+        out.append(turn_token_advantages(n, starts or [0], roles or ["assistant"], a, per_turn))
     flat = np.concatenate(out) if out else np.zeros(0, np.float32)
     offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat, pa.float32()))

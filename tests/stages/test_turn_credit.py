@@ -22,10 +22,10 @@ from rlhf_batch.store.schemas import ADVANTAGES, ROLLOUTS, SCORES
 def test_each_assistant_segment_gets_its_turns_advantage() -> None:
     # segments: assistant [0, 3), tool [3, 5), assistant [5, 6), user [6, 8), assistant [8, 10)
     out = turn_token_advantages(
-        10, [0, 3, 5, 6, 8], ["assistant", "tool", "assistant", "user", "assistant"], 0.7, [None, -0.25]
+        10, [0, 3, 5, 6, 8], ["assistant", "tool", "assistant", "user", "assistant"], 0.7, [None, None, -0.25]
     )
-    # turn 1: the trajectory's 0.7; the tool's tokens 0; turn 2 has no baseline (None): 0.7;
-    # the user's 0; turn 3: -0.25
+    # turn 1 (None): the trajectory's 0.7; the tool's tokens 0; turn 2 has no value of its own
+    # (None): 0.7; the user's 0; turn 3: -0.25
     assert out.tolist() == pytest.approx([0.7, 0.7, 0.7, 0, 0, 0.7, 0, 0, -0.25, -0.25])
     assert out.dtype == np.float32
 
@@ -70,8 +70,9 @@ drop_zero_variance = false
 """
 
 
-def test_a_later_turn_is_credited_with_what_it_earned_from_there_on(make_config) -> None:
-    _, cfg = make_config(CONFIG)
+@pytest.mark.parametrize("discount", [1.0, 0.0])
+def test_a_turn_is_credited_with_what_it_earned_from_there_on(discount: float, make_config) -> None:
+    _, cfg = make_config(CONFIG + f"turn_discount = {discount}\n")
     for stage in ("generate", "score", "advantage"):
         run_stage(stage, cfg, 0, quiet=True)
     folder = lambda f: layout.folder(cfg.run_dir, 0, f)  # noqa: E731
@@ -81,20 +82,25 @@ def test_a_later_turn_is_credited_with_what_it_earned_from_there_on(make_config)
     }
     for r in rolls.values():  # what the environment said each turn earned
         assert r["turn_rewards"] == pytest.approx([r["env_first"], r["env_second"]][: r["turns"]])
-    # turn 2's return: the reward minus turn 1's earning (= env_second), normalised over the
-    # group's rows that reached turn 2: (x - mean) / (sample std + 1e-6), 0 when all are equal
-    returns: dict[str, dict[str, float]] = {}
+    # what turn 1 earned: x = turn_rewards[0]; turn 2: the rest of the reward, reward - x.
+    # Returns: discount 1: turn 1 the reward (the trajectory's own advantage), turn 2 reward - x;
+    # discount 0: turn 1 x, turn 2 reward - x. Each normalised over the group's rows that reached
+    # the turn: (ret - mean) / (sample std + 1e-6), 0 when all are equal
+    returns: dict[tuple[str, int], dict[str, float]] = {}
     for rid, r in rolls.items():
+        x = r["turn_rewards"][0]
+        if discount == 0.0:
+            returns.setdefault((r["prompt_id"], 1), {})[rid] = x if r["turns"] == 2 else reward[rid]
         if r["turns"] == 2:
-            returns.setdefault(r["prompt_id"], {})[rid] = reward[rid] - r["turn_rewards"][0]
-    want2: dict[str, float] = {}
-    for group in returns.values():
+            returns.setdefault((r["prompt_id"], 2), {})[rid] = reward[rid] - x
+    want: dict[tuple[str, int], float] = {}
+    for (_, turn), group in returns.items():
         vals = list(group.values())
-        for rid, x in group.items():
+        for rid, ret in group.items():
             if len(vals) < 2:
                 continue
             sd = statistics.stdev(vals)
-            want2[rid] = 0.0 if max(vals) == min(vals) else (x - statistics.fmean(vals)) / (sd + 1e-6)
+            want[rid, turn] = 0.0 if max(vals) == min(vals) else (ret - statistics.fmean(vals)) / (sd + 1e-6)
     rows = load_rows(folder("advantages"))
     batch = micro_batch(rows, range(len(rows.rollout_ids)), "cpu")  # what the loss receives
     adv_col = {
@@ -112,12 +118,12 @@ def test_a_later_turn_is_credited_with_what_it_earned_from_there_on(make_config)
                 assert not batch["mask"][k, start:end].any()  # the environment's tokens: not trained
                 continue
             turn += 1
-            want = adv_col[rid] if turn == 1 or rid not in want2 else want2[rid]
-            assert got[start:end] == pytest.approx([want] * (end - start), abs=1e-5), (rid, turn)
-            differ += turn == 2 and abs(want - adv_col[rid]) > 1e-3
-    assert differ > 0  # turn 2 is credited differently from the whole trajectory somewhere
+            value = want.get((rid, turn), adv_col[rid])
+            assert got[start:end] == pytest.approx([value] * (end - start), abs=1e-5), (rid, turn)
+            differ += abs(value - adv_col[rid]) > 1e-3
+    assert differ > 0  # a turn is credited differently from the whole trajectory somewhere
     # the setting decides the stage's rows: recorded in its identity (absent when "trajectory")
-    assert manifests.manifest(folder("advantages"))["config"]["advantage"]["turn_credit"] == "to_go"
+    assert manifests.manifest(folder("advantages"))["config"]["advantage"]["turn_discount"] == discount
 
 
 def test_to_go_refuses_what_it_cannot_credit_per_turn(make_config) -> None:
