@@ -185,6 +185,9 @@ class GenerateConfig:
     # up to this many further batches of the prompt order refill a batch the filter shrank, each
     # source to its quota (curriculum.py); 0: off. Recorded in generate's inputs when > 0
     prompt_filter_refill: int = knob(0)
+    # the filter's history: the last W iterations of it (0: every one, from iteration 0). A window
+    # keeps what each iteration reads constant over a long run. Recorded in generate's inputs when > 0
+    prompt_filter_window: int = knob(0)
     max_new_tokens: int = knob(256, "generate")
     temperature: float = knob(1.0, "generate", "import", "score", "train")
     top_p: float = knob(1.0, "generate")
@@ -249,6 +252,7 @@ class GenerateConfig:
             problem = prompt_filter_problem(self.prompt_filter)
             _need(not problem, "generate.prompt_filter", problem)
         _need(self.prompt_filter_refill >= 0, "generate.prompt_filter_refill", "must be >= 0 (0: off)")
+        _need(self.prompt_filter_window >= 0, "generate.prompt_filter_window", "must be >= 0 (0: every iteration)")
         _need(
             not self.prompt_filter_refill or (self.prompt_filter != "" and self.prompts_per_iteration > 0),
             "generate.prompt_filter_refill",

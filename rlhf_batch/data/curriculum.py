@@ -3,7 +3,9 @@
 Iteration K (each of its top-up rounds too) takes its batch of the prompt order as always, then
 skips every prompt of the batch whose history fails the filter. The history is `prompt_stats`
 (sql/prompt_stats.sql) over the committed scores of iterations 0 .. K-1-S (S = max_staleness;
-every round of each), the iterations whose training made the policy iteration K samples from:
+every round of each), the iterations whose training made the policy iteration K samples from
+(the last W of them with `generate.prompt_filter_window = W`, so an iteration reads W scores
+folders however long the run):
 
     attempts    rollouts with a score (null or NaN: not an attempt)
     mean_score  their mean score
@@ -58,8 +60,11 @@ def predicate(cfg: Config) -> str:
 
 
 def history(cfg: Config, iteration: int) -> list[int]:
-    """The iterations whose scores decide iteration `iteration`'s filter: 0 .. K-1-max_staleness."""
-    return list(range(max(0, iteration - cfg.max_staleness)))
+    """The iterations whose scores decide iteration `iteration`'s filter: 0 .. K-1-max_staleness,
+    the last generate.prompt_filter_window of them when that is > 0."""
+    end = max(0, iteration - cfg.max_staleness)
+    window = cfg.generate.prompt_filter_window
+    return list(range(max(0, end - window) if window else 0, end))
 
 
 def score_folders(cfg: Config, iteration: int) -> list[tuple[int, Any]]:
@@ -97,6 +102,7 @@ def inputs(cfg: Config, iteration: int) -> dict[str, Any]:
         "pass_threshold": cfg.generate.pass_threshold,
         "history": manifests.fingerprint(recorded),
         **({"refill": cfg.generate.prompt_filter_refill} if cfg.generate.prompt_filter_refill else {}),
+        **({"window": cfg.generate.prompt_filter_window} if cfg.generate.prompt_filter_window else {}),
     }
 
 

@@ -234,3 +234,20 @@ def test_refill_takes_the_next_batch_of_each_source_to_its_quota(make_config, de
     assert topup.batch_index(cfg, 2, 0) == 4 and topup.batch_index(cfg, 1, 1) == 4
     with pytest.raises(ConfigError, match="generate.prompt_filter_refill"):
         load_config(path, ["generate.prompt_filter_refill=1", 'generate.prompt_filter=""'])
+
+
+def test_a_window_bounds_the_history(make_config, tmp_path) -> None:
+    """generate.prompt_filter_window = 1: iteration 2's filter reads iteration 1's scores alone
+    (what a long run's iteration reads stays the same), and the window is in generate's inputs."""
+    path, _ = configure(make_config, tmp_path, "window", 3, prompt_filter=[0.2, 0.8])
+    cfg = load_config(path, ["generate.prompt_filter_window=1"])
+    # a: passed twice in iteration 0, 1 of 2 in iteration 1: over both 3/4 (kept), alone 1/2 (kept)
+    # b: failed twice in iteration 0, passed 1 of 2 in iteration 1: over both 1/4 (kept), alone 1/2
+    # c: passed 1 of 2 in iteration 0, failed twice in iteration 1: 1/4 over both (kept), 0 alone
+    write_scores(cfg.run_dir, 0, {"a": [1.0, 1.0], "b": [0.0, 0.0], "c": [1.0, 0.0]})
+    write_scores(cfg.run_dir, 1, {"a": [1.0, 0.0], "b": [1.0, 0.0], "c": [0.0, 0.0]})
+    assert curriculum.history(cfg, 2) == [1]
+    assert curriculum.skipped(cfg, 2, ["a", "b", "c"]) == ["c"]
+    every = load_config(path)  # window 0: iterations 0 and 1
+    assert curriculum.history(every, 2) == [0, 1] and curriculum.skipped(every, 2, ["a", "b", "c"]) == []
+    assert curriculum.inputs(cfg, 2)["window"] == 1 and "window" not in curriculum.inputs(every, 2)
