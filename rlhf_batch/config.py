@@ -252,7 +252,11 @@ class GenerateConfig:
             problem = prompt_filter_problem(self.prompt_filter)
             _need(not problem, "generate.prompt_filter", problem)
         _need(self.prompt_filter_refill >= 0, "generate.prompt_filter_refill", "must be >= 0 (0: off)")
-        _need(self.prompt_filter_window >= 0, "generate.prompt_filter_window", "must be >= 0 (0: every iteration)")
+        _need(
+            self.prompt_filter_window >= 0,
+            "generate.prompt_filter_window",
+            "must be >= 0 (0: every iteration)",
+        )
         _need(
             not self.prompt_filter_refill or (self.prompt_filter != "" and self.prompts_per_iteration > 0),
             "generate.prompt_filter_refill",

@@ -50,3 +50,25 @@ def ask_letter(row: dict[str, Any]) -> AskLetter:
 
 
 ask_letter.reward_parts = ("asked", "answer")  # type: ignore[attr-defined]  # env_asked, env_answer
+
+
+# The calculator task (rlhf_batch.rewards.demo:calculator, envs/calc_task.py): its call credit
+CALL_WEIGHT = 0.2  # the calculator task: calling the calculator is worth a little, the answer the rest
+CALL_OPEN = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'  # models/tiny.py's
+CALL_CLOSE = '"}}\n</tool_call>'
+TURN_END = "<|im_end|>"  # ChatML's end of turn: the first assistant turn ends there
+
+
+def units_share(got: list[str], want: list[str]) -> float:
+    return sum(a == b for a, b in zip(got, want, strict=False)) / max(len(want), len(got), 1)
+
+
+def call_units(text: str) -> list[str]:
+    """A turn's text as the tiny calculator model's tokens: the call's opening and closing are one
+    unit each (as they are one token each, models/tiny.py CALCULATOR_TOKENS), any other character one."""
+    out: list[str] = []
+    while text:
+        marker = next((m for m in (CALL_OPEN, CALL_CLOSE) if text.startswith(m)), text[0])
+        out.append(marker)
+        text = text[len(marker) :]
+    return out

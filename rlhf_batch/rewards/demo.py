@@ -17,7 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_batch.envs.demo import ASKED_WEIGHT
+from rlhf_batch.envs.demo import (
+    ASKED_WEIGHT,
+    CALL_CLOSE,
+    CALL_OPEN,
+    CALL_WEIGHT,
+    TURN_END,
+    call_units,
+    units_share,
+)
 
 
 def letter_count(
@@ -46,31 +54,10 @@ def ask_letter(*, env_answer: list[float], env_asked: list[float], **_: Any) -> 
     return [w * q + (1 - w) * a for a, q in zip(env_answer, env_asked, strict=True)]
 
 
-CALL_WEIGHT = 0.2  # the calculator task: calling the calculator is worth a little, the answer the rest
-CALL_OPEN = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "'  # models/tiny.py's
-CALL_CLOSE = '"}}\n</tool_call>'
-TURN_END = "<|im_end|>"  # ChatML's end of turn: the first assistant turn ends there
-
-
 def digits(text: str, want: str) -> float:
     """letter_count's score for a string: the share of `want` that `text` got right, position by
     position, over max(len(want), len(text))."""
     return units_share(list(text), list(want))
-
-
-def units_share(got: list[str], want: list[str]) -> float:
-    return sum(a == b for a, b in zip(got, want, strict=False)) / max(len(want), len(got), 1)
-
-
-def call_units(text: str) -> list[str]:
-    """A turn's text as the tiny calculator model's tokens: the call's opening and closing are one
-    unit each (as they are one token each, models/tiny.py CALCULATOR_TOKENS), any other character one."""
-    out: list[str] = []
-    while text:
-        marker = next((m for m in (CALL_OPEN, CALL_CLOSE) if text.startswith(m)), text[0])
-        out.append(marker)
-        text = text[len(marker) :]
-    return out
 
 
 def calculator(

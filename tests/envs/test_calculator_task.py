@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from rlhf_batch.data.chat_turns import completion_messages
 from rlhf_batch.data.demo import CALC_RANGE, write_calc_prompts
 from rlhf_batch.envs.glue import observation_ids
@@ -81,3 +83,22 @@ def test_the_reward_of_a_trajectory() -> None:
     assert abs(trajectory(f"{CALL_OPEN}37*58", "2140") - (0.2 * 6 / 7 + 0.8 * 3 / 4)) < 1e-12
     # one digit too many: 4 right of max(4, 5)
     assert abs(trajectory(call, "21460") - (0.2 + 0.8 * 4 / 5)) < 1e-12
+
+
+def test_the_task_environment_says_what_turn_1_earned() -> None:
+    """envs/calc_task.py: turn 1's Step.reward is the reward's call part, 0.2 x the share of the
+    right call's units (opening, the expression's characters, closing) the turn wrote in place;
+    the calculator still answers the call; later turns earn nothing of their own."""
+    from rlhf_batch.envs.calc_task import calculator_task
+
+    env = calculator_task({"expression": "37*58"})
+    step = env.step(f"{CALL_OPEN}37*58{CALL_CLOSE}")  # 7 of 7 units right: 0.2 x 1
+    assert step.reward == 0.2 and step.observation == ["2146"]
+    assert calculator_task({"expression": "37*58"}).step(f"{CALL_OPEN}37*5").reward == pytest.approx(
+        0.2 * 5 / 7
+    )  # 5 of 7 in place
+    # 3 in place (the opening, 3 and 7), "xx" wrong; 5 units written, 7 wanted: 0.2 x 3 / max(7, 5)
+    assert calculator_task({"expression": "37*58"}).step(f"{CALL_OPEN}37xx").reward == pytest.approx(
+        0.2 * 3 / 7
+    )
+    assert env.step("2146").reward == 0.0
