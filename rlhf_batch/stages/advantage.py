@@ -33,6 +33,9 @@ Semantics (config [advantage]):
   `groups_dropped_small`), then `drop_zero_variance` (default on, DAPO's dynamic sampling:
   `groups_dropped_zero_variance`): the group's task scores (`score`, before any KL term) are all
   equal, or its rewards are; the KL term of a KL-shaped reward alone never keeps a group. n counts the rewards used.
+* Credit per turn (advantage.turn_credit = "to_go", multi-turn rows of GRPO iterations): each
+  assistant turn's advantage from its own return (sql/advantage_turns.sql), spread over its
+  tokens as `token_advantages` (core/turn_credit.py); `advantage` stays the trajectory's.
 * SFT and DPO iterations (train.objective; data/selection.py): only the rows the objective
   learns from are written, chosen in DuckDB after the counts: advantage.select's rows (SFT, whose
   zero-variance filter is off) or the preference pairs of advantage.pairs (DPO: two rows a pair,
