@@ -99,12 +99,13 @@ def ask_settings() -> str:
     from rlhf_batch.config import load_config
 
     c = load_config(ASK, [])
-    g, t = c.generate, c.train
+    g, t, a = c.generate, c.train, c.advantage
     return (
         f"pipelines/ask.toml: max_turns {g.max_turns}, max_new_tokens {g.max_new_tokens} per turn, "
         f"temperature {g.temperature}, lr {t.lr:g} {t.lr_schedule} over {t.total_steps} steps, "
         f"sequences_per_step {t.sequences_per_step}, ppo_epochs {t.ppo_epochs}, clip {t.eps_low}, "
-        f"entropy_coef {t.entropy_coef}, no KL; score 0.2 x env_asked + 0.8 x env_answer"
+        f"entropy_coef {t.entropy_coef}, turn_credit {a.turn_credit} (discount {a.turn_discount:g}), "
+        "no KL; score 0.2 x env_asked + 0.8 x env_answer"
     )
 
 
