@@ -451,7 +451,9 @@ def test_export_reads_tool_calls_in_the_configured_format(
     }[parser]
     cfg_path, cfg = make_config(generate={"tool_parser": parser})
     src = tmp_path / "rows.parquet"
-    pq.write_table(pa.Table.from_pylist([{"prompt": "6*7=", "response": text, "letter": "a", "count": 1}]), src)
+    pq.write_table(
+        pa.Table.from_pylist([{"prompt": "6*7=", "response": text, "letter": "a", "count": 1}]), src
+    )
     run_stage("import", cfg, 0, src)
     run_stage("score", cfg, 0, quiet=True)
     code, err = cli(capfd, monkeypatch, ["export", str(cfg_path), "--out", str(tmp_path / "ds")])
