@@ -202,6 +202,8 @@ def _views(con: Any, root: Path) -> None:
     register(con, root)
     for setting in ("enable_progress_bar", "autoinstall_known_extensions", "autoload_known_extensions"):
         con.execute(f"SET {setting} = false")
+    # each view over thousands of files reads their footers again where a query binds it: once
+    con.execute("SET parquet_metadata_cache = true")
     con.execute(NAN_SAFE)
     for name, (pattern, schema_name) in VIEWS.items():
         rounds = name in TOPUP_VIEWS
@@ -261,16 +263,44 @@ def listed(root: Path, pattern: str) -> list[str]:
     partial folder, no orphan part, no metrics of a train that did not finish (a folder a forced
     run's output is being swapped into: its staged copy, `manifests.current`)."""
     from rlhf_batch.store.layout import METRICS_FILE, ROLLOUT_STATS_FILE
-    from rlhf_batch.store.manifests import current, manifest
+    from rlhf_batch.store.manifests import current
 
     out = []
     for folder in sorted({f.parent for f in root.glob(pattern)}):
         src = current(folder)
-        if (m := manifest(src)) is None:
+        if (m := manifest_of(src)) is None:
             continue
         names = {p["file"] for p in m["parts"]} | {METRICS_FILE, ROLLOUT_STATS_FILE}
         out += [str(f) for f in sorted(src.glob(Path(pattern).name)) if f.name in names]
     return out
+
+
+_READ: dict[Path, Any] | None = None  # the manifests read so far inside `manifests_read_once`
+
+
+@contextlib.contextmanager
+def manifests_read_once() -> Iterator[None]:
+    """Within it, `manifest_of` reads each folder's manifest from disk once: for a command that
+    reads a run and writes nothing (`status`), whose views and rows look at the same manifests
+    several times (thousands on a long run)."""
+    global _READ
+    outer = _READ
+    _READ = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _READ = outer
+
+
+def manifest_of(folder: Path) -> dict[str, Any] | None:
+    """`manifests.manifest(folder)`, read once inside `manifests_read_once`."""
+    from rlhf_batch.store.manifests import manifest
+
+    if _READ is None:
+        return manifest(folder)
+    if folder not in _READ:
+        _READ[folder] = manifest(folder)
+    return _READ[folder]
 
 
 def _manifest_view(con: Any, root: Path, name: str, pattern: str, view: str, topup_pattern: str = "") -> None:
