@@ -182,7 +182,8 @@ def connect(run_dir: str | Path) -> Any:
     root = existing_run(run_dir)
     con = duckdb.connect(":memory:")
     try:
-        _views(con, root)
+        with manifests_read_once():  # train's: by metrics, rollout_stats and health alike
+            _views(con, root)
     except duckdb.Error as e:
         con.close()
         raise UserError(f"{root}: cannot read the run ({first_line(e)})") from None
@@ -195,8 +196,6 @@ def first_line(e: BaseException) -> str:
 
 
 def _views(con: Any, root: Path) -> None:
-    import pyarrow as pa
-
     from rlhf_batch.store import schemas
 
     register(con, root)
@@ -215,18 +214,14 @@ def _views(con: Any, root: Path) -> None:
         if selects:
             con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(selects))
         else:  # no files yet: an empty table with the schema, so queries over it still bind
-            empty: pa.Table = getattr(schemas, schema_name).empty_table()
-            con.register("_empty", empty)
-            extra = ", NULL::INTEGER AS topup" if rounds else ""
-            con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter{extra} FROM _empty")
-            con.unregister("_empty")
+            empty_table(con, name, getattr(schemas, schema_name), ["iter", "topup"] if rounds else ["iter"])
     _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
     _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
     _manifest_view(con, root, "objectives", OBJECTIVES_GLOB, OBJECTIVES_VIEW)
     trained = {int(p.parent.name.split("=")[1]) for p in root.glob(f"{layout.ITER_GLOB}/{layout.TRAIN}")}
     create_view(con, sequence_iterations(root, sorted(trained)))  # health, over metrics
-    _prompt_stats_view(con)
-    columns = {r[0] for r in con.execute("DESCRIBE rollouts").fetchall()}
+    columns = {r[0] for r in con.execute("DESCRIBE rollouts").fetchall()}  # bound once, over every file
+    _prompt_stats_view(con, columns)
     con.execute("CREATE VIEW turns AS " + turns_view(columns))
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
@@ -234,16 +229,46 @@ def _views(con: Any, root: Path) -> None:
     con.execute("SET lock_configuration = true")
 
 
-def _prompt_stats_view(con: Any) -> None:
+DUCKDB_TYPES = {  # the Arrow types of store/schemas.py, as DuckDB reads them from Parquet
+    "string": "VARCHAR",
+    "bool": "BOOLEAN",
+    "int32": "INTEGER",
+    "int64": "BIGINT",
+    "float": "FLOAT",
+    "double": "DOUBLE",
+}
+
+
+def duckdb_type(t: Any) -> str:
+    """The DuckDB type of the Arrow type `t` (a list: its items' type with []); written out in
+    SQL, not handed to DuckDB as an Arrow table: that would import pandas (~0.5 s a command)."""
+    import pyarrow as pa
+
+    if pa.types.is_list(t):
+        return duckdb_type(t.value_type) + "[]"
+    if str(t) not in DUCKDB_TYPES:
+        raise TypeError(f"no DuckDB type for the Arrow type {t}")
+    return DUCKDB_TYPES[str(t)]
+
+
+def empty_table(con: Any, name: str, schema: Any, keys: list[str]) -> None:
+    """Table `name`: no row, the columns of the Arrow `schema`, then INTEGER `keys` (iter, topup)."""
+    from rlhf_batch.sql import quote_ident
+
+    columns = [f"{quote_ident(f.name)} {duckdb_type(f.type)}" for f in schema]
+    con.execute(f"CREATE TABLE {name} ({', '.join([*columns, *(f'{k} INTEGER' for k in keys)])})")
+
+
+def _prompt_stats_view(con: Any, columns: set[str]) -> None:
     """prompt_stats: per prompt over every iteration's scores (sql/prompt_stats.sql), a pass being
     score > the default generate.pass_threshold (what generate.prompt_filter decides on); and
-    source_stats: per iteration and prompt source (sql/source_stats.sql)."""
+    source_stats: per iteration and prompt source (sql/source_stats.sql; `columns`: the rollouts
+    view's)."""
     from rlhf_batch.config import GenerateConfig
     from rlhf_batch.data.curriculum import stats_query
 
     threshold = repr(float(GenerateConfig().pass_threshold))
     con.execute("CREATE VIEW prompt_stats AS " + stats_query(float(threshold)))
-    columns = {r[0] for r in con.execute("SELECT name FROM pragma_table_info('rollouts')").fetchall()}
     source = "r.source" if "source" in columns else "NULL::VARCHAR"  # a weighted mixture's sources
     text = sql_text("source_stats").replace("{source}", source).replace("{threshold}", threshold)
     con.execute("CREATE VIEW source_stats AS " + text)
@@ -262,16 +287,19 @@ def listed(root: Path, pattern: str) -> list[str]:
     """The files of `pattern` (below `root`) that a complete folder's manifest lists: no part of a
     partial folder, no orphan part, no metrics of a train that did not finish (a folder a forced
     run's output is being swapped into: its staged copy, `manifests.current`)."""
+    from fnmatch import fnmatchcase
+
     from rlhf_batch.store.layout import METRICS_FILE, ROLLOUT_STATS_FILE
     from rlhf_batch.store.manifests import current
 
-    out = []
+    out, glob = [], Path(pattern).name
     for folder in sorted({f.parent for f in root.glob(pattern)}):
         src = current(folder)
         if (m := manifest_of(src)) is None:
             continue
         names = {p["file"] for p in m["parts"]} | {METRICS_FILE, ROLLOUT_STATS_FILE}
-        out += [str(f) for f in sorted(src.glob(Path(pattern).name)) if f.name in names]
+        found = [src / n for n in sorted(names) if fnmatchcase(n, glob)]  # no listing of each folder
+        out += [str(f) for f in found if f.exists()]
     return out
 
 
@@ -554,9 +582,7 @@ def iteration_reward_signals(
             if selects:
                 con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(selects))
             else:
-                con.register("_empty", getattr(schemas, schema_name).empty_table())
-                con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter FROM _empty")
-                con.unregister("_empty")
+                empty_table(con, name, getattr(schemas, schema_name), ["iter"])
         texts = []
         for k in its:
             m = manifests.manifest(layout.folder(root, k, layout.SCORES))

@@ -99,3 +99,78 @@ def test_a_damaged_part_shows_on_its_row_alone(tmp_path, capsys) -> None:
     assert rows["0", "rollouts"] == ["partial", "2", "-", "-", "-", "-", "mean_response_len 3, truncated 0.5"]
     state, n, *_, details = rows["1", "rollouts"]
     assert (state, n) == ("partial", "4") and details.startswith("unreadable (")
+
+
+def test_a_view_without_files_has_the_types_duckdb_reads_from_parquet(tmp_path) -> None:
+    """A view with no file yet is an empty table written out in SQL (query.empty_table): each
+    column has the type DuckDB itself gives it reading an empty Parquet file of that schema."""
+    import pyarrow.parquet as pq
+
+    from rlhf_batch.observe.query import VIEWS, empty_table
+    from rlhf_batch.store import schemas
+
+    con = duckdb.connect()
+    for name, (_, schema_name) in VIEWS.items():
+        schema = getattr(schemas, schema_name)
+        pq.write_table(schema.empty_table(), tmp_path / f"{name}.parquet")
+        empty_table(con, name, schema, ["iter"])
+        ours = con.execute(f"DESCRIBE {name}").fetchall()
+        theirs = con.execute(
+            f"DESCRIBE SELECT *, NULL::INTEGER AS iter FROM '{tmp_path / name}.parquet'"
+        ).fetchall()
+        assert [r[:2] for r in ours] == [r[:2] for r in theirs], name
+
+
+def test_sql_and_status_do_not_import_pandas(tmp_path) -> None:
+    """pandas is ~0.5 s of imports: DuckDB imports it when handed an Arrow table, so the empty
+    views and reward_health are written in SQL. A process of its own, over a run with an empty
+    view (no metrics) and the reward_health table queried."""
+    import subprocess
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf_batch.store import output
+    from rlhf_batch.store.schemas import ROLLOUTS
+
+    root = tmp_path / "run"
+    rollouts = output.claim(layout.folder(root, 0, "rollouts"), "rollouts", {}, {})
+    rollouts.write_table(
+        0,
+        pa.table({n: pa.array([], t) for n, t in zip(ROLLOUTS.names, ROLLOUTS.types, strict=True)}),
+        ROLLOUTS,
+    )
+    rollouts.finish(0)
+    assert pq.read_table(layout.folder(root, 0, "rollouts")).num_rows == 0
+    code = (
+        "import sys; from rlhf_batch.observe.query import run_sql; from rlhf_batch.observe.status import print_status; "
+        f"run_sql({str(root)!r}, 'SELECT count(*) FROM reward_health, metrics'); print_status({str(root)!r}); "
+        "assert 'pandas' not in sys.modules, 'pandas imported'"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("n, bars", [(3, True), (201, False)])
+def test_time_plot_of_a_long_run_draws_one_area_per_layer(n: int, bars: bool, tmp_path, monkeypatch) -> None:
+    """time.png: a bar per iteration and layer (stage x start-up/work) up to report.BARS_UP_TO
+    iterations; past it, where a bar is narrower than a pixel, one stepped area per layer (8,000
+    bar patches took most of the report's time over 1,000 iterations)."""
+    import matplotlib.pyplot as plt
+
+    from rlhf_batch.observe import report
+
+    stages = {"rollouts": {"startup_s": 0.5, "work_s": 1.0}, "train": {"startup_s": 0.2, "work_s": 2.0}}
+    data = {"iters": [{"iter": it, "time": stages} for it in range(n)]}
+    drawn: list[Any] = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (drawn.append(fig), close(fig)))
+    assert report._time_plot(data, tmp_path) == ["time.png"]
+    ax = drawn[0].axes[0]
+    layers = 4  # rollouts and train, each start-up and work
+    if bars:
+        assert (len(ax.patches), len(ax.collections)) == (n * layers, 0)
+    else:
+        assert (len(ax.patches), len(ax.collections)) == (0, layers)
+    assert ax.get_ylim()[1] == pytest.approx(3.7 * 1.08)  # the stack: 0.5 + 1 + 0.2 + 2, with room above
