@@ -174,16 +174,17 @@ def existing_run(run_dir: str | Path, where: str = "") -> Path:
     return root
 
 
-def connect(run_dir: str | Path) -> Any:
-    """A DuckDB connection with the run's views, sandboxed to reading below RUN_DIR. A committed
-    file DuckDB cannot read (corrupt, no permission) is one line naming it."""
+def connect(run_dir: str | Path, names: set[str] | None = None) -> Any:
+    """A DuckDB connection with the run's views (`names`: those and the views they read alone;
+    None: every view), sandboxed to reading below RUN_DIR. A committed file DuckDB cannot read
+    (corrupt, no permission) is one line naming it."""
     import duckdb
 
     root = existing_run(run_dir)
     con = duckdb.connect(":memory:")
     try:
         with manifests_read_once():  # train's: by metrics, rollout_stats and health alike
-            _views(con, root)
+            _views(con, root, set(ALL_VIEWS) if names is None else needed(names))
     except duckdb.Error as e:
         con.close()
         raise UserError(f"{root}: cannot read the run ({first_line(e)})") from None
@@ -195,7 +196,70 @@ def first_line(e: BaseException) -> str:
     return next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
 
 
-def _views(con: Any, root: Path) -> None:
+# the views each view reads (reward_health: a table made when a query names it, health.py)
+READS = {
+    "health": {"metrics"},
+    "prompt_stats": {"scores"},
+    "source_stats": {"rollouts", "scores"},
+    "turns": {"rollouts"},
+    REWARD_VIEW: {"rollouts", "scores", "audit", "eval", "stages"},
+}
+ALL_VIEWS = (
+    *VIEWS,
+    "stages",
+    "eval_metrics",
+    "objectives",
+    "health",
+    "prompt_stats",
+    "source_stats",
+    "turns",
+)
+
+
+def needed(names: set[str]) -> set[str]:
+    """The views `names` are, with those they read."""
+    return set(names) | {v for n in names for v in READS.get(n, set())}
+
+
+def views_named(query: str) -> set[str] | None:
+    """The run's views (and reward_health) one SELECT reads, by DuckDB's own parse of it; None
+    where that cannot be told for sure (no SELECT, a table function, SHOW, another schema, a
+    name that is no view: a CTE's, a file's): then every view is made, as for any query, so
+    each error and suggestion DuckDB gives is the same."""
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    try:
+        row = con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()
+    except duckdb.Error:
+        return None
+    finally:
+        con.close()
+    tree = json.loads(row[0]) if row else {"error": True}
+    if tree.get("error"):
+        return None
+    found: set[str] = set()
+    stack: list[Any] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack += node
+        elif isinstance(node, dict):
+            kind = node.get("type")
+            if kind in ("TABLE_FUNCTION", "SHOW_REF"):
+                return None
+            if kind == "BASE_TABLE":
+                name = str(node.get("table_name", "")).lower()
+                if node.get("schema_name", "") not in ("", "main") or node.get("catalog_name", ""):
+                    return None
+                if name not in (*ALL_VIEWS, REWARD_VIEW):
+                    return None
+                found.add(name)
+            stack += node.values()
+    return found
+
+
+def _views(con: Any, root: Path, names: set[str]) -> None:
     from rlhf_batch.store import schemas
 
     register(con, root)
@@ -205,6 +269,8 @@ def _views(con: Any, root: Path) -> None:
     con.execute("SET parquet_metadata_cache = true")
     con.execute(NAN_SAFE)
     for name, (pattern, schema_name) in VIEWS.items():
+        if name not in names:
+            continue
         rounds = name in TOPUP_VIEWS
         selects = []
         if files := listed(root, pattern):
@@ -215,14 +281,24 @@ def _views(con: Any, root: Path) -> None:
             con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(selects))
         else:  # no files yet: an empty table with the schema, so queries over it still bind
             empty_table(con, name, getattr(schemas, schema_name), ["iter", "topup"] if rounds else ["iter"])
-    _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
-    _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
-    _manifest_view(con, root, "objectives", OBJECTIVES_GLOB, OBJECTIVES_VIEW)
-    trained = {int(p.parent.name.split("=")[1]) for p in root.glob(f"{layout.ITER_GLOB}/{layout.TRAIN}")}
-    create_view(con, sequence_iterations(root, sorted(trained)))  # health, over metrics
-    columns = {r[0] for r in con.execute("DESCRIBE rollouts").fetchall()}  # bound once, over every file
-    _prompt_stats_view(con, columns)
-    con.execute("CREATE VIEW turns AS " + turns_view(columns))
+    for name, pattern, view, topup_pattern in [
+        ("stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB),
+        ("eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW, ""),
+        ("objectives", OBJECTIVES_GLOB, OBJECTIVES_VIEW, ""),
+    ]:
+        if name in names:
+            _manifest_view(con, root, name, pattern, view, topup_pattern)
+    if "health" in names:
+        trained = {int(p.parent.name.split("=")[1]) for p in root.glob(f"{layout.ITER_GLOB}/{layout.TRAIN}")}
+        create_view(con, sequence_iterations(root, sorted(trained)))  # health, over metrics
+    if "prompt_stats" in names:
+        _prompt_stats_view(con)
+    if names & {"source_stats", "turns"}:
+        columns = {r[0] for r in con.execute("DESCRIBE rollouts").fetchall()}  # bound once, over every file
+        if "source_stats" in names:
+            _source_stats_view(con, columns)
+        if "turns" in names:
+            con.execute("CREATE VIEW turns AS " + turns_view(columns))
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
@@ -259,16 +335,21 @@ def empty_table(con: Any, name: str, schema: Any, keys: list[str]) -> None:
     con.execute(f"CREATE TABLE {name} ({', '.join([*columns, *(f'{k} INTEGER' for k in keys)])})")
 
 
-def _prompt_stats_view(con: Any, columns: set[str]) -> None:
+def _prompt_stats_view(con: Any) -> None:
     """prompt_stats: per prompt over every iteration's scores (sql/prompt_stats.sql), a pass being
-    score > the default generate.pass_threshold (what generate.prompt_filter decides on); and
-    source_stats: per iteration and prompt source (sql/source_stats.sql; `columns`: the rollouts
-    view's)."""
+    score > the default generate.pass_threshold (what generate.prompt_filter decides on)."""
     from rlhf_batch.config import GenerateConfig
     from rlhf_batch.data.curriculum import stats_query
 
+    con.execute("CREATE VIEW prompt_stats AS " + stats_query(float(GenerateConfig().pass_threshold)))
+
+
+def _source_stats_view(con: Any, columns: set[str]) -> None:
+    """source_stats: per iteration and prompt source (sql/source_stats.sql; `columns`: the
+    rollouts view's), a pass as in prompt_stats."""
+    from rlhf_batch.config import GenerateConfig
+
     threshold = repr(float(GenerateConfig().pass_threshold))
-    con.execute("CREATE VIEW prompt_stats AS " + stats_query(float(threshold)))
     source = "r.source" if "source" in columns else "NULL::VARCHAR"  # a weighted mixture's sources
     text = sql_text("source_stats").replace("{source}", source).replace("{threshold}", threshold)
     con.execute("CREATE VIEW source_stats AS " + text)
@@ -369,7 +450,7 @@ def run_sql(
             query.encode("utf-8")
         except UnicodeEncodeError:  # bytes that are not UTF-8 on the command line
             raise UserError("sql: the query is not UTF-8 text") from None
-    con = connect(run_dir)
+    con = connect(run_dir, None if query is None else views_named(query))  # the views it reads alone
     try:
         if query is None:
             _repl(con)

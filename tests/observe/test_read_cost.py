@@ -4,6 +4,7 @@ still shows on its own row alone."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -174,3 +175,61 @@ def test_time_plot_of_a_long_run_draws_one_area_per_layer(n: int, bars: bool, tm
     else:
         assert (len(ax.patches), len(ax.collections)) == (0, layers)
     assert ax.get_ylim()[1] == pytest.approx(3.7 * 1.08)  # the stack: 0.5 + 1 + 0.2 + 2, with room above
+
+
+@pytest.mark.parametrize(
+    "query, views",
+    [
+        ("SELECT iter, avg(score) FROM scores GROUP BY iter", {"scores"}),
+        (
+            "SELECT * FROM Health h JOIN main.stages s USING (iter) WHERE s.iter IN (SELECT iter FROM eval)",
+            {"health", "stages", "eval"},
+        ),
+        ("SELECT * FROM reward_health", {"reward_health"}),
+        ("SELECT 1", set()),
+        ("WITH t AS (SELECT * FROM scores) SELECT * FROM t", None),  # t: no view
+        ("SHOW TABLES", None),
+        ("DESCRIBE scores", None),
+        ("SELECT * FROM information_schema.tables", None),
+        ("SELECT * FROM read_parquet('iter=0000/scores/part-00000-00000.parquet')", None),
+        ("SELECT * FROM 'iter=0000/scores/part-00000-00000.parquet'", None),
+        ("SELECT * FROM scorez", None),
+        ("SELECT FROM WHERE", None),
+    ],
+)
+def test_views_a_query_reads(query: str, views: set[str] | None) -> None:
+    """`sql` makes the views its one query reads (and those they read) alone; where DuckDB's parse
+    cannot tell (None) it makes every view, as for a query from stdin."""
+    from rlhf_batch.observe.query import views_named
+
+    assert views_named(query) == views
+
+
+def test_sql_of_one_view_reads_that_view_s_files_alone(tmp_path, monkeypatch, capsys) -> None:
+    """An aggregate over scores makes no other view (on a long run each binds thousands of files);
+    reward_health still finds every view it reads."""
+    import json
+
+    import pyarrow as pa
+
+    from rlhf_batch.observe.query import run_sql
+    from rlhf_batch.store import output
+    from rlhf_batch.store.schemas import ROLLOUTS, SCORES
+
+    root = tmp_path / "run"
+    for stage, schema in (("rollouts", ROLLOUTS), ("scores", SCORES)):
+        out = output.claim(layout.folder(root, 0, stage), stage, {}, {})
+        out.write_table(
+            0, pa.table({n: pa.array([], t) for n, t in zip(schema.names, schema.types, strict=True)}), schema
+        )
+        out.finish(0)
+    log: list[str] = []
+    real = duckdb.connect
+    with monkeypatch.context() as m:
+        m.setattr(duckdb, "connect", lambda *a, **kw: Counting(real(*a, **kw), log))
+        run_sql(root, "SELECT count(*) AS n FROM scores", fmt="json")
+    assert json.loads(capsys.readouterr().out) == {"n": 0}
+    made = {m.group(1) for q in log if (m := re.match(r"CREATE (?:VIEW|TABLE) (\w+)", q))}
+    assert made == {"scores"}
+    run_sql(root, "SELECT count(*) AS n FROM reward_health", fmt="json")
+    assert json.loads(capsys.readouterr().out) == {"n": 0}
