@@ -1,7 +1,9 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
 `connect(run_dir)` opens an in-memory DuckDB with fifteen views over every iteration, each with
-an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
+an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...); `sql` of one query
+makes only the views it reads (`views_named`: each binds every file of its view, thousands on a
+long run):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
     scores      RUN_DIR/iter=*/scores/part-*.parquet and iter=*/topup=*/scores/part-*.parquet
