@@ -48,11 +48,12 @@ def create_view(con: Any, sequence_iters: frozenset[int] = frozenset()) -> None:
 def sequence_iterations(run: Path, iterations: Any) -> frozenset[int]:
     """Those of `iterations` whose complete train ran with train.ratio_level = 'sequence' (its
     manifest's config; a key at its default is not written there: 'token')."""
-    from rlhf_batch.store import layout, manifests
+    from rlhf_batch.observe.query import manifest_of
+    from rlhf_batch.store import layout
 
     out = set()
     for it in iterations:
-        m = manifests.manifest(layout.folder(run, it, "train")) or {}
+        m = manifest_of(layout.folder(run, it, "train")) or {}
         if ((m.get("config") or {}).get("train") or {}).get("ratio_level") == "sequence":
             out.add(int(it))
     return frozenset(out)
@@ -132,10 +133,16 @@ REWARD_THRESHOLDS = {
 REWARD_VIEW = "reward_health"
 
 
-def _moments(con: Any, sql: str) -> dict[int, Any]:
+def _moments(con: Any, sql: str, series: int = 1) -> list[dict[int, Any]]:
+    """Per iteration, the Moments of each of `series` values, from one query whose rows are (iter,
+    count, sum of the first value, sum of its squares, sum of the second, ...)."""
     from rlhf_batch.core.reward_health import Moments
 
-    return {int(it): Moments(int(n), float(s), float(q)) for it, n, s, q in con.execute(sql).fetchall() if n}
+    rows = [r for r in con.execute(sql).fetchall() if r[1]]
+    return [
+        {int(r[0]): Moments(int(r[1]), float(r[2 + 2 * k]), float(r[3 + 2 * k])) for r in rows}
+        for k in range(series)
+    ]
 
 
 def _columns(con: Any, view: str) -> list[tuple[str, str]]:
@@ -159,22 +166,23 @@ def reward_signals(
     joined = (
         "FROM scores s JOIN rollouts r USING (iter, rollout_id) WHERE s.score IS NOT NULL GROUP BY s.iter"
     )
-    series = {
-        "score": _moments(con, f"SELECT s.iter, count(*), sum(s.score), sum(s.score * s.score) {joined}"),
-        "length": _moments(
-            con, f"SELECT s.iter, count(*), sum(len(r.response_ids)), sum(len(r.response_ids) ^ 2) {joined}"
-        ),
-    }
+    score, length = _moments(  # one pass over the join for both
+        con,
+        "SELECT s.iter, count(*), sum(s.score), sum(s.score * s.score), "
+        f"sum(len(r.response_ids)), sum(len(r.response_ids) ^ 2) {joined}",
+        series=2,
+    )
+    series = {"score": score, "length": length}
     for col, kind in _columns(con, "audit"):
         if col.startswith("audit_") and kind in ("DOUBLE", "FLOAT"):
             c = quote_ident(col)
             series[col] = _moments(
                 con, f"SELECT iter, count({c}), sum({c}), sum({c} * {c}) FROM audit GROUP BY iter"
-            )
+            )[0]
     correct = (
         "SELECT iter, count(correct), sum(correct::DOUBLE), sum(correct::DOUBLE) FROM eval GROUP BY iter"
     )
-    if found := _moments(con, correct):
+    if found := _moments(con, correct)[0]:
         series["correct"] = found
     parts: dict[int, dict[str, float | None]] = {}
     if manifests is None:
@@ -182,42 +190,45 @@ def reward_signals(
             "SELECT iter, manifest FROM stages WHERE stage = 'scores' AND topup = 0"
         ).fetchall()
     have = {c for c, _ in _columns(con, "scores")}
+    wanted: dict[int, list[str]] = {}  # iteration -> its reward parts
     for it, text in manifests:
         counts = json.loads(text).get("counts") or {}
         cols = [k.removeprefix("unscored_") for k in counts if k.startswith("unscored_")]
-        cols = [c for c in cols if c in have]
-        if not cols:
-            continue
-        exprs = ", ".join(f"corr({quote_ident(c)}, reward_raw)" for c in cols)
-        row = con.execute(
-            f"SELECT {exprs} FROM scores WHERE iter = {int(it)} AND reward_raw IS NOT NULL"
-        ).fetchall()[0]
-        parts[int(it)] = {
-            c: (r * r if r is not None and math.isfinite(r) else None) for c, r in zip(cols, row, strict=True)
+        if cols := [c for c in cols if c in have]:
+            wanted[int(it)] = cols
+    if wanted:  # one query over every iteration, not one per iteration
+        union = sorted({c for cols in wanted.values() for c in cols})
+        exprs = ", ".join(f"corr({quote_ident(c)}, reward_raw)" for c in union)
+        found = {
+            int(row[0]): dict(zip(union, row[1:], strict=True))
+            for row in con.execute(
+                f"SELECT iter, {exprs} FROM scores WHERE reward_raw IS NOT NULL GROUP BY iter"
+            ).fetchall()
         }
+        for it, cols in wanted.items():
+            r2 = {c: found.get(it, {}).get(c) for c in cols}  # no row with a reward_raw: null
+            parts[it] = {c: (r * r if r is not None and math.isfinite(r) else None) for c, r in r2.items()}
     return series, parts
 
 
 def register_reward_view(con: Any) -> None:
     """The table `reward_health` (one row per scored iteration: iter, score_mean, length_mean,
     flags, warning) computed now from the connection's views; `sql` does it when a query names it."""
-    import pyarrow as pa
-
     from rlhf_batch.core.reward_health import flags
 
     series, parts = reward_signals(con)
     found = flags(series, parts, REWARD_THRESHOLDS)
     its = sorted(found)
-    table = pa.table(
-        {
-            "iter": pa.array(its, pa.int32()),
-            "score_mean": pa.array([series["score"][k].mean for k in its], pa.float64()),
-            "length_mean": pa.array([series["length"][k].mean for k in its], pa.float64()),
-            "flags": pa.array([[f for f, _ in found[k]] for k in its], pa.list_(pa.string())),
-            "warning": pa.array(["; ".join(w for _, w in found[k]) for k in its], pa.string()),
-        }
-    )
-    con.register(REWARD_VIEW, table)
+    columns = {  # as SQL values, not an Arrow table: handing DuckDB one imports pandas (~0.5 s)
+        "iter": its,
+        "score_mean": [series["score"][k].mean for k in its],
+        "length_mean": [series["length"][k].mean for k in its],
+        "flags": [[f for f, _ in found[k]] for k in its],
+        "warning": ["; ".join(w for _, w in found[k]) for k in its],
+    }
+    types = {"iter": "INTEGER", "score_mean": "DOUBLE", "length_mean": "DOUBLE", "flags": "VARCHAR[]"}
+    values = ", ".join(f"unnest(${c}::{types.get(c, 'VARCHAR')}[]) AS {c}" for c in columns)
+    con.execute(f"CREATE OR REPLACE TABLE {REWARD_VIEW} AS SELECT {values}", columns)
 
 
 def reward_warnings(con: Any) -> dict[int, str]:

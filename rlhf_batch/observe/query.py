@@ -1,7 +1,9 @@
 """SQL over a run (`rlhf-batch sql`) and a per-iteration summary (`rlhf-batch status`).
 
 `connect(run_dir)` opens an in-memory DuckDB with fifteen views over every iteration, each with
-an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...):
+an `iter` INTEGER column taken from the Hive layout (RUN_DIR/iter=0003/...); `sql` of one query
+makes only the views it reads (`views_named`: each binds every file of its view, thousands on a
+long run):
 
     rollouts    RUN_DIR/iter=*/rollouts/part-*.parquet and iter=*/topup=*/rollouts/part-*.parquet
     scores      RUN_DIR/iter=*/scores/part-*.parquet and iter=*/topup=*/scores/part-*.parquet
@@ -174,15 +176,17 @@ def existing_run(run_dir: str | Path, where: str = "") -> Path:
     return root
 
 
-def connect(run_dir: str | Path) -> Any:
-    """A DuckDB connection with the run's views, sandboxed to reading below RUN_DIR. A committed
-    file DuckDB cannot read (corrupt, no permission) is one line naming it."""
+def connect(run_dir: str | Path, names: set[str] | None = None) -> Any:
+    """A DuckDB connection with the run's views (`names`: those and the views they read alone;
+    None: every view), sandboxed to reading below RUN_DIR. A committed file DuckDB cannot read
+    (corrupt, no permission) is one line naming it."""
     import duckdb
 
     root = existing_run(run_dir)
     con = duckdb.connect(":memory:")
     try:
-        _views(con, root)
+        with manifests_read_once():  # train's: by metrics, rollout_stats and health alike
+            _views(con, root, set(ALL_VIEWS) if names is None else needed(names))
     except duckdb.Error as e:
         con.close()
         raise UserError(f"{root}: cannot read the run ({first_line(e)})") from None
@@ -194,16 +198,81 @@ def first_line(e: BaseException) -> str:
     return next((x.strip() for x in str(e).splitlines() if x.strip()), type(e).__name__)
 
 
-def _views(con: Any, root: Path) -> None:
-    import pyarrow as pa
+# the views each view reads (reward_health: a table made when a query names it, health.py)
+READS = {
+    "health": {"metrics"},
+    "prompt_stats": {"scores"},
+    "source_stats": {"rollouts", "scores"},
+    "turns": {"rollouts"},
+    REWARD_VIEW: {"rollouts", "scores", "audit", "eval", "stages"},
+}
+ALL_VIEWS = (
+    *VIEWS,
+    "stages",
+    "eval_metrics",
+    "objectives",
+    "health",
+    "prompt_stats",
+    "source_stats",
+    "turns",
+)
 
+
+def needed(names: set[str]) -> set[str]:
+    """The views `names` are, with those they read."""
+    return set(names) | {v for n in names for v in READS.get(n, set())}
+
+
+def views_named(query: str) -> set[str] | None:
+    """The run's views (and reward_health) one SELECT reads, by DuckDB's own parse of it; None
+    where that cannot be told for sure (no SELECT, a table function, SHOW, another schema, a
+    name that is no view: a CTE's, a file's): then every view is made, as for any query, so
+    each error and suggestion DuckDB gives is the same."""
+    import duckdb
+
+    con = duckdb.connect(":memory:")
+    try:
+        row = con.execute("SELECT json_serialize_sql(?)", [query]).fetchone()
+    except duckdb.Error:
+        return None
+    finally:
+        con.close()
+    tree = json.loads(row[0]) if row else {"error": True}
+    if tree.get("error"):
+        return None
+    found: set[str] = set()
+    stack: list[Any] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack += node
+        elif isinstance(node, dict):
+            kind = node.get("type")
+            if kind in ("TABLE_FUNCTION", "SHOW_REF"):
+                return None
+            if kind == "BASE_TABLE":
+                name = str(node.get("table_name", "")).lower()
+                if node.get("schema_name", "") not in ("", "main") or node.get("catalog_name", ""):
+                    return None
+                if name not in (*ALL_VIEWS, REWARD_VIEW):
+                    return None
+                found.add(name)
+            stack += node.values()
+    return found
+
+
+def _views(con: Any, root: Path, names: set[str]) -> None:
     from rlhf_batch.store import schemas
 
     register(con, root)
     for setting in ("enable_progress_bar", "autoinstall_known_extensions", "autoload_known_extensions"):
         con.execute(f"SET {setting} = false")
+    # each view over thousands of files reads their footers again where a query binds it: once
+    con.execute("SET parquet_metadata_cache = true")
     con.execute(NAN_SAFE)
     for name, (pattern, schema_name) in VIEWS.items():
+        if name not in names:
+            continue
         rounds = name in TOPUP_VIEWS
         selects = []
         if files := listed(root, pattern):
@@ -213,35 +282,76 @@ def _views(con: Any, root: Path) -> None:
         if selects:
             con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(selects))
         else:  # no files yet: an empty table with the schema, so queries over it still bind
-            empty: pa.Table = getattr(schemas, schema_name).empty_table()
-            con.register("_empty", empty)
-            extra = ", NULL::INTEGER AS topup" if rounds else ""
-            con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter{extra} FROM _empty")
-            con.unregister("_empty")
-    _manifest_view(con, root, "stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB)
-    _manifest_view(con, root, "eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW)
-    _manifest_view(con, root, "objectives", OBJECTIVES_GLOB, OBJECTIVES_VIEW)
-    trained = {int(p.parent.name.split("=")[1]) for p in root.glob(f"{layout.ITER_GLOB}/{layout.TRAIN}")}
-    create_view(con, sequence_iterations(root, sorted(trained)))  # health, over metrics
-    _prompt_stats_view(con)
-    columns = {r[0] for r in con.execute("DESCRIBE rollouts").fetchall()}
-    con.execute("CREATE VIEW turns AS " + turns_view(columns))
+            empty_table(con, name, getattr(schemas, schema_name), ["iter", "topup"] if rounds else ["iter"])
+    for name, pattern, view, topup_pattern in [
+        ("stages", STAGES_GLOB, STAGES_VIEW, STAGES_TOPUP_GLOB),
+        ("eval_metrics", EVAL_METRICS_GLOB, EVAL_METRICS_VIEW, ""),
+        ("objectives", OBJECTIVES_GLOB, OBJECTIVES_VIEW, ""),
+    ]:
+        if name in names:
+            _manifest_view(con, root, name, pattern, view, topup_pattern)
+    if "health" in names:
+        trained = {int(p.parent.name.split("=")[1]) for p in root.glob(f"{layout.ITER_GLOB}/{layout.TRAIN}")}
+        create_view(con, sequence_iterations(root, sorted(trained)))  # health, over metrics
+    if "prompt_stats" in names:
+        _prompt_stats_view(con)
+    if names & {"source_stats", "turns"}:
+        columns = {r[0] for r in con.execute("DESCRIBE rollouts").fetchall()}  # bound once, over every file
+        if "source_stats" in names:
+            _source_stats_view(con, columns)
+        if "turns" in names:
+            con.execute("CREATE VIEW turns AS " + turns_view(columns))
     con.execute("SET temp_directory = ''")  # else DuckDB allows its temp dir (./.tmp) too
     con.execute(f"SET allowed_directories = [{quote(str(root) + os.sep)}]")
     con.execute("SET enable_external_access = false")
     con.execute("SET lock_configuration = true")
 
 
+DUCKDB_TYPES = {  # the Arrow types of store/schemas.py, as DuckDB reads them from Parquet
+    "string": "VARCHAR",
+    "bool": "BOOLEAN",
+    "int32": "INTEGER",
+    "int64": "BIGINT",
+    "float": "FLOAT",
+    "double": "DOUBLE",
+}
+
+
+def duckdb_type(t: Any) -> str:
+    """The DuckDB type of the Arrow type `t` (a list: its items' type with []); written out in
+    SQL, not handed to DuckDB as an Arrow table: that would import pandas (~0.5 s a command)."""
+    import pyarrow as pa
+
+    if pa.types.is_list(t):
+        return duckdb_type(t.value_type) + "[]"
+    if str(t) not in DUCKDB_TYPES:
+        raise TypeError(f"no DuckDB type for the Arrow type {t}")
+    return DUCKDB_TYPES[str(t)]
+
+
+def empty_table(con: Any, name: str, schema: Any, keys: list[str]) -> None:
+    """Table `name`: no row, the columns of the Arrow `schema`, then INTEGER `keys` (iter, topup)."""
+    from rlhf_batch.sql import quote_ident
+
+    columns = [f"{quote_ident(f.name)} {duckdb_type(f.type)}" for f in schema]
+    con.execute(f"CREATE TABLE {name} ({', '.join([*columns, *(f'{k} INTEGER' for k in keys)])})")
+
+
 def _prompt_stats_view(con: Any) -> None:
     """prompt_stats: per prompt over every iteration's scores (sql/prompt_stats.sql), a pass being
-    score > the default generate.pass_threshold (what generate.prompt_filter decides on); and
-    source_stats: per iteration and prompt source (sql/source_stats.sql)."""
+    score > the default generate.pass_threshold (what generate.prompt_filter decides on)."""
     from rlhf_batch.config import GenerateConfig
     from rlhf_batch.data.curriculum import stats_query
 
+    con.execute("CREATE VIEW prompt_stats AS " + stats_query(float(GenerateConfig().pass_threshold)))
+
+
+def _source_stats_view(con: Any, columns: set[str]) -> None:
+    """source_stats: per iteration and prompt source (sql/source_stats.sql; `columns`: the
+    rollouts view's), a pass as in prompt_stats."""
+    from rlhf_batch.config import GenerateConfig
+
     threshold = repr(float(GenerateConfig().pass_threshold))
-    con.execute("CREATE VIEW prompt_stats AS " + stats_query(float(threshold)))
-    columns = {r[0] for r in con.execute("SELECT name FROM pragma_table_info('rollouts')").fetchall()}
     source = "r.source" if "source" in columns else "NULL::VARCHAR"  # a weighted mixture's sources
     text = sql_text("source_stats").replace("{source}", source).replace("{threshold}", threshold)
     con.execute("CREATE VIEW source_stats AS " + text)
@@ -260,17 +370,48 @@ def listed(root: Path, pattern: str) -> list[str]:
     """The files of `pattern` (below `root`) that a complete folder's manifest lists: no part of a
     partial folder, no orphan part, no metrics of a train that did not finish (a folder a forced
     run's output is being swapped into: its staged copy, `manifests.current`)."""
-    from rlhf_batch.store.layout import METRICS_FILE, ROLLOUT_STATS_FILE
-    from rlhf_batch.store.manifests import current, manifest
+    from fnmatch import fnmatchcase
 
-    out = []
+    from rlhf_batch.store.layout import METRICS_FILE, ROLLOUT_STATS_FILE
+    from rlhf_batch.store.manifests import current
+
+    out, glob = [], Path(pattern).name
     for folder in sorted({f.parent for f in root.glob(pattern)}):
         src = current(folder)
-        if (m := manifest(src)) is None:
+        if (m := manifest_of(src)) is None:
             continue
         names = {p["file"] for p in m["parts"]} | {METRICS_FILE, ROLLOUT_STATS_FILE}
-        out += [str(f) for f in sorted(src.glob(Path(pattern).name)) if f.name in names]
+        found = [src / n for n in sorted(names) if fnmatchcase(n, glob)]  # no listing of each folder
+        out += [str(f) for f in found if f.exists()]
     return out
+
+
+_READ: dict[Path, Any] | None = None  # the manifests read so far inside `manifests_read_once`
+
+
+@contextlib.contextmanager
+def manifests_read_once() -> Iterator[None]:
+    """Within it, `manifest_of` reads each folder's manifest from disk once: for a command that
+    reads a run and writes nothing (`status`), whose views and rows look at the same manifests
+    several times (thousands on a long run)."""
+    global _READ
+    outer = _READ
+    _READ = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _READ = outer
+
+
+def manifest_of(folder: Path) -> dict[str, Any] | None:
+    """`manifests.manifest(folder)`, read once inside `manifests_read_once`."""
+    from rlhf_batch.store.manifests import manifest
+
+    if _READ is None:
+        return manifest(folder)
+    if folder not in _READ:
+        _READ[folder] = manifest(folder)
+    return _READ[folder]
 
 
 def _manifest_view(con: Any, root: Path, name: str, pattern: str, view: str, topup_pattern: str = "") -> None:
@@ -311,7 +452,7 @@ def run_sql(
             query.encode("utf-8")
         except UnicodeEncodeError:  # bytes that are not UTF-8 on the command line
             raise UserError("sql: the query is not UTF-8 text") from None
-    con = connect(run_dir)
+    con = connect(run_dir, None if query is None else views_named(query))  # the views it reads alone
     try:
         if query is None:
             _repl(con)
@@ -524,9 +665,7 @@ def iteration_reward_signals(
             if selects:
                 con.execute(f"CREATE VIEW {name} AS " + " UNION ALL BY NAME ".join(selects))
             else:
-                con.register("_empty", getattr(schemas, schema_name).empty_table())
-                con.execute(f"CREATE TABLE {name} AS SELECT *, NULL::INTEGER AS iter FROM _empty")
-                con.unregister("_empty")
+                empty_table(con, name, getattr(schemas, schema_name), ["iter"])
         texts = []
         for k in its:
             m = manifests.manifest(layout.folder(root, k, layout.SCORES))

@@ -6,12 +6,13 @@ reward_health warning (`REWARD HEALTH: ...`) on the scores row of a flagged iter
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlhf_batch.core.eval_metrics import with_overall
 from rlhf_batch.observe.health import reward_warnings
-from rlhf_batch.observe.query import connect, existing_run, one_line
+from rlhf_batch.observe.query import connect, existing_run, manifest_of, manifests_read_once, one_line
 from rlhf_batch.sql import sql_text
 from rlhf_batch.store import layout, redo
 
@@ -30,19 +31,9 @@ def print_status(run_dir: str | Path) -> None:
     if not iters:
         print(f"{root}: no iterations yet")
         return
-    con = connect(root)
     mark = redo.read(root)
-    try:
-        flagged = _reward_warnings(con)
-        health = _health(con)  # one query over the run, not one per iteration
-        rows = [
-            (str(it), label, *_stage_status(con, root, it, stage, r, flagged, health, mark))
-            for it in iters
-            for label, stage, r in _status_stages(root, it)
-        ]
-    finally:
-        con.close()
-    rows = _stale_downstream(rows)
+    with manifests_read_once():  # the views and the rows read the same manifests
+        rows = _stale_downstream(_rows(root, iters, mark))
     table = [("iter", "stage", "state", "rows", "startup_s", "work_s", "tok/s", "stale", "details"), *rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]) - 1)]  # details: not padded
     print(f"run: {root}")
@@ -53,6 +44,28 @@ def print_status(run_dir: str | Path) -> None:
             c.ljust(w) if i in (1, 2) else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))
         ]
         print("  ".join([*cells, r[-1]]).rstrip())
+
+
+def _rows(root: Path, iters: list[int], mark: dict[str, Any] | None) -> list[tuple[str, ...]]:
+    """`status`'s rows of iterations `iters` (`mark`: a pending `run --redo-from`), read with a few
+    queries over the whole run whatever its length, never one per row."""
+    con = connect(root)
+    try:
+        flagged = _reward_warnings(con)
+        health = _health(con)  # one query over the run, not one per iteration
+        plan = [
+            (it, label, _stage_files(root, it, stage, r))
+            for it in iters
+            for label, stage, r in _status_stages(root, it)
+        ]
+        headlines = _headlines(con, [files for _, _, files in plan])  # a query per stage, not per row
+        rows = [
+            (str(it), label, *_stage_status(root, files, head, flagged, health, mark))
+            for (it, label, files), head in zip(plan, headlines, strict=True)
+        ]
+    finally:
+        con.close()
+    return rows
 
 
 def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
@@ -77,42 +90,116 @@ def _status_stages(root: Path, it: int) -> list[tuple[str, str, int]]:
     return out
 
 
-def _stage_status(
-    con: Any,
-    root: Path,
-    it: int,
-    stage: str,
-    topup: int = 0,
-    flagged: dict[int, str] | None = None,
-    health: dict[int, str] | None = None,
-    mark: dict[str, Any] | None = None,
-) -> tuple[str, ...]:
-    """(state, rows, startup, work, tok/s, stale, details) of one stage of one iteration (of its
-    top-up round `topup`); `flagged`: the reward_health warnings, shown on their scores row;
-    `health`: the health view's warning ('' when none) of each trained iteration (`_health`);
-    `mark`: a pending `run --redo-from` (store/redo.py), whose stages still to redo are stale."""
-    import duckdb
+@dataclass(frozen=True)
+class StageFiles:
+    """One row of `status`: stage `stage` of iteration `it` (top-up round `topup`), its manifest
+    (None: not complete), whether it started, and the Parquet files its headline numbers are
+    read from."""
 
+    it: int
+    stage: str
+    topup: int
+    m: dict[str, Any] | None
+    started: bool
+    files: list[Path]
+
+
+def _stage_files(root: Path, it: int, stage: str, topup: int = 0) -> StageFiles:
+    """What `status` knows of one stage of one iteration before reading its rows: a complete
+    stage's parts are its manifest's, a partial one's those on disk, train's its metrics."""
     from rlhf_batch.store import manifests
 
     sdir = layout.folder(root, it, stage, topup)
     src = manifests.current(sdir)  # its staged copy while a forced run's output is swapped in
-    m = manifests.manifest(src)
+    m = manifest_of(src)
     if stage == "train":
         files = [f for f in [src / layout.METRICS_FILE] if f.exists()]
         started = sdir.exists() or layout.policy_dir(root, it).exists()
     else:
         started = sdir.exists()
         files = [src / p["file"] for p in m["parts"]] if m else layout.list_parts(sdir) if started else []
-    state = "complete" if m else "partial" if started else "missing"
-    details = []
-    if files:
+    return StageFiles(it, stage, topup, m, started, files)
+
+
+HEADLINE_SOURCE = "FROM read_parquet($files, union_by_name = true)"  # of each sql/status_<stage>.sql
+
+
+def _headline_query(stage: str) -> tuple[str, str]:
+    """sql/status_<stage>.sql (the headline numbers of one row's files, `$files`) as two queries
+    over the files of many rows: grouped by row (`$rows`: each file's row), and over no row at
+    all (what a row whose files hold no row shows: counts 0, the rest null)."""
+    text = "\n".join(x for x in sql_text(f"status_{stage}").splitlines() if not x.lstrip().startswith("--"))
+    select, sep, rest = text.strip().partition(HEADLINE_SOURCE)
+    if not sep or not select.startswith("SELECT") or rest.strip(" ;\n"):
+        raise AssertionError(f"sql/status_{stage}.sql: not SELECT ... {HEADLINE_SOURCE}")
+    values = select.removeprefix("SELECT")
+    grouped = (
+        f"SELECT $rows[file_index::BIGINT + 1] AS status_row, {values} {HEADLINE_SOURCE} GROUP BY status_row"
+    )
+    return grouped, f"SELECT {values} {HEADLINE_SOURCE} WHERE false"
+
+
+def _headlines(con: Any, rows: list[StageFiles]) -> list[list[str]]:
+    """The headline numbers ("name value") of each row: per stage, two queries whatever the
+    number of rows: sql/status_<stage>.sql over the files of every row of that stage, grouped by
+    row, and over none of their rows (what a row whose files hold no row shows). Where a stage's
+    query fails (a damaged file), each of its rows is read on its own, so the damage shows on
+    its row alone."""
+    import duckdb
+
+    out: list[list[str]] = [[] for _ in rows]
+    for stage in STATUS_STAGES:
+        mine = [i for i, r in enumerate(rows) if r.stage == stage and r.files]
+        if not mine:
+            continue
+        grouped, empty = _headline_query(stage)
+        files = [str(f) for i in mine for f in rows[i].files]
+        owner = [i for i in mine for _ in rows[i].files]
         try:
-            cur = con.execute(sql_text(f"status_{stage}"), {"files": [str(f) for f in files]})
-            values = dict(zip([d[0] for d in cur.description], cur.fetchall()[0], strict=True))
-            details = [f"{k} {_fmt(v)}" for k, v in values.items()]
-        except duckdb.Error as e:  # a damaged file must not hide the other stages
-            details = [f"unreadable ({one_line(e)})"]
+            cur = con.execute(grouped, {"files": files, "rows": owner})
+            names = [d[0] for d in cur.description][1:]
+            found = {int(r[0]): r[1:] for r in cur.fetchall()}
+            nothing = con.execute(empty, {"files": [str(f) for f in rows[mine[0]].files]}).fetchall()[0]
+        except duckdb.Error:
+            for i in mine:
+                out[i] = _headline(con, stage, rows[i].files)
+            continue
+        for i in mine:
+            values = found.get(i, nothing)  # none there: its files hold no row
+            out[i] = [f"{k} {_fmt(v)}" for k, v in zip(names, values, strict=True)]
+    return out
+
+
+def _headline(con: Any, stage: str, files: list[Path]) -> list[str]:
+    """The headline numbers of one row's files, or why they cannot be read."""
+    import duckdb
+
+    try:
+        cur = con.execute(sql_text(f"status_{stage}"), {"files": [str(f) for f in files]})
+        values = dict(zip([d[0] for d in cur.description], cur.fetchall()[0], strict=True))
+        return [f"{k} {_fmt(v)}" for k, v in values.items()]
+    except duckdb.Error as e:  # a damaged file must not hide the other stages
+        return [f"unreadable ({one_line(e)})"]
+
+
+def _stage_status(
+    root: Path,
+    row: StageFiles,
+    headline: list[str],
+    flagged: dict[int, str],
+    health: dict[int, str],
+    mark: dict[str, Any] | None = None,
+) -> tuple[str, ...]:
+    """(state, rows, startup, work, tok/s, stale, details) of one stage of one iteration (of its
+    top-up round); `headline`: its numbers (`_headlines`); `flagged`: the reward_health warnings,
+    shown on their scores row; `health`: the health view's warning ('' when none) of each trained
+    iteration (`_health`); `mark`: a pending `run --redo-from` (store/redo.py), whose stages
+    still to redo are stale."""
+    from rlhf_batch.store import manifests
+
+    it, stage, topup, m, files = row.it, row.stage, row.topup, row.m, row.files
+    state = "complete" if m else "partial" if row.started else "missing"
+    details = list(headline)
     if m and (changed := changed_inputs(root, it, stage, topup, m)):
         state = "stale"  # an input was redone since (--force upstream): `run --redo-from` redoes it
         details.insert(0, f"inputs changed since: {', '.join(changed)}")
@@ -137,10 +224,10 @@ def _stage_status(
         details += trajectory_details(m)
     if stage == "eval" and m:
         details += eval_details(m)
-    if stage == "scores" and not topup and m and (warning := (flagged or {}).get(it)):
+    if stage == "scores" and not topup and m and (warning := flagged.get(it)):
         details.append(f"REWARD HEALTH: {warning}")
-    if stage == "train" and m and it in (warnings := _health(con) if health is None else health):
-        details.append(f"HEALTH: {warnings[it]}" if warnings[it] else "health ok")
+    if stage == "train" and m and it in health:
+        details.append(f"HEALTH: {health[it]}" if health[it] else "health ok")
     if stage == "train" and m and m.get("objective", "grpo") != "grpo":  # train.objective
         details.insert(0, f"objective {m['objective']}")
     if stage == "train" and (layout.policy_dir(root, it) / "config.json").exists():
@@ -193,7 +280,7 @@ def changed_inputs(root: Path, it: int, stage: str, topup: int, m: dict[str, Any
     from rlhf_batch.store import manifests
 
     def key(folder: Path) -> Any:
-        return (manifests.manifest(folder) or {}).get("key")
+        return (manifest_of(folder) or {}).get("key")
 
     inputs = m.get("inputs") or {}
     changed = []
