@@ -48,8 +48,8 @@ def create_view(con: Any, sequence_iters: frozenset[int] = frozenset()) -> None:
 def sequence_iterations(run: Path, iterations: Any) -> frozenset[int]:
     """Those of `iterations` whose complete train ran with train.ratio_level = 'sequence' (its
     manifest's config; a key at its default is not written there: 'token')."""
-    from rlhf_batch.observe.query import manifest_of
     from rlhf_batch.store import layout
+    from rlhf_batch.store.manifests import manifest_of
 
     out = set()
     for it in iterations:

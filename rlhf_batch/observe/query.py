@@ -59,6 +59,7 @@ from rlhf_batch.observe.health import REWARD_VIEW, create_view, register_reward_
 from rlhf_batch.sql import NAN_SAFE, quote, sql_text
 from rlhf_batch.store import layout
 from rlhf_batch.store.fs import register, run_path, snapshot
+from rlhf_batch.store.manifests import manifest_of, manifests_read_once
 
 VIEWS = {  # view -> (glob below RUN_DIR, schema name in rlhf_batch.store.schemas)
     "rollouts": (f"{layout.ITER_GLOB}/{layout.ROLLOUTS}/{layout.PART_GLOB}", "ROLLOUTS"),
@@ -384,34 +385,6 @@ def listed(root: Path, pattern: str) -> list[str]:
         found = [src / n for n in sorted(names) if fnmatchcase(n, glob)]  # no listing of each folder
         out += [str(f) for f in found if f.exists()]
     return out
-
-
-_READ: dict[Path, Any] | None = None  # the manifests read so far inside `manifests_read_once`
-
-
-@contextlib.contextmanager
-def manifests_read_once() -> Iterator[None]:
-    """Within it, `manifest_of` reads each folder's manifest from disk once: for a command that
-    reads a run and writes nothing (`status`), whose views and rows look at the same manifests
-    several times (thousands on a long run)."""
-    global _READ
-    outer = _READ
-    _READ = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _READ = outer
-
-
-def manifest_of(folder: Path) -> dict[str, Any] | None:
-    """`manifests.manifest(folder)`, read once inside `manifests_read_once`."""
-    from rlhf_batch.store.manifests import manifest
-
-    if _READ is None:
-        return manifest(folder)
-    if folder not in _READ:
-        _READ[folder] = manifest(folder)
-    return _READ[folder]
 
 
 def _manifest_view(con: Any, root: Path, name: str, pattern: str, view: str, topup_pattern: str = "") -> None:

@@ -12,9 +12,10 @@ from typing import Any
 
 from rlhf_batch.core.eval_metrics import with_overall
 from rlhf_batch.observe.health import reward_warnings
-from rlhf_batch.observe.query import connect, existing_run, manifest_of, manifests_read_once, one_line
+from rlhf_batch.observe.query import connect, existing_run, one_line
 from rlhf_batch.sql import sql_text
 from rlhf_batch.store import layout, redo
+from rlhf_batch.store.manifests import manifest_of, manifests_read_once
 
 STATUS_STAGES = ("rollouts", "scores", "advantages", "train", "eval")  # eval: only where it ran
 

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,32 @@ def manifest(sdir: Path) -> dict[str, Any] | None:
     committed output while it is copied into place on an object store)."""
     path = current(sdir) / MANIFEST
     return read_json(path) if path.exists() else None
+
+
+_READ: dict[Path, Any] | None = None  # the manifests read so far inside `manifests_read_once`
+
+
+@contextlib.contextmanager
+def manifests_read_once() -> Iterator[None]:
+    """Within it, `manifest_of` reads each folder's manifest from disk once: for a command that
+    reads a run and writes nothing (`status`), whose views and rows look at the same manifests
+    several times (thousands on a long run)."""
+    global _READ
+    outer = _READ
+    _READ = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _READ = outer
+
+
+def manifest_of(folder: Path) -> dict[str, Any] | None:
+    """`manifest(folder)`, read once inside `manifests_read_once`."""
+    if _READ is None:
+        return manifest(folder)
+    if folder not in _READ:
+        _READ[folder] = manifest(folder)
+    return _READ[folder]
 
 
 def current(sdir: Path) -> Path:
