@@ -69,7 +69,7 @@ def export(
     tok = load_tokenizer(cfg.policy_model, cfg.trust_remote_code)
     fmt = tool_format(cfg.generate.tool_parser)  # how the policy wrote its tool calls
     if pairs:
-        table = _pair_table(cfg, iteration, tok, rollouts, by_id)
+        table = _pair_table(cfg, iteration, tok, fmt, rollouts, by_id)
         return _write(out, table), table.num_rows
     rows = []
     for r in rollouts.to_pylist():
@@ -95,10 +95,14 @@ def _write(out: Path, table: pa.Table) -> Path:
 
 
 def _pair_table(
-    cfg: Config, iteration: int, tok: Any, rollouts: pa.Table, scores: dict[str, dict[str, Any]]
+    cfg: Config,
+    iteration: int,
+    tok: Any,
+    fmt: ToolCallFormat,
+    rollouts: pa.Table,
+    scores: dict[str, dict[str, Any]],
 ) -> pa.Table:
     """One row per preference pair (module docstring), in pair order."""
-    fmt = tool_format(cfg.generate.tool_parser)
     import duckdb
 
     from rlhf_batch.data import selection

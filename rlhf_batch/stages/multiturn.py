@@ -257,17 +257,17 @@ def check_errors(trajs: list[Trajectory], rids: list[str], share: float, n: int)
 def turn_columns(trajs: list[Trajectory]) -> dict[str, pa.Array]:
     """The TURNS columns and the environment's reward parts (env_<name>, 0.0 where a trajectory
     got none) of a part."""
+    turns = [t.roles.count("assistant") for t in trajs]
     cols = {
         "loss_mask": [t.mask for t in trajs],
         "turn_starts": [t.starts for t in trajs],
         "turn_roles": [t.roles for t in trajs],
-        "turns": [t.roles.count("assistant") for t in trajs],
+        "turns": turns,
         "env_error": [t.error for t in trajs],
         "env_seconds": [t.seconds for t in trajs],
-        # one per assistant turn: what the environment's answer to it said the turn earned
-        "turn_rewards": [
-            (t.rewards + [0.0] * t.roles.count("assistant"))[: t.roles.count("assistant")] for t in trajs
-        ],
+        # one per assistant turn: what the environment's answer to it said the turn earned (0.0
+        # for a turn it did not answer: an error, or the token budget ended the trajectory)
+        "turn_rewards": [(t.rewards + [0.0] * n)[:n] for t, n in zip(trajs, turns, strict=True)],
     }
     types = pa.unify_schemas([TURNS, TURN_REWARDS])
     out = {k: pa.array(v, types.field(k).type) for k, v in cols.items()}
