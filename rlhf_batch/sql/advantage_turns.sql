@@ -1,7 +1,7 @@
 -- advantage, step 6b (advantage.turn_credit = 'to_go'; core/turn_credit.py): the advantage of
 -- each assistant turn of the current iteration's training rows, as the temp table
--- `turn_advantages` (rollout_id, per_turn: one value per turn 1, 2, ..., null where the row keeps
--- its trajectory's advantage). Parameters as advantage_rows.sql, and $ddof, $discount.
+-- `turn_advantages` (rollout_id, turn_starts, turn_roles, per_turn: one value per turn 1, 2, ...,
+-- null where the row keeps its trajectory's advantage). Parameters as advantage_rows.sql, and $ddof, $discount.
 -- What turn j earned, r_j: the environment's `turn_rewards[j]` (Step.reward; null: 0.0) for every
 -- turn but the last, whose r_j is the rest of the reward (reward minus the others), so the r_j
 -- sum to the reward. The return of turn k: sum over j >= k of $discount^(j - k) r_j
@@ -12,7 +12,9 @@
 -- returns the reward itself: null there (the trajectory's advantage, computed once). float64.
 CREATE OR REPLACE TEMP TABLE turn_advantages AS
 WITH r AS (
-    SELECT rollout_id, prompt_id, turns, turn_rewards,
+    SELECT rollout_id, prompt_id, turn_starts, turn_roles, turn_rewards,
+           -- assistant turns, from turn_roles (imported trajectories have no `turns` column)
+           len(list_filter(turn_roles, lambda x: x = 'assistant')) AS turns,
            coalesce(finish_reason = 'length', false) AS truncated
     FROM read_parquet($rollout_files, union_by_name = true)
 ), s AS (
@@ -58,6 +60,6 @@ WITH r AS (
     FROM returns AS x
     JOIN stats AS st USING (prompt_id, k)
 )
-SELECT rollout_id, list(a ORDER BY k) AS per_turn
-FROM adv
-GROUP BY rollout_id;
+SELECT r.rollout_id, r.turn_starts, r.turn_roles, t.per_turn
+FROM (SELECT rollout_id, list(a ORDER BY k) AS per_turn FROM adv GROUP BY rollout_id) AS t
+JOIN r USING (rollout_id);

@@ -582,9 +582,8 @@ def _write_parts(
     baseline = params["opd"]["opd_baseline"] if a.estimator == "opd" else 0.0
     turns = None
     if a.turn_credit == "to_go" and objective == "grpo" and params["loss_mask"]:
-        unused = ("bucket_tokens", "iter", "seed")
-        given = {k: v for k, v in values.items() if k not in unused}
-        turns = _turn_advantages(con, given | {"ddof": a.ddof, "discount": a.turn_discount})
+        given = {k: values[k] for k in TURN_PARAMS} | {"ddof": a.ddof, "discount": a.turn_discount}
+        turns = _turn_advantages(con, given)
         schema = with_extra(schema, TOKEN_ADVANTAGES)
     reader = con.sql(query, params=values).to_arrow_reader(min(a.rows_per_part, 65536))
     wanted = set(todo)
@@ -604,6 +603,19 @@ def _write_parts(
     reader.close()
 
 
+# advantage_rows.sql's parameters that advantage_turns.sql reads too
+TURN_PARAMS = (
+    "rollout_files",
+    "score_files",
+    "estimator",
+    "scale",
+    "eps",
+    "batch_std",
+    "zero_truncated",
+    "drop_truncated",
+)
+
+
 def _turn_advantages(con: Any, values: dict[str, Any]) -> dict[str, tuple[list, list, list]]:
     """advantage.turn_credit = "to_go": rollout_id -> (turn_starts, turn_roles, the advantage of
     each turn) of the iteration's multi-turn training rows (sql/advantage_turns.sql)."""
@@ -612,13 +624,9 @@ def _turn_advantages(con: Any, values: dict[str, Any]) -> dict[str, tuple[list, 
         "DESCRIBE SELECT * FROM read_parquet($f, union_by_name = true)", {"f": values["rollout_files"]}
     ).fetchall()
     if "turn_rewards" not in {c[0] for c in have}:  # imported trajectories: nothing earned per turn
-        query = query.replace("turns, turn_rewards,", "turns, NULL::DOUBLE[] AS turn_rewards,")
+        query = query.replace("turn_roles, turn_rewards,", "turn_roles, NULL::DOUBLE[] AS turn_rewards,")
     con.execute(query, values)
-    rows = con.execute(
-        "SELECT t.rollout_id, r.turn_starts, r.turn_roles, t.per_turn FROM turn_advantages AS t "
-        "JOIN read_parquet($rollout_files, union_by_name = true) AS r USING (rollout_id)",
-        {"rollout_files": values["rollout_files"]},
-    ).fetchall()
+    rows = con.execute("SELECT rollout_id, turn_starts, turn_roles, per_turn FROM turn_advantages").fetchall()
     return {rid: (starts, roles, per_turn) for rid, starts, roles, per_turn in rows}
 
 

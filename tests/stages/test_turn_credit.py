@@ -131,3 +131,39 @@ def test_to_go_refuses_what_it_cannot_credit_per_turn(make_config) -> None:
         ConfigError, match="'advantage.window' cannot be used with advantage.turn_credit = 'to_go'"
     ):
         make_config('[advantage]\nturn_credit = "to_go"\nwindow = 2\n')
+
+
+def test_imported_trajectories_earn_everything_at_their_last_turn(make_config, tmp_path) -> None:
+    """Imported message trajectories have no `turn_rewards` (and no `turns` column): with
+    turn_discount 0 turn 1 has earned nothing (its returns all 0: advantage 0) and turn 2 the
+    whole reward (its advantage the trajectory's, the same returns over the same group)."""
+    from tests.stages.test_import_messages import msg, write_messages
+
+    convs = [
+        [msg("user", "q"), msg("assistant", "a" * k), msg("user", "more"), msg("assistant", "b" * (j + 1))]
+        for k in (1, 2)
+        for j in range(3)
+    ]
+    src = write_messages(tmp_path / "t.parquet", convs, letter=["b"] * 6, count=[2] * 6)
+    _, cfg = make_config(
+        '[advantage]\nturn_credit = "to_go"\nturn_discount = 0.0\ndrop_zero_variance = false\n',
+        score={"reward_functions": ["tests.stages.test_score:length_reward"]},  # both turns' length
+    )
+    run_stage("import", cfg, 0, src)
+    for stage in ("score", "advantage"):
+        run_stage(stage, cfg, 0, quiet=True)
+    rolls = {
+        r["rollout_id"]: r
+        for r in manifests.read_complete(layout.folder(cfg.run_dir, 0, "rollouts"), ROLLOUTS).to_pylist()
+    }
+    rows = manifests.read_complete(layout.folder(cfg.run_dir, 0, "advantages"), ADVANTAGES).to_pylist()
+    assert len(rows) == 6 and len({r["advantage"] for r in rows}) > 1
+    for row in rows:
+        r = rolls[row["rollout_id"]]
+        (a1, a2) = [i for i, role in enumerate(r["turn_roles"]) if role == "assistant"]
+        ends = [*r["turn_starts"][1:], len(r["response_ids"])]
+        tok = row["token_advantages"]
+        assert tok[r["turn_starts"][a1] : ends[a1]] == [0.0] * (ends[a1] - r["turn_starts"][a1])
+        assert tok[r["turn_starts"][a2] : ends[a2]] == pytest.approx(
+            [row["advantage"]] * (ends[a2] - r["turn_starts"][a2])
+        )
